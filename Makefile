@@ -1,0 +1,42 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3.11
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(VENV)/bin/pip
+
+.PHONY: run test lint proto bench clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e .
+	touch $@
+
+$(VENV)/.installed-dev: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[dev]'
+	touch $(VENV)/.installed $@
+
+# Starts simulated engines and the router on the embedded default config,
+# drives a multi-tenant workload and prints what each strategy did.
+run: $(VENV)/.installed
+	$(PY) -m bench.demo
+
+test: $(VENV)/.installed-dev
+	$(PY) -m pytest -q -p no:cacheprovider
+
+lint: $(VENV)/.installed-dev
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+proto: $(VENV)/.installed-dev
+	$(PY) proto/gen.py
+
+bench: $(VENV)/.installed-dev
+	$(PY) -m bench.prefix_key_bench
+	$(PY) -m bench.ring_bench
+	$(PY) -m bench.proxy_bench
+
+clean:
+	rm -rf $(VENV) build *.egg-info
