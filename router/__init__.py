@@ -1,0 +1,1 @@
+"""continuum-router: a KV-cache-aware HTTP router in front of LLM inference engines."""

@@ -1,0 +1,327 @@
+"""The router: request handlers wired to the pool, the selector and the proxy.
+
+``Router.handle`` is the whole HTTP surface behind the server seam. Configuration is
+swapped as a whole on reload (``apply_config``); a handler reads ``self.config`` once
+per request, so a request never mixes two configs.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bus.prefix_key import extract_prefix_key
+
+from .admin import prefix_routing_stats
+from .anthropic_cache import inject_cache_control, should_inject
+from .config import RouterConfig
+from .errors import anthropic_error, openai_error
+from .http.types import Request, Response, StreamResponse
+from .metrics import CONTENT_TYPE, RouterMetrics
+from .pool import Backend, BackendPool, Endpoint
+from .proxy import ForwardSpec, forward
+from .selection import SelectionContext, Selector
+from .upstream import UpstreamClient
+
+__all__ = ["Router"]
+
+log = logging.getLogger("continuum.router")
+
+_JSON_HEADERS = [("content-type", "application/json")]
+_ANTHROPIC_VERSION = "2023-06-01"
+_GEMINI_OPENAI_PREFIX = "/v1beta/openai"
+
+
+def _chat_path(b: Backend) -> str:
+    return (
+        _GEMINI_OPENAI_PREFIX + "/chat/completions"
+        if b.type == "gemini"
+        else "/v1/chat/completions"
+    )
+
+
+def _embeddings_path(b: Backend) -> str:
+    return _GEMINI_OPENAI_PREFIX + "/embeddings" if b.type == "gemini" else "/v1/embeddings"
+
+
+def _messages_path(b: Backend) -> str:
+    return "/v1/messages"
+
+
+def _read_admin_token(cfg: RouterConfig) -> bytes | None:
+    if cfg.server.admin_token_file:
+        token = Path(cfg.server.admin_token_file).read_text(encoding="utf-8").strip()
+        return token.encode() if token else None
+    if cfg.server.admin_token_env:
+        token = os.environ.get(cfg.server.admin_token_env, "").strip()
+        return token.encode() if token else None
+    return None
+
+
+class Router:
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        self.pool = BackendPool(config.backends, config.health_check)
+        self.metrics = RouterMetrics(lambda: self.pool)
+        self.selector = Selector(
+            self.pool, config, lambda decision, _backend: self.metrics.prefix_decision(decision)
+        )
+        self.client = UpstreamClient(
+            config.server.connect_timeout_ms / 1000, config.server.request_timeout_ms / 1000
+        )
+        self.admin_token = _read_admin_token(config)
+        self._routes = {
+            ("POST", "/v1/chat/completions"): self.chat_completions,
+            ("POST", "/anthropic/v1/messages"): self.anthropic_messages,
+            ("POST", "/v1/embeddings"): self.embeddings,
+            ("GET", "/v1/models"): self.list_models,
+            ("GET", "/health"): self.health,
+            ("GET", "/metrics"): self.render_metrics,
+            ("GET", "/admin/prefix-routing/stats"): self.admin_prefix_stats,
+        }
+
+    # -- lifecycle -----------------------------------------------------------------
+
+    async def start(self) -> None:
+        await self.client.start()
+        await self.pool.start(self.client)
+
+    async def stop(self) -> None:
+        await self.pool.stop()
+        await self.client.close()
+
+    def apply_config(self, config: RouterConfig) -> None:
+        """Apply a validated reload (restart-only sections already kept by the caller)."""
+        self.pool.update(config.backends, config.health_check)
+        self.selector.configure(config)
+        self.config = config
+
+    # -- dispatch ------------------------------------------------------------------
+
+    async def handle(self, req: Request) -> Response | StreamResponse:
+        handler = self._routes.get((req.method, req.path))
+        if handler is None:
+            if req.path.startswith("/admin/") and not self._admin_ok(req):
+                return self._unauthorized()
+            if any(path == req.path for _, path in self._routes):
+                return openai_error(405, f"method {req.method} not allowed on {req.path}")
+            return openai_error(404, f"no route for {req.method} {req.path}", code="not_found")
+        try:
+            return await handler(req)
+        except Exception:
+            log.exception("handler for %s %s failed", req.method, req.path)
+            return openai_error(500, "internal router error", "server_error")
+
+    # -- OpenAI-compatible ---------------------------------------------------------
+
+    @staticmethod
+    def _parse(req: Request, err: Any) -> dict[str, Any] | Response:
+        try:
+            body = orjson.loads(req.body)
+        except orjson.JSONDecodeError as exc:
+            return err(400, f"request body is not valid JSON: {exc}", "invalid_json")
+        if not isinstance(body, dict):
+            return err(400, "request body must be a JSON object", "invalid_json")
+        return body
+
+    def _no_candidates(self, model: str, endpoint: Endpoint, err: Any) -> Response:
+        if self.pool.knows_model(model, endpoint):
+            return err(503, f"no healthy backend is available for model '{model}'", "no_backend")
+        return err(404, f"the model '{model}' is not served by any backend", "model_not_found")
+
+    def _upstream_headers(self, b: Backend, req: Request) -> dict[str, str]:
+        h = {"content-type": "application/json", "accept-encoding": "identity"}
+        if b.api_key:
+            h["authorization"] = f"Bearer {b.api_key}"
+        rid = req.headers.get("x-request-id")
+        if rid:
+            h["x-request-id"] = rid
+        return h
+
+    async def chat_completions(self, req: Request) -> Response | StreamResponse:
+        started = time.perf_counter()
+        body = self._parse(req, _oai_err)
+        if isinstance(body, Response):
+            return body
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return openai_error(400, "'model' is required and must be a string", param="model")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return openai_error(400, "'messages' must be a non-empty array", param="messages")
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+            return openai_error(
+                400, "each message must be an object with a string 'role'", param="messages"
+            )
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            return openai_error(400, "'stream' must be a boolean", param="stream")
+        candidates, mask = self.pool.candidates(model, "chat")
+        if not candidates:
+            return self._no_candidates(model, "chat", _oai_err)
+        cfg = self.config
+        pr = cfg.prefix_routing
+        ctx = SelectionContext(
+            model,
+            extract_prefix_key(body, enabled=pr.enabled, max_prefix_length=pr.max_prefix_length),
+            self._affinity(req, body) if cfg.selection_strategy == "ConsistentHash" else None,
+        )
+        spec = ForwardSpec(
+            "chat",
+            req.body,
+            body,
+            stream,
+            ctx,
+            _chat_path,
+            lambda b: self._upstream_headers(b, req),
+            _oai_err,
+        )
+        return await forward(self, spec, candidates, mask, started)
+
+    @staticmethod
+    def _affinity(req: Request, body: dict[str, Any]) -> str | None:
+        sid = req.headers.get("x-session-id")
+        if sid:
+            return sid
+        user = body.get("user")
+        return user if isinstance(user, str) and user else None
+
+    async def embeddings(self, req: Request) -> Response | StreamResponse:
+        started = time.perf_counter()
+        body = self._parse(req, _oai_err)
+        if isinstance(body, Response):
+            return body
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return openai_error(400, "'model' is required and must be a string", param="model")
+        if "input" not in body:
+            return openai_error(400, "'input' is required", param="input")
+        candidates, mask = self.pool.candidates(model, "embeddings")
+        if not candidates:
+            return self._no_candidates(model, "embeddings", _oai_err)
+        spec = ForwardSpec(
+            "embeddings",
+            req.body,
+            body,
+            False,
+            SelectionContext(model),
+            _embeddings_path,
+            lambda b: self._upstream_headers(b, req),
+            _oai_err,
+        )
+        return await forward(self, spec, candidates, mask, started)
+
+    # -- Anthropic Messages --------------------------------------------------------
+
+    def _anthropic_headers(self, b: Backend, req: Request) -> dict[str, str]:
+        h = {
+            "content-type": "application/json",
+            "accept-encoding": "identity",
+            "anthropic-version": req.headers.get("anthropic-version") or _ANTHROPIC_VERSION,
+        }
+        beta = req.headers.get("anthropic-beta")
+        if beta:
+            h["anthropic-beta"] = beta
+        if b.api_key:
+            h["x-api-key"] = b.api_key
+        return h
+
+    def _anthropic_rewrite(self, b: Backend, parsed: dict[str, Any], raw: bytes) -> bytes:
+        force = self.config.prefix_routing.anthropic_cache_control_injection
+        if not should_inject(force, b.config.anthropic_auto_cache_control):
+            return raw
+        body = orjson.loads(raw)  # a fresh copy: a retry on another backend starts clean
+        return orjson.dumps(body) if inject_cache_control(body) else raw
+
+    async def anthropic_messages(self, req: Request) -> Response | StreamResponse:
+        started = time.perf_counter()
+        body = self._parse(req, _anth_err)
+        if isinstance(body, Response):
+            return body
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            return anthropic_error(400, "'model' is required and must be a string")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return anthropic_error(400, "'messages' must be a non-empty array")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            return anthropic_error(400, "'stream' must be a boolean")
+        candidates, mask = self.pool.candidates(model, "anthropic")
+        if not candidates:
+            return self._no_candidates(model, "anthropic", _anth_err)
+        pr = self.config.prefix_routing
+        ctx = SelectionContext(
+            model,
+            extract_prefix_key(body, enabled=pr.enabled, max_prefix_length=pr.max_prefix_length),
+        )
+        spec = ForwardSpec(
+            "anthropic",
+            req.body,
+            body,
+            stream,
+            ctx,
+            _messages_path,
+            lambda b: self._anthropic_headers(b, req),
+            _anth_err,
+            self._anthropic_rewrite,
+        )
+        return await forward(self, spec, candidates, mask, started)
+
+    # -- plain endpoints -----------------------------------------------------------
+
+    async def list_models(self, req: Request) -> Response:
+        data = [
+            {"id": m, "object": "model", "created": 0, "owned_by": owner}
+            for m, owner in self.pool.models()
+        ]
+        return Response(200, orjson.dumps({"object": "list", "data": data}), _JSON_HEADERS)
+
+    async def health(self, req: Request) -> Response:
+        healthy = sum(1 for b in self.pool.backends if b.healthy and b.config.enabled)
+        body = {"status": "ok", "backends": {"healthy": healthy, "total": len(self.pool.backends)}}
+        return Response(200, orjson.dumps(body), _JSON_HEADERS)
+
+    async def render_metrics(self, req: Request) -> Response:
+        return Response(200, self.metrics.render(), [("content-type", CONTENT_TYPE)])
+
+    # -- admin ---------------------------------------------------------------------
+
+    def _admin_ok(self, req: Request) -> bool:
+        if self.admin_token is None:
+            return True
+        auth = req.headers.get("authorization") or ""
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(token.strip().encode(), self.admin_token)
+
+    @staticmethod
+    def _unauthorized() -> Response:
+        return openai_error(
+            401,
+            "admin endpoints require 'Authorization: Bearer <admin token>'",
+            "authentication_error",
+            "unauthorized",
+            headers=[("www-authenticate", "Bearer")],
+        )
+
+    async def admin_prefix_stats(self, req: Request) -> Response:
+        if not self._admin_ok(req):
+            return self._unauthorized()
+        return Response(200, orjson.dumps(prefix_routing_stats(self)), _JSON_HEADERS)
+
+
+def _oai_err(status: int, message: str, code: str | None = None) -> Response:
+    etype = "invalid_request_error" if status < 500 else "api_error"
+    return openai_error(status, message, etype, code)
+
+
+def _anth_err(status: int, message: str, code: str | None = None) -> Response:
+    return anthropic_error(status, message, code)

@@ -1,0 +1,176 @@
+"""Typed router configuration: one model per YAML section, one docstring per field.
+
+Defaults and ranges are the reference documentation's. Unknown keys are errors (a typo
+such as ``virtual_node`` must not silently fall back to a default).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "BACKEND_TYPES",
+    "STRATEGIES",
+    "BackendConfig",
+    "HealthCheckConfig",
+    "PrefixRoutingConfig",
+    "RouterConfig",
+    "ServerConfig",
+    "parse_hostport",
+]
+
+BackendType = Literal["openai", "vllm", "sglang", "trtllm", "anthropic", "gemini"]
+BACKEND_TYPES: tuple[str, ...] = ("openai", "vllm", "sglang", "trtllm", "anthropic", "gemini")
+
+Strategy = Literal[
+    "RoundRobin",
+    "WeightedRoundRobin",
+    "LeastLatency",
+    "Random",
+    "ConsistentHash",
+    "PrefixAwareHash",
+]
+STRATEGIES: tuple[str, ...] = (
+    "RoundRobin",
+    "WeightedRoundRobin",
+    "LeastLatency",
+    "Random",
+    "ConsistentHash",
+    "PrefixAwareHash",
+)
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_HOSTPORT_RE = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d{1,5})$"
+)
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` for IPv6); raises ValueError naming the problem."""
+    m = _HOSTPORT_RE.match(value)
+    if not m:
+        raise ValueError(f'expected "host:port", got {value!r}')
+    port = int(m.group("port"))
+    if port > 65535:
+        raise ValueError(f"port {port} is out of range 0-65535")
+    return (m.group("v6") or m.group("host"), port)
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, validate_default=True)
+
+
+class ServerConfig(_Section):
+    """The router's listeners and request limits. Restart-only: a reload never rebinds."""
+
+    listen: str = "0.0.0.0:8080"
+    """HTTP API, admin and /metrics, as ``host:port`` (port 0 picks a free port)."""
+    grpc_listen: str | None = None
+    """gRPC services (KvIndex, health, reflection) as ``host:port``; unset = not started."""
+    admin_token_file: str | None = None
+    """File holding the bearer token required under /admin (whitespace stripped)."""
+    admin_token_env: str | None = None
+    """Environment variable holding that token; the file wins when both are set."""
+    max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 10 * 1024 * 1024
+    """Largest request body accepted (bytes); larger gets 413 before it is read whole."""
+    connect_timeout_ms: Annotated[int, Field(ge=10, le=600_000)] = 5_000
+    """TCP/TLS connect timeout to a backend; a connect failure retries the next candidate."""
+    request_timeout_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 300_000
+    """Upstream time to the response headers (and between stream chunks); over it: 504."""
+
+    @field_validator("listen", "grpc_listen")
+    @classmethod
+    def _hostport(cls, v: str | None) -> str | None:
+        if v is not None:
+            parse_hostport(v)
+        return v
+
+
+class BackendConfig(_Section):
+    """One inference engine or API the router may send requests to."""
+
+    name: str
+    """Unique name; used as metric label, in logs and in KV events (``[A-Za-z0-9_.-]{1,64}``)."""
+    url: str
+    """Base URL without the API path, e.g. ``http://vllm-1:8000``."""
+    type: BackendType = "openai"
+    """Wire dialect: decides paths, auth headers and which endpoints may use it."""
+    models: list[str] = Field(default_factory=list)
+    """Models served; empty = discovered from the backend's ``GET /v1/models``."""
+    weight: Annotated[int, Field(ge=1, le=1000)] = 1
+    """Relative share for WeightedRoundRobin."""
+    enabled: bool = True
+    """A disabled backend is never selected nor health-checked."""
+    internal: bool = False
+    """Reserved for the router's own calls (embeddings for the semantic cache, ...);
+    never a candidate for client traffic."""
+    api_key_env: str | None = None
+    """Environment variable holding the backend's API key (never inline in YAML)."""
+    health_path: str | None = None
+    """Health probe path; default by type (``/health`` for engines, ``/v1/models`` for
+    openai, none for anthropic and gemini, which are then assumed healthy)."""
+    anthropic_auto_cache_control: bool = True
+    """Inject ``cache_control`` into native Anthropic requests for this backend."""
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not _NAME_RE.match(v):
+            raise ValueError("must match [A-Za-z0-9_.-]{1,64}")
+        return v
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^https?://[^/\s]+", v):
+            raise ValueError(f"must be an http:// or https:// URL, got {v!r}")
+        return v.rstrip("/")
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: list[str]) -> list[str]:
+        if any(not m for m in v):
+            raise ValueError("model names must be non-empty")
+        return v
+
+
+class HealthCheckConfig(_Section):
+    """Active health probing of every enabled backend."""
+
+    enabled: bool = True
+    interval_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 10_000
+    """Time between probes of one backend."""
+    timeout_ms: Annotated[int, Field(ge=10, le=600_000)] = 2_000
+    """A probe slower than this counts as a failure."""
+    unhealthy_threshold: Annotated[int, Field(ge=1, le=100)] = 3
+    """Consecutive failures (probes or connect errors) that mark a backend unhealthy."""
+    healthy_threshold: Annotated[int, Field(ge=1, le=100)] = 1
+    """Consecutive successful probes that bring it back."""
+
+
+class PrefixRoutingConfig(_Section):
+    """Tier 1: prefix keys and the CHWBL ring used by PrefixAwareHash."""
+
+    enabled: bool = False
+    """Compute prefix keys; without them PrefixAwareHash hashes the model name only."""
+    max_prefix_length: Annotated[int, Field(ge=1, le=1 << 20)] = 1024
+    """Bytes of anchor text hashed, cut back to a UTF-8 boundary."""
+    load_factor_epsilon: Annotated[float, Field(ge=0.01, le=10.0)] = 0.25
+    """A backend may carry up to (1 + epsilon) x the average in-flight load."""
+    virtual_nodes: Annotated[int, Field(ge=1, le=10_000)] = 150
+    """Ring points per backend; hot-reloadable (the ring is rebuilt)."""
+    anthropic_cache_control_injection: bool = False
+    """Force cache_control injection even for backends with auto injection off."""
+
+
+class RouterConfig(_Section):
+    """The whole router config file."""
+
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    backends: list[BackendConfig] = Field(default_factory=list)
+    selection_strategy: Strategy = "RoundRobin"
+    health_check: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
+    prefix_routing: PrefixRoutingConfig = Field(default_factory=PrefixRoutingConfig)

@@ -1,0 +1,175 @@
+"""Prometheus metrics of the router, on a registry of its own.
+
+Label values come only from allow-lists (configured backend names, fixed enums, a fixed
+set of status codes), never from request data, so a client cannot explode cardinality.
+Label children are cached: ``labels()`` is too slow for the per-request path.
+Gauges that mirror live state (in-flight, health) are read at scrape time by a
+collector instead of being updated per request.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from .pool import BackendPool
+
+__all__ = ["CONTENT_TYPE", "RouterMetrics"]
+
+disable_created_metrics()  # the _created series double the scrape for no use here
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_STATUSES = frozenset(
+    (
+        "200",
+        "400",
+        "401",
+        "403",
+        "404",
+        "408",
+        "409",
+        "413",
+        "422",
+        "429",
+        "500",
+        "502",
+        "503",
+        "504",
+    )
+)
+_ENDPOINTS = frozenset(("chat", "anthropic", "embeddings"))
+_DECISIONS = ("prefix_hash", "overflow", "fallback")
+_NO_BACKEND = "none"
+
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1,
+    2.5,
+    5,
+    10,
+    30,
+    60,
+    120,
+    300,
+)
+
+
+class _PoolCollector(Collector):
+    def __init__(self, pool_ref: Callable[[], BackendPool]) -> None:
+        self._pool_ref = pool_ref
+
+    def collect(self) -> Iterator[Any]:
+        pool = self._pool_ref()
+        dist = GaugeMetricFamily(
+            "continuum_prefix_routing_backend_distribution",
+            "In-flight requests per backend: the load CHWBL bounds.",
+            labels=["backend"],
+        )
+        in_flight = GaugeMetricFamily(
+            "continuum_backend_in_flight_requests",
+            "Requests currently proxied to each backend.",
+            labels=["backend"],
+        )
+        healthy = GaugeMetricFamily(
+            "continuum_backend_healthy",
+            "1 when the backend passes health checks.",
+            labels=["backend"],
+        )
+        success = GaugeMetricFamily(
+            "continuum_backend_success_rate",
+            "Share of the last 100 requests answered without a 5xx or transport error.",
+            labels=["backend"],
+        )
+        for b in pool.backends:
+            dist.add_metric([b.name], b.in_flight)
+            in_flight.add_metric([b.name], b.in_flight)
+            healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
+            success.add_metric([b.name], b.success_rate)
+        yield dist
+        yield in_flight
+        yield healthy
+        yield success
+
+
+class RouterMetrics:
+    def __init__(self, pool_ref: Callable[[], BackendPool]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._pool_ref = pool_ref
+        self.prefix_requests = Counter(
+            "continuum_prefix_routing_requests",
+            "PrefixAwareHash decisions (prefix_hash, overflow, fallback); counted once per "
+            "selection and only when PrefixAwareHash runs.",
+            ["strategy"],
+            registry=self.registry,
+        )
+        self._decisions = {d: self.prefix_requests.labels(d) for d in _DECISIONS}
+        self.requests = Counter(
+            "continuum_requests",
+            "Client requests by endpoint, backend and HTTP status.",
+            ["endpoint", "backend", "status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "continuum_request_duration_seconds",
+            "Time from request received to response headers (streams: first byte).",
+            ["endpoint", "backend", "status"],
+            buckets=_LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.upstream_retries = Counter(
+            "continuum_upstream_retries",
+            "Requests retried on another backend after a connect failure.",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.registry.register(_PoolCollector(pool_ref))
+        self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
+
+    def prefix_decision(self, decision: str) -> None:
+        self._decisions[decision].inc()
+
+    def _backend_label(self, backend: str | None) -> str:
+        if backend is None:
+            return _NO_BACKEND
+        pool = self._pool_ref()
+        return backend if pool.get(backend) is not None else _NO_BACKEND
+
+    def observe(self, endpoint: str, backend: str | None, status: int, seconds: float) -> None:
+        key = (endpoint, backend or _NO_BACKEND, str(status))
+        pair = self._children.get(key)
+        if pair is None:
+            ep = endpoint if endpoint in _ENDPOINTS else "other"
+            st = key[2] if key[2] in _STATUSES else "other"
+            label = (ep, self._backend_label(backend), st)
+            pair = (self.requests.labels(*label), self.latency.labels(*label))
+            if len(self._children) > 10_000:
+                self._children.clear()
+            self._children[key] = pair
+        pair[0].inc()
+        pair[1].observe(seconds)
+
+    def retry(self, backend: str) -> None:
+        self.upstream_retries.labels(self._backend_label(backend)).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

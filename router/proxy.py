@@ -1,0 +1,265 @@
+"""Forwarding one client request to a selected backend, streaming or not.
+
+Invariants:
+* A backend's in-flight count is raised once it is selected and lowered exactly once,
+  when its response has been fully sent, failed, or the client went away.
+* Only a connect failure is retried, once, on the next candidate: then the engine never
+  saw the request, so retrying cannot run a generation twice.
+* Streams are relayed chunk by chunk as they arrive, never buffered whole. Closing the
+  relay (client disconnect) closes the upstream connection, which aborts the engine's
+  generation.
+* A backend's garbage never reaches the client as a success: it becomes 502 naming it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from .http.types import Response, StreamResponse
+from .selection import SelectionContext
+from .upstream import (
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamResponse,
+    UpstreamTimeout,
+)
+
+if TYPE_CHECKING:
+    from .app import Router
+    from .pool import Backend
+
+__all__ = ["ForwardSpec", "forward"]
+
+_SSE = "text/event-stream"
+
+ErrorFactory = Callable[[int, str, str | None], Response]
+
+
+@dataclass(slots=True)
+class ForwardSpec:
+    """Everything the proxy needs about one request, prepared by its handler."""
+
+    endpoint: str
+    """Metric label and candidate class: chat, anthropic, embeddings."""
+    body: bytes
+    parsed: dict[str, Any]
+    stream: bool
+    ctx: SelectionContext
+    path_for: Callable[[Backend], str]
+    headers_for: Callable[[Backend], dict[str, str]]
+    error: ErrorFactory
+    rewrite: Callable[[Backend, dict[str, Any], bytes], bytes] | None = None
+    """Per-backend body rewrite (cache_control injection), given the chosen backend."""
+
+
+async def forward(
+    router: Router, spec: ForwardSpec, candidates: Sequence[Backend], mask: int, started: float
+) -> Response | StreamResponse:
+    metrics = router.metrics
+    pool = router.pool
+    attempts = 0
+    while True:
+        backend = await router.selector.select(candidates, mask, spec.ctx)
+        body = spec.rewrite(backend, spec.parsed, spec.body) if spec.rewrite else spec.body
+        backend.in_flight += 1
+        t0 = time.perf_counter()
+        try:
+            up = await router.client.request(
+                backend.name,
+                "POST",
+                backend.url + spec.path_for(backend),
+                spec.headers_for(backend),
+                body,
+            )
+        except UpstreamConnectError as exc:
+            backend.in_flight -= 1
+            backend.record_outcome(False)
+            pool.connect_failed(backend)
+            attempts += 1
+            rest = tuple(c for c in candidates if c is not backend)
+            if attempts == 1 and rest:
+                metrics.retry(backend.name)
+                candidates = rest
+                mask &= ~(1 << backend.index)
+                continue
+            return _fail(
+                router, spec, backend, 502, f"backend {backend.name}: {exc.detail}", started
+            )
+        except UpstreamTimeout as exc:
+            backend.in_flight -= 1
+            backend.record_outcome(False)
+            return _fail(
+                router, spec, backend, 504, f"backend {backend.name}: {exc.detail}", started
+            )
+        except UpstreamError as exc:
+            backend.in_flight -= 1
+            backend.record_outcome(False)
+            return _fail(
+                router, spec, backend, 502, f"backend {backend.name}: {exc.detail}", started
+            )
+        except BaseException:
+            backend.in_flight -= 1
+            raise
+        backend.record_latency(time.perf_counter() - t0)
+        if spec.stream and up.status == 200:
+            return _relay(router, spec, backend, up, started)
+        return await _whole(router, spec, backend, up, started)
+
+
+def _fail(
+    router: Router,
+    spec: ForwardSpec,
+    backend: Backend | None,
+    status: int,
+    msg: str,
+    started: float,
+) -> Response:
+    router.metrics.observe(
+        spec.endpoint, backend.name if backend else None, status, time.perf_counter() - started
+    )
+    code = "upstream_timeout" if status == 504 else "bad_gateway"
+    return spec.error(status, msg, code)
+
+
+async def _whole(
+    router: Router, spec: ForwardSpec, backend: Backend, up: UpstreamResponse, started: float
+) -> Response:
+    """A non-streaming answer (or an error answer to a streaming request)."""
+    try:
+        data = await up.read()
+    except UpstreamTimeout as exc:
+        backend.record_outcome(False)
+        return _fail(router, spec, backend, 504, f"backend {backend.name}: {exc.detail}", started)
+    except UpstreamError as exc:
+        backend.record_outcome(False)
+        return _fail(router, spec, backend, 502, f"backend {backend.name}: {exc.detail}", started)
+    finally:
+        backend.in_flight -= 1
+    status = up.status
+    ctype = up.content_type
+    if status == 200 or "json" in ctype:
+        try:
+            orjson.loads(data)
+        except orjson.JSONDecodeError:
+            backend.record_outcome(False)
+            return _fail(
+                router,
+                spec,
+                backend,
+                502,
+                f"backend {backend.name} returned an invalid response (status {status}, "
+                f"{len(data)} bytes of {ctype or 'unknown type'})",
+                started,
+            )
+    elif status >= 400:
+        # A non-JSON error page (a proxy's HTML, say): keep its status, give a JSON body.
+        backend.record_outcome(status < 500)
+        return _fail_status(router, spec, backend, status, started)
+    if spec.stream and status == 200:
+        backend.record_outcome(False)
+        return _fail(
+            router, spec, backend, 502, f"backend {backend.name} did not stream ({ctype})", started
+        )
+    backend.record_outcome(status < 500)
+    router.metrics.observe(spec.endpoint, backend.name, status, time.perf_counter() - started)
+    return Response(
+        status,
+        data,
+        [("content-type", ctype or "application/json"), ("x-continuum-backend", backend.name)],
+    )
+
+
+def _fail_status(
+    router: Router, spec: ForwardSpec, backend: Backend, status: int, started: float
+) -> Response:
+    router.metrics.observe(spec.endpoint, backend.name, status, time.perf_counter() - started)
+    return spec.error(status, f"backend {backend.name} answered HTTP {status}", None)
+
+
+def _relay(
+    router: Router, spec: ForwardSpec, backend: Backend, up: UpstreamResponse, started: float
+) -> StreamResponse:
+    ctype = up.content_type
+    if not ctype.startswith(_SSE):
+        # Checked before any byte is sent, so the client still gets a proper status.
+        up.close()
+        backend.in_flight -= 1
+        backend.record_outcome(False)
+        resp = _fail(
+            router, spec, backend, 502, f"backend {backend.name} did not stream ({ctype})", started
+        )
+        return StreamResponse(resp.status, _once(resp.body), resp.headers)
+    router.metrics.observe(spec.endpoint, backend.name, 200, time.perf_counter() - started)
+    return StreamResponse(
+        200,
+        _Relay(backend, up),
+        [
+            ("content-type", ctype),
+            ("cache-control", "no-cache"),
+            ("x-continuum-backend", backend.name),
+        ],
+    )
+
+
+async def _once(data: bytes) -> AsyncIterator[bytes]:
+    yield data
+
+
+class _Relay:
+    """Async iterator over upstream chunks whose cleanup runs exactly once.
+
+    A class rather than an async generator: ``aclose()`` on a generator that never
+    started skips its ``finally``, which would leak the backend's in-flight count when
+    the client disconnects before the first chunk.
+    """
+
+    __slots__ = ("_backend", "_chunks", "_done", "_up")
+
+    def __init__(self, backend: Backend, up: UpstreamResponse) -> None:
+        self._backend = backend
+        self._up = up
+        self._chunks = up.iter_chunks()
+        self._done = False
+
+    def __aiter__(self) -> _Relay:
+        return self
+
+    async def __anext__(self) -> bytes:
+        if self._done:
+            raise StopAsyncIteration
+        try:
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            self._finish(ok=True)
+            raise
+        except UpstreamError as exc:
+            # Headers are gone already: tell the client in-band, as OpenAI streams do.
+            self._finish(ok=False)
+            err = {
+                "error": {"message": f"backend {exc.backend}: {exc.detail}", "type": "api_error"}
+            }
+            return b"data: " + orjson.dumps(err) + b"\n\n"
+        except BaseException:
+            self._finish(ok=False)
+            raise
+
+    async def aclose(self) -> None:
+        """The client went away: abort upstream; not the backend's failure."""
+        self._finish(ok=False, blame=False)
+
+    def _finish(self, ok: bool, blame: bool = True) -> None:
+        if self._done:
+            return
+        self._done = True
+        self._backend.in_flight -= 1
+        if ok or blame:
+            self._backend.record_outcome(ok)
+        if ok:
+            self._up.release()
+        else:
+            self._up.close()

@@ -1,0 +1,64 @@
+"""Hot reload: SIGHUP or a change of the config file's contents.
+
+A new file is loaded and validated whole before anything is applied: an invalid file
+is rejected with its errors logged and the running config keeps serving. Restart-only
+sections (``server``) are never half-applied: their running values are kept and each
+changed path is logged as needing a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+from pathlib import Path
+
+from .app import Router
+from .config import ConfigError, load_config, log_warnings, restart_only_changes
+
+__all__ = ["ConfigReloader"]
+
+log = logging.getLogger("continuum.reload")
+
+
+class ConfigReloader:
+    def __init__(self, path: str | Path, router: Router, poll_interval_s: float = 1.0) -> None:
+        self.path = Path(path)
+        self.router = router
+        self.poll_interval_s = poll_interval_s
+        self._digest = self._file_digest()
+
+    def _file_digest(self) -> bytes | None:
+        try:
+            return hashlib.sha256(self.path.read_bytes()).digest()
+        except OSError:
+            return None
+
+    def reload(self, reason: str) -> bool:
+        """Load, validate and apply the file; returns whether a new config is serving."""
+        self._digest = self._file_digest()
+        try:
+            new, issues = load_config(self.path)
+        except ConfigError as exc:
+            for issue in exc.issues:
+                log.error("reload (%s) rejected: %s: %s", reason, issue.path, issue.message)
+            log.error("reload (%s) rejected: keeping the running config", reason)
+            return False
+        old = self.router.config
+        changed = restart_only_changes(old, new)
+        for path in changed:
+            log.warning("reload: %s changed; it applies only after a restart", path)
+        if changed:
+            new = new.model_copy(update={"server": old.server})
+        log_warnings(issues)
+        self.router.apply_config(new)
+        log.info("config reloaded (%s)", reason)
+        return True
+
+    async def watch(self) -> None:
+        """Poll the file's contents; cheap, and robust to editors that replace the file."""
+        while True:
+            await asyncio.sleep(self.poll_interval_s)
+            digest = self._file_digest()
+            if digest is not None and digest != self._digest:
+                self.reload("file changed")

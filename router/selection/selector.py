@@ -1,0 +1,132 @@
+"""Backend selection: the KV scorer seam, then the configured strategy.
+
+Pipeline (reference docs, "Backend 선택 파이프라인"): when a prefix key exists and a
+scorer is registered, the scorer may pick a backend (its best composite score above
+its threshold); otherwise the configured ``selection_strategy`` decides. The scorer is
+registered by Tier 4; Tier 1 runs without one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+from ..config import RouterConfig
+from ..hll import HyperLogLog
+from .ring import HashRing
+from .strategies import (
+    STRATEGY_CLASSES,
+    ConsistentHash,
+    PrefixAwareHash,
+    SelectionContext,
+    Strategy,
+)
+
+if TYPE_CHECKING:
+    from ..pool import Backend, BackendPool
+
+__all__ = ["BackendScorer", "RoutingCounts", "Selector"]
+
+
+class BackendScorer(Protocol):
+    """Tier 4's hook: return a backend it is confident about, or ``None`` to defer."""
+
+    async def choose(self, prefix_key: bytes, candidates: Sequence[Backend]) -> Backend | None: ...
+
+
+class RoutingCounts:
+    """PrefixAwareHash decisions since start, for /admin/prefix-routing/stats."""
+
+    __slots__ = ("fallback", "overflow", "prefix_hash", "unique")
+
+    def __init__(self) -> None:
+        self.prefix_hash = 0
+        self.overflow = 0
+        self.fallback = 0
+        self.unique = HyperLogLog()
+
+    @property
+    def total(self) -> int:
+        return self.prefix_hash + self.overflow + self.fallback
+
+
+class Selector:
+    """Owns the strategy and the ring; rebuilt pieces are swapped, never mutated."""
+
+    def __init__(
+        self,
+        pool: BackendPool,
+        config: RouterConfig,
+        on_prefix_decision: Callable[[str, Backend], None] | None = None,
+    ) -> None:
+        self.pool = pool
+        self.counts = RoutingCounts()
+        self.scorer: BackendScorer | None = None
+        self._on_prefix_decision = on_prefix_decision
+        self._ring: HashRing | None = None
+        self._ring_key: tuple[tuple[str, ...], int] | None = None
+        self.strategy: Strategy
+        self.configure(config)
+        pool.on_change(self._membership_changed)
+
+    def configure(self, config: RouterConfig) -> None:
+        """Apply (re)loaded selection settings; the ring is rebuilt only if it changed."""
+        self.config = config
+        self._rebuild_ring()
+        name = config.selection_strategy
+        cls = STRATEGY_CLASSES[name]
+        current = getattr(self, "strategy", None)
+        if name == "PrefixAwareHash":
+            self.strategy = PrefixAwareHash(
+                self._ring,
+                config.prefix_routing.load_factor_epsilon,
+                self._record,  # type: ignore[arg-type]
+            )
+        elif name == "ConsistentHash":
+            self.strategy = ConsistentHash(self._ring)  # type: ignore[arg-type]
+        elif current is None or current.name != name:
+            self.strategy = cls()  # type: ignore[call-arg]
+
+    def _membership_changed(self) -> None:
+        ring = self._rebuild_ring()
+        if ring and isinstance(self.strategy, (PrefixAwareHash, ConsistentHash)):
+            self.strategy.ring = self._ring  # type: ignore[assignment]
+
+    def _rebuild_ring(self) -> bool:
+        members = [b for b in self.pool.backends if b.config.enabled and not b.config.internal]
+        vnodes = self.config.prefix_routing.virtual_nodes
+        key = (tuple(b.name for b in members), vnodes)
+        if key == self._ring_key and self._ring is not None:
+            return False
+        self._ring = HashRing(members, vnodes)
+        self._ring_key = key
+        return True
+
+    @property
+    def ring(self) -> HashRing:
+        assert self._ring is not None
+        return self._ring
+
+    def _record(self, decision: str, backend: Backend, ctx: SelectionContext) -> None:
+        counts = self.counts
+        if decision == "prefix_hash":
+            counts.prefix_hash += 1
+        elif decision == "overflow":
+            counts.overflow += 1
+        else:
+            counts.fallback += 1
+        if ctx.prefix_key is not None:
+            counts.unique.add_digest(ctx.prefix_key)
+        if self._on_prefix_decision is not None:
+            self._on_prefix_decision(decision, backend)
+
+    async def select(
+        self, candidates: Sequence[Backend], mask: int, ctx: SelectionContext
+    ) -> Backend:
+        if len(candidates) == 1 and not isinstance(self.strategy, PrefixAwareHash):
+            return candidates[0]
+        if self.scorer is not None and ctx.prefix_key is not None:
+            chosen = await self.scorer.choose(ctx.prefix_key, candidates)
+            if chosen is not None:
+                return chosen
+        return self.strategy.select(candidates, mask, ctx)

@@ -1,0 +1,119 @@
+"""Config loading: errors and warnings name the YAML path; `config validate` exit codes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.config import ConfigError, load_config, parse_config, restart_only_changes
+
+
+def errors_of(data: object) -> dict[str, str]:
+    with pytest.raises(ConfigError) as ei:
+        parse_config(data)
+    return {i.path: i.message for i in ei.value.issues}
+
+
+def test_defaults_are_the_seeds() -> None:
+    cfg, warnings = parse_config({"backends": [{"name": "a", "url": "http://h:1"}]})
+    pr = cfg.prefix_routing
+    assert (pr.enabled, pr.max_prefix_length, pr.load_factor_epsilon, pr.virtual_nodes) == (
+        False,
+        1024,
+        0.25,
+        150,
+    )
+    assert pr.anthropic_cache_control_injection is False
+    assert cfg.backends[0].anthropic_auto_cache_control is True
+    assert cfg.backends[0].type == "openai" and cfg.backends[0].weight == 1
+    assert warnings == []
+
+
+@pytest.mark.parametrize(
+    ("data", "path"),
+    [
+        ({"prefix_routing": {"load_factor_epsilon": 0.001}}, "prefix_routing.load_factor_epsilon"),
+        ({"prefix_routing": {"load_factor_epsilon": 10.5}}, "prefix_routing.load_factor_epsilon"),
+        ({"prefix_routing": {"virtual_nodes": 0}}, "prefix_routing.virtual_nodes"),
+        ({"prefix_routing": {"max_prefix_length": 0}}, "prefix_routing.max_prefix_length"),
+        ({"prefix_routing": {"virtual_node": 5}}, "prefix_routing.virtual_node"),
+        ({"selection_strategy": "Fastest"}, "selection_strategy"),
+        ({"server": {"listen": "8080"}}, "server.listen"),
+        ({"server": {"grpc_listen": "host:99999"}}, "server.grpc_listen"),
+        ({"backends": [{"name": "a", "url": "ftp://x"}]}, "backends[0].url"),
+        ({"backends": [{"name": "bad name", "url": "http://x"}]}, "backends[0].name"),
+        ({"backends": [{"name": "a", "url": "http://x", "type": "tgi"}]}, "backends[0].type"),
+        ({"backends": [{"name": "a", "url": "http://x", "weight": 0}]}, "backends[0].weight"),
+        ({"backends": [{"url": "http://x"}]}, "backends[0].name"),
+        ({"health_check": {"interval_ms": 5}}, "health_check.interval_ms"),
+        ({"unknown_section": {}}, "unknown_section"),
+    ],
+)
+def test_errors_name_the_yaml_path(data: dict, path: str) -> None:
+    assert path in errors_of(data)
+
+
+def test_duplicate_backend_names() -> None:
+    errs = errors_of(
+        {"backends": [{"name": "a", "url": "http://x"}, {"name": "a", "url": "http://y"}]}
+    )
+    assert "duplicate" in errs["backends[1].name"]
+
+
+def test_prefix_aware_hash_without_prefix_routing_warns_on_selection_strategy() -> None:
+    cfg, warnings = parse_config(
+        {"selection_strategy": "PrefixAwareHash", "backends": [{"name": "a", "url": "http://x"}]}
+    )
+    assert [w.path for w in warnings] == ["selection_strategy"]
+    _, none = parse_config(
+        {
+            "selection_strategy": "PrefixAwareHash",
+            "prefix_routing": {"enabled": True},
+            "backends": [{"name": "a", "url": "http://x"}],
+        }
+    )
+    assert none == []
+
+
+def test_top_level_must_be_a_mapping_and_yaml_errors_have_line(tmp_path: Path) -> None:
+    assert "(root)" in errors_of([1, 2])
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("server:\n  listen: [unclosed\n")
+    with pytest.raises(ConfigError) as ei:
+        load_config(bad)
+    assert "line" in str(ei.value)
+
+
+def test_restart_only_changes() -> None:
+    a, _ = parse_config({"server": {"listen": "127.0.0.1:1"}})
+    b, _ = parse_config({"server": {"listen": "127.0.0.1:2"}, "selection_strategy": "Random"})
+    assert restart_only_changes(a, b) == ["server.listen"]
+
+
+def _validate(tmp_path: Path, text: str) -> subprocess.CompletedProcess[str]:
+    f = tmp_path / "c.yaml"
+    f.write_text(text)
+    return subprocess.run(
+        [sys.executable, "-m", "router", "config", "validate", str(f)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_cli_validate_ok_with_warning(tmp_path: Path) -> None:
+    r = _validate(
+        tmp_path,
+        "selection_strategy: PrefixAwareHash\nbackends:\n  - {name: a, url: 'http://x:1'}\n",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "warning: selection_strategy:" in r.stderr
+
+
+def test_cli_validate_errors_exit_1(tmp_path: Path) -> None:
+    r = _validate(tmp_path, "prefix_routing:\n  load_factor_epsilon: 42\n")
+    assert r.returncode == 1
+    assert "error: prefix_routing.load_factor_epsilon:" in r.stderr
