@@ -64,7 +64,7 @@ def test_duplicate_backend_names() -> None:
 
 
 def test_prefix_aware_hash_without_prefix_routing_warns_on_selection_strategy() -> None:
-    cfg, warnings = parse_config(
+    _, warnings = parse_config(
         {"selection_strategy": "PrefixAwareHash", "backends": [{"name": "a", "url": "http://x"}]}
     )
     assert [w.path for w in warnings] == ["selection_strategy"]
