@@ -138,10 +138,28 @@ class EmbeddedServer:
             log_enabled=False,
         )
         self._task: asyncio.Task[None] | None = None
+        self._host = "127.0.0.1" if host in ("0.0.0.0", "") else ("::1" if host == "::" else host)
+        self._port = port
 
-    async def start(self) -> None:
+    async def start(self, timeout_s: float = 10.0) -> None:
+        """Start serving; returns once the port accepts connections (so READY is true)."""
         self._task = asyncio.get_running_loop().create_task(self._server.serve())
-        await asyncio.sleep(0)
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        while True:
+            if self._task.done():
+                self._task.result()  # re-raise the bind error
+                raise RuntimeError("HTTP server stopped during start-up")
+            try:
+                _, writer = await asyncio.open_connection(self._host, self._port)
+            except OSError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                await asyncio.sleep(0.01)
+                continue
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+            return
 
     async def stop(self) -> None:
         if self._task is None:
