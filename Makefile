@@ -16,6 +16,7 @@ $(VENV)/.installed-dev: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev]'
+	command -v buf >/dev/null 2>&1 || npm install -g -s @bufbuild/buf >/dev/null 2>&1 || true
 	touch $(VENV)/.installed $@
 
 # Starts simulated engines and the router on the embedded default config,
