@@ -1,0 +1,114 @@
+"""Prefix-level KV cache events: what the listener publishes and the router indexes.
+
+One JSON object per SSE record (DESIGN.md §3)::
+
+    {"event":"cache_created","backend":"vllm-1","prefix_hash":"<64 hex>",
+     "token_count":2048,"tier":"gpu"}
+
+Kinds, past tense like the engines' own events:
+
+* ``cache_created``   a prefix gained its first blocks on the backend, or grew
+                      (``token_count`` is the longest cached chain under it);
+* ``cache_offloaded`` its blocks now live only in a slower tier (CPU, disk, remote);
+* ``cache_evicted``   its last block is gone;
+* ``cache_cleared``   the engine dropped every block: forget the backend's entries;
+* ``resync``          the stream restarted or a gap was found: forget the backend's
+                      entries; a snapshot of ``cache_created`` follows.
+
+``prefix_hash`` is the hex of a ``bus.prefix_key`` digest, never an engine block hash.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import orjson
+
+__all__ = [
+    "BACKEND_NAME_RE",
+    "EVENT_KINDS",
+    "TIERS",
+    "EventError",
+    "KvEvent",
+]
+
+EventKind = Literal["cache_created", "cache_evicted", "cache_offloaded", "cache_cleared", "resync"]
+EVENT_KINDS: frozenset[str] = frozenset(
+    ("cache_created", "cache_evicted", "cache_offloaded", "cache_cleared", "resync")
+)
+Tier = Literal["gpu", "storage"]
+TIERS: frozenset[str] = frozenset(("gpu", "storage"))
+_PREFIXED = frozenset(("cache_created", "cache_evicted", "cache_offloaded"))
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_MAX_TOKENS = 1 << 40
+
+
+class EventError(ValueError):
+    """A record that is not a valid event; the message says which field and why."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvEvent:
+    event: EventKind
+    backend: str
+    prefix_hash: str | None = None
+    token_count: int | None = None
+    tier: Tier | None = None
+    reason: str | None = None
+    """Why a ``resync`` happened (``restart``, ``gap``, ``unknown_id``...); informational."""
+
+    def to_json(self) -> bytes:
+        d: dict[str, Any] = {"event": self.event, "backend": self.backend}
+        if self.prefix_hash is not None:
+            d["prefix_hash"] = self.prefix_hash
+        if self.token_count is not None:
+            d["token_count"] = self.token_count
+        if self.tier is not None:
+            d["tier"] = self.tier
+        if self.reason is not None:
+            d["reason"] = self.reason
+        return orjson.dumps(d)
+
+    @classmethod
+    def from_json(
+        cls, data: bytes | str, *, event_field: str | None = None, backend: str | None = None
+    ) -> KvEvent:
+        """Parse and validate one record.
+
+        ``event_field`` is the SSE ``event:`` value, which wins over the JSON ``event``;
+        ``backend`` (the stream's own backend) wins over the JSON ``backend`` so a stream
+        can only ever speak for the backend it was opened for.
+        """
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError as exc:
+            raise EventError(f"not JSON: {exc}") from None
+        if not isinstance(obj, dict):
+            raise EventError("event must be a JSON object")
+        kind = event_field or obj.get("event")
+        if kind not in EVENT_KINDS:
+            raise EventError(f"unknown event kind {kind!r}")
+        be = backend if backend is not None else obj.get("backend")
+        if not isinstance(be, str) or not BACKEND_NAME_RE.match(be):
+            raise EventError(f"invalid backend {be!r}")
+        prefix = obj.get("prefix_hash")
+        if kind in _PREFIXED:
+            if not isinstance(prefix, str) or not _HEX64.match(prefix):
+                raise EventError("prefix_hash must be 64 lowercase hex characters")
+        else:
+            prefix = None
+        count = obj.get("token_count")
+        if count is not None and (
+            not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < _MAX_TOKENS
+        ):
+            raise EventError("token_count must be a non-negative integer")
+        tier = obj.get("tier")
+        if tier is not None and tier not in TIERS:
+            raise EventError(f"unknown tier {tier!r}")
+        reason = obj.get("reason")
+        if reason is not None and not isinstance(reason, str):
+            reason = None
+        return cls(kind, be, prefix, count, tier, reason)
