@@ -1,0 +1,6 @@
+"""Simulated LLM inference engines for tests, benchmarks and the demo.
+
+Kept import-light on purpose: ``python -m bench.sim`` start-up time is paid by every test that
+spawns a fleet, so nothing heavy is imported here. Use the submodules directly:
+``bench.sim.fleet.SimFleet``, ``bench.sim.engine.SimEngine``, ``bench.sim.httpserver.serve``.
+"""

@@ -1,0 +1,795 @@
+"""Simulated LLM inference engine speaking the OpenAI and Anthropic wire formats.
+
+It exists so router tests, benchmarks and the demo can run a whole fleet on a laptop: the
+official SDKs must accept its answers unmodified, the prefix-cache model must make routing
+decisions visible (``x-sim-cached-tokens``, ``/sim/stats``), and faults must be injectable per
+request without restarting anything.
+
+Output is deterministic: ``"[<name>] echo: <first 40 chars of the last user message>"``,
+padded with filler words up to ``max_tokens`` (capped at ``max_words``). One word is one
+completion token and one streamed chunk, so usage numbers and stream lengths agree.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import itertools
+import os
+import struct
+import time
+from array import array
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from .httpserver import (
+    JSONDecodeError,
+    Request,
+    Response,
+    StreamResponse,
+    dumps,
+    json_response,
+    loads,
+)
+from .prefix_cache import KVEventCallback, PrefixCache, tokenize
+
+__all__ = ["SimConfig", "SimEngine"]
+
+_FILLER = (
+    "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor "
+    "incididunt ut labore et dolore magna aliqua"
+).split()
+_MAX_EMBED_DIMS = 4096
+_TRUTHY = frozenset({"1", "true", "yes", "on"})
+_FAULT_HEADERS = ("x-sim-delay-ms", "x-sim-status", "x-sim-garbage")
+
+_OPENAI_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    409: "conflict_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+_ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    529: "overloaded_error",
+}
+
+
+@dataclass
+class SimConfig:
+    """Engine settings; mirrors the CLI flags of ``python -m bench.sim``."""
+
+    name: str = "sim-1"
+    models: tuple[str, ...] = ("demo-model",)
+    block_size: int = 16
+    capacity_blocks: int = 4096
+    prefill_us_per_token: float = 50.0
+    prefill_overhead_us: float = 1000.0
+    #: Actually sleep the modelled prefill time (off: benchmarks should measure the router).
+    latency: bool = False
+    #: Fixed chat answer without touching the cache: the "trivial backend" for proxy benches.
+    trivial: bool = False
+    unhealthy: bool = False
+    #: 404 for models not in ``models`` (vLLM behaviour); off by default so tests can use any.
+    strict_models: bool = False
+    max_words: int = 64
+
+
+class ApiError(Exception):
+    """Raised by handlers; rendered in the error dialect of the endpoint that was called."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class _SimulatedAbort(Exception):
+    """Raised inside a stream to make the server cut the connection mid-body."""
+
+
+def _int_header(value: str | None) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value.strip())
+    except ValueError:
+        return None
+
+
+def _strip_cache_control(obj: Any) -> Any:
+    # cache_control is a caching hint, not prompt content: a router injecting it must not
+    # change the prompt tokens, or the injection would destroy the very cache it asks for.
+    if isinstance(obj, dict):
+        return {k: _strip_cache_control(v) for k, v in obj.items() if k != "cache_control"}
+    if isinstance(obj, list):
+        return [_strip_cache_control(v) for v in obj]
+    return obj
+
+
+def _has_cache_control(obj: Any) -> bool:
+    if isinstance(obj, dict):
+        return "cache_control" in obj or any(_has_cache_control(v) for v in obj.values())
+    if isinstance(obj, list):
+        return any(_has_cache_control(v) for v in obj)
+    return False
+
+
+def _dump_text(obj: Any) -> str:
+    return dumps(_strip_cache_control(obj)).decode()
+
+
+def _part_text(part: Any) -> str:
+    if isinstance(part, str):
+        return part
+    if not isinstance(part, dict):
+        return str(part)
+    kind = part.get("type")
+    if kind in ("text", "input_text", "output_text"):
+        return str(part.get("text", ""))
+    if kind in ("image_url", "image", "input_image", "input_audio", "document", "file"):
+        return f"<{kind}>"
+    if kind == "tool_result":
+        return content_text(part.get("content"))
+    if kind == "tool_use":
+        return _dump_text({"name": part.get("name"), "input": part.get("input")})
+    if kind == "thinking":
+        return str(part.get("thinking", ""))
+    return _dump_text(part)
+
+
+def content_text(content: Any) -> str:
+    """Text of a message ``content``: a string or an array of content parts (both APIs)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(_part_text(p) for p in content)
+    return _dump_text(content)
+
+
+def _checked_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty array")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, "each message must be an object with a string 'role'")
+    return messages
+
+
+def render_chat_prompt(messages: list[dict[str, Any]], tools: Any = None) -> str:
+    """Flatten a chat request the way a chat template would, so equal prefixes tokenise equal."""
+    parts: list[str] = []
+    if tools:
+        parts.append(f"<|tools|>\n{_dump_text(tools)}\n")
+    for m in messages:
+        text = content_text(m.get("content"))
+        if m.get("tool_calls"):
+            text += _dump_text(m["tool_calls"])
+        parts.append(f"<|{m['role']}|>\n{text}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def render_anthropic_prompt(system: Any, messages: list[dict[str, Any]], tools: Any = None) -> str:
+    """Anthropic prompt order is tools, system, messages: the order its prompt cache uses."""
+    parts: list[str] = []
+    if tools:
+        parts.append(f"<|tools|>\n{_dump_text(tools)}\n")
+    if system:
+        parts.append(f"<|system|>\n{content_text(system)}\n")
+    for m in messages:
+        parts.append(f"<|{m['role']}|>\n{content_text(m.get('content'))}\n")
+    parts.append("<|assistant|>\n")
+    return "".join(parts)
+
+
+def _last_user_text(messages: list[dict[str, Any]]) -> str:
+    for m in reversed(messages):
+        if m.get("role") == "user":
+            return content_text(m.get("content"))
+    return ""
+
+
+def embed(text: str, dims: int = 8) -> list[float]:
+    """Deterministic unit vector; values are float32-exact so float and base64 formats agree."""
+    raw = hashlib.shake_128(text.encode("utf-8", "surrogatepass")).digest(4 * dims)
+    vals = [x / 2147483648.0 - 1.0 for x in struct.unpack(f"<{dims}I", raw)]
+    norm = sum(v * v for v in vals) ** 0.5 or 1.0
+    return list(array("f", [v / norm for v in vals]))
+
+
+@dataclass
+class _Answer:
+    words: list[str]
+    truncated: bool
+
+    def pieces(self) -> list[str]:
+        return [w if i == 0 else f" {w}" for i, w in enumerate(self.words)]
+
+    @property
+    def text(self) -> str:
+        return " ".join(self.words)
+
+
+@dataclass
+class SimEngine:
+    """The request handler for :func:`bench.sim.httpserver.serve`; holds all engine state."""
+
+    config: SimConfig = field(default_factory=SimConfig)
+    #: Forwarded to the prefix cache; later turned into vLLM KV events.
+    on_kv_event: KVEventCallback | None = None
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        if not cfg.models:
+            raise ValueError("at least one model is required")
+        self.cache = PrefixCache(
+            block_size=cfg.block_size,
+            capacity_blocks=cfg.capacity_blocks,
+            prefill_us_per_token=cfg.prefill_us_per_token,
+            prefill_overhead_us=cfg.prefill_overhead_us,
+            on_change=self.on_kv_event,
+        )
+        self.requests = 0
+        self.errors = 0
+        self.in_flight = 0
+        self.started = int(time.time())
+        self._last: Request | None = None
+        self._id_prefix = os.urandom(4).hex()
+        self._seq = itertools.count(1)
+        self._headers = {"x-sim-backend": cfg.name}
+        self._routes: dict[tuple[str, str], Callable[[Request], Awaitable[Any]]] = {
+            ("POST", "/v1/chat/completions"): self._chat,
+            ("POST", "/v1/messages"): self._messages,
+            ("POST", "/v1/messages/count_tokens"): self._count_tokens,
+            ("POST", "/v1/embeddings"): self._embeddings,
+            ("GET", "/v1/models"): self._models,
+            ("GET", "/health"): self._health,
+            ("GET", "/metrics"): self._metrics,
+            ("GET", "/sim/stats"): self._stats,
+            ("POST", "/sim/reset"): self._reset,
+            ("GET", "/sim/last-request"): self._last_request,
+            ("GET", "/sim/last-headers"): self._last_headers,
+        }
+        self._paths = {path for _, path in self._routes}
+        self._trivial_bodies = {m: self._build_trivial(m) for m in cfg.models}
+
+    # -- dispatch ---------------------------------------------------------------------------
+
+    async def __call__(self, req: Request) -> Response | StreamResponse:
+        anthropic = req.path.startswith("/v1/messages")
+        route = self._routes.get((req.method, req.path))
+        if route is None:
+            if req.path in self._paths:
+                return self._error(405, f"method {req.method} not allowed", anthropic)
+            return self._error(404, f"no route for {req.method} {req.path}", anthropic)
+        if req.path.startswith("/sim/"):
+            # Control plane: never faulted, counted or recorded, so tests can observe freely.
+            result: Response | StreamResponse = await route(req)
+            return result
+        inference = req.method == "POST"
+        if inference:
+            self.requests += 1
+            self._last = req
+            self.in_flight += 1
+        try:
+            h = req.headers
+            if h and any(k in h for k in _FAULT_HEADERS):
+                fault = await self._inject_fault(req, anthropic)
+                if fault is not None:
+                    return fault
+            result = await route(req)
+            return result
+        except ApiError as e:
+            self.errors += 1
+            return self._error(e.status, e.message, anthropic)
+        finally:
+            if inference:
+                self.in_flight -= 1
+
+    async def _inject_fault(self, req: Request, anthropic: bool) -> Response | None:
+        h = req.headers
+        delay = _int_header(h.get("x-sim-delay-ms"))
+        if delay and delay > 0:
+            await asyncio.sleep(delay / 1000)
+        status = _int_header(h.get("x-sim-status"))
+        if status is not None and 400 <= status <= 599:
+            self.errors += 1
+            return self._error(status, f"simulated failure (x-sim-status: {status})", anthropic)
+        if h.get("x-sim-garbage", "").strip().lower() in _TRUTHY:
+            self.errors += 1
+            return Response(b"not json at all", 200, self._headers)
+        return None
+
+    def _error(self, status: int, message: str, anthropic: bool) -> Response:
+        if anthropic:
+            kind = _ANTHROPIC_ERROR_TYPES.get(status, "api_error")
+            body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": message}}
+        else:
+            kind = _OPENAI_ERROR_TYPES.get(
+                status, "server_error" if status >= 500 else "invalid_request_error"
+            )
+            body = {"error": {"message": message, "type": kind, "param": None, "code": None}}
+        return json_response(body, status, self._headers)
+
+    # -- request helpers --------------------------------------------------------------------
+
+    def _json_body(self, req: Request) -> dict[str, Any]:
+        try:
+            body = loads(req.body)
+        except JSONDecodeError as e:
+            raise ApiError(400, f"request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "request body must be a JSON object")
+        return body
+
+    def _model(self, body: dict[str, Any], required: bool = False) -> str:
+        model = body.get("model")
+        if model is None and not required:
+            return self.config.models[0]
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "'model' must be a non-empty string")
+        if self.config.strict_models and model not in self.config.models:
+            raise ApiError(404, f"The model `{model}` does not exist.")
+        return model
+
+    def _max_tokens(self, body: dict[str, Any], *keys: str, required: bool = False) -> int | None:
+        for key in keys:
+            value = body.get(key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ApiError(400, f"'{key}' must be a positive integer")
+            return value
+        if required:
+            raise ApiError(400, f"{keys[0]}: Field required")
+        return None
+
+    def _answer(self, last_user: str, max_tokens: int | None) -> _Answer:
+        snippet = " ".join(last_user[:40].split())
+        words = f"[{self.config.name}] echo: {snippet}".split()
+        if max_tokens is None:
+            return _Answer(words, False)
+        target = min(max_tokens, self.config.max_words)
+        truncated = max_tokens < len(words)
+        if len(words) >= target:
+            return _Answer(words[:target], truncated)
+        filler = itertools.islice(itertools.cycle(_FILLER), target - len(words))
+        return _Answer(words + list(filler), truncated)
+
+    def _prefill(self, prompt: str) -> tuple[int, int, int]:
+        """Run the cache model; returns (cached, total, newly stored tokens)."""
+        cached, total = self.cache.lookup_and_insert(tokenize(prompt))
+        return cached, total, self.cache.last_stored_tokens
+
+    async def _model_latency(self, uncached: int) -> None:
+        if self.config.latency:
+            await asyncio.sleep(self.cache.prefill_seconds(uncached))
+
+    def _next_id(self, prefix: str) -> str:
+        return f"{prefix}{self._id_prefix}{next(self._seq):08x}"
+
+    def _sim_headers(self, cached: int, total: int) -> dict[str, str]:
+        return {
+            "x-sim-backend": self.config.name,
+            "x-sim-cached-tokens": str(cached),
+            "x-sim-prompt-tokens": str(total),
+        }
+
+    @staticmethod
+    def _stream_knobs(req: Request) -> tuple[float, int | None]:
+        delay = _int_header(req.headers.get("x-sim-stream-delay-ms")) or 0
+        abort_after = _int_header(req.headers.get("x-sim-stream-abort-after"))
+        return max(0, delay) / 1000, abort_after
+
+    # -- OpenAI chat ------------------------------------------------------------------------
+
+    def _build_trivial(self, model: str) -> bytes:
+        return dumps(
+            {
+                "id": "chatcmpl-trivial",
+                "object": "chat.completion",
+                "created": self.started,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": "ok"},
+                        "logprobs": None,
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {
+                    "prompt_tokens": 1,
+                    "completion_tokens": 1,
+                    "total_tokens": 2,
+                    "prompt_tokens_details": {"cached_tokens": 0},
+                },
+            }
+        )
+
+    async def _chat(self, req: Request) -> Response | StreamResponse:
+        body = self._json_body(req)
+        if self.config.trivial:
+            return self._trivial_chat(req, body)
+        messages = _checked_messages(body.get("messages"))
+        model = self._model(body)
+        max_tokens = self._max_tokens(body, "max_completion_tokens", "max_tokens")
+        cached, total, _ = self._prefill(render_chat_prompt(messages, body.get("tools")))
+        await self._model_latency(total - cached)
+        answer = self._answer(_last_user_text(messages), max_tokens)
+        finish = "length" if answer.truncated else "stop"
+        completion = len(answer.words)
+        usage = {
+            "prompt_tokens": total,
+            "completion_tokens": completion,
+            "total_tokens": total + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        rid = self._next_id("chatcmpl-")
+        created = int(time.time())
+        headers = self._sim_headers(cached, total)
+        if body.get("stream"):
+            opts = body.get("stream_options")
+            include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            delay, abort_after = self._stream_knobs(req)
+            gen = self._chat_stream(
+                rid, created, model, answer, finish, usage, include_usage, delay, abort_after
+            )
+            return StreamResponse(gen, headers=headers)
+        return json_response(
+            {
+                "id": rid,
+                "object": "chat.completion",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": answer.text},
+                        "logprobs": None,
+                        "finish_reason": finish,
+                    }
+                ],
+                "usage": usage,
+            },
+            headers=headers,
+        )
+
+    async def _chat_stream(
+        self,
+        rid: str,
+        created: int,
+        model: str,
+        answer: _Answer,
+        finish: str,
+        usage: dict[str, Any],
+        include_usage: bool,
+        delay: float,
+        abort_after: int | None,
+    ) -> AsyncIterator[bytes]:
+        self.in_flight += 1
+        try:
+
+            def chunk(delta: dict[str, Any], finish_reason: str | None = None) -> bytes:
+                obj: dict[str, Any] = {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [
+                        {
+                            "index": 0,
+                            "delta": delta,
+                            "logprobs": None,
+                            "finish_reason": finish_reason,
+                        }
+                    ],
+                }
+                if include_usage:
+                    obj["usage"] = None  # OpenAI: present and null on all but the last chunk
+                return b"data: " + dumps(obj) + b"\n\n"
+
+            yield chunk({"role": "assistant", "content": ""})
+            for i, piece in enumerate(answer.pieces()):
+                if abort_after is not None and i >= abort_after:
+                    raise _SimulatedAbort(f"aborted after {i} content chunks")
+                if delay:
+                    await asyncio.sleep(delay)
+                yield chunk({"content": piece})
+            yield chunk({}, finish)
+            if include_usage:
+                tail = {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": model,
+                    "choices": [],
+                    "usage": usage,
+                }
+                yield b"data: " + dumps(tail) + b"\n\n"
+            yield b"data: [DONE]\n\n"
+        finally:
+            self.in_flight -= 1
+
+    def _trivial_chat(self, req: Request, body: dict[str, Any]) -> Response | StreamResponse:
+        model = body.get("model")
+        payload = self._trivial_bodies.get(model) if isinstance(model, str) else None
+        if payload is None:
+            model = self.config.models[0]
+            payload = self._trivial_bodies[model]
+        headers = self._sim_headers(0, 1)
+        if not body.get("stream"):
+            return Response(payload, 200, headers)
+        answer = _Answer(["ok"], False)
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        opts = body.get("stream_options")
+        include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+        delay, abort_after = self._stream_knobs(req)
+        gen = self._chat_stream(
+            "chatcmpl-trivial",
+            self.started,
+            str(model),
+            answer,
+            "stop",
+            usage,
+            include_usage,
+            delay,
+            abort_after,
+        )
+        return StreamResponse(gen, headers=headers)
+
+    # -- Anthropic messages -----------------------------------------------------------------
+
+    async def _messages(self, req: Request) -> Response | StreamResponse:
+        body = self._json_body(req)
+        model = self._model(body, required=True)
+        max_tokens = self._max_tokens(body, "max_tokens", required=True)
+        messages = _checked_messages(body.get("messages"))
+        prompt = render_anthropic_prompt(body.get("system"), messages, body.get("tools"))
+        cached, total, stored = self._prefill(prompt)
+        await self._model_latency(total - cached)
+        # Anthropic only writes cache where the request asks for it (cache_control); the
+        # three input counters partition the prompt.
+        creation = stored if _has_cache_control(body) else 0
+        usage = {
+            "input_tokens": total - cached - creation,
+            "cache_creation_input_tokens": creation,
+            "cache_read_input_tokens": cached,
+            "output_tokens": 0,
+        }
+        answer = self._answer(_last_user_text(messages), max_tokens)
+        usage["output_tokens"] = len(answer.words)
+        stop_reason = "max_tokens" if answer.truncated else "end_turn"
+        mid = self._next_id("msg_")
+        headers = self._sim_headers(cached, total)
+        if body.get("stream"):
+            delay, abort_after = self._stream_knobs(req)
+            gen = self._messages_stream(mid, model, answer, stop_reason, usage, delay, abort_after)
+            return StreamResponse(gen, headers=headers)
+        return json_response(
+            {
+                "id": mid,
+                "type": "message",
+                "role": "assistant",
+                "model": model,
+                "content": [{"type": "text", "text": answer.text}],
+                "stop_reason": stop_reason,
+                "stop_sequence": None,
+                "usage": usage,
+            },
+            headers=headers,
+        )
+
+    async def _count_tokens(self, req: Request) -> Response:
+        """Claude Code and the SDK's ``count_tokens`` call this before sending; no cache use."""
+        body = self._json_body(req)
+        self._model(body, required=True)
+        messages = _checked_messages(body.get("messages"))
+        prompt = render_anthropic_prompt(body.get("system"), messages, body.get("tools"))
+        return json_response({"input_tokens": len(tokenize(prompt))}, headers=self._headers)
+
+    async def _messages_stream(
+        self,
+        mid: str,
+        model: str,
+        answer: _Answer,
+        stop_reason: str,
+        usage: dict[str, Any],
+        delay: float,
+        abort_after: int | None,
+    ) -> AsyncIterator[bytes]:
+        self.in_flight += 1
+        try:
+
+            def event(kind: str, data: dict[str, Any]) -> bytes:
+                return b"event: " + kind.encode() + b"\ndata: " + dumps(data) + b"\n\n"
+
+            start_usage = dict(usage, output_tokens=1)
+            yield event(
+                "message_start",
+                {
+                    "type": "message_start",
+                    "message": {
+                        "id": mid,
+                        "type": "message",
+                        "role": "assistant",
+                        "model": model,
+                        "content": [],
+                        "stop_reason": None,
+                        "stop_sequence": None,
+                        "usage": start_usage,
+                    },
+                },
+            )
+            yield event(
+                "content_block_start",
+                {
+                    "type": "content_block_start",
+                    "index": 0,
+                    "content_block": {"type": "text", "text": ""},
+                },
+            )
+            yield event("ping", {"type": "ping"})
+            for i, piece in enumerate(answer.pieces()):
+                if abort_after is not None and i >= abort_after:
+                    raise _SimulatedAbort(f"aborted after {i} content chunks")
+                if delay:
+                    await asyncio.sleep(delay)
+                yield event(
+                    "content_block_delta",
+                    {
+                        "type": "content_block_delta",
+                        "index": 0,
+                        "delta": {"type": "text_delta", "text": piece},
+                    },
+                )
+            yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
+            yield event(
+                "message_delta",
+                {
+                    "type": "message_delta",
+                    "delta": {"stop_reason": stop_reason, "stop_sequence": None},
+                    "usage": usage,
+                },
+            )
+            yield event("message_stop", {"type": "message_stop"})
+        finally:
+            self.in_flight -= 1
+
+    # -- embeddings, models, health ---------------------------------------------------------
+
+    async def _embeddings(self, req: Request) -> Response:
+        body = self._json_body(req)
+        model = self._model(body)
+        raw = body.get("input")
+        items: list[str | list[int]]
+        if isinstance(raw, str):
+            items = [raw]
+        elif isinstance(raw, list) and raw and all(isinstance(x, int) for x in raw):
+            items = [raw]  # one input given as token ids
+        elif isinstance(raw, list) and raw and all(isinstance(x, str | list) for x in raw):
+            items = raw
+        else:
+            raise ApiError(400, "'input' must be a string, an array of strings or token arrays")
+        dims = body.get("dimensions") or 8
+        if isinstance(dims, bool) or not isinstance(dims, int) or not 1 <= dims <= _MAX_EMBED_DIMS:
+            raise ApiError(400, f"'dimensions' must be an integer in 1..{_MAX_EMBED_DIMS}")
+        fmt = body.get("encoding_format") or "float"
+        if fmt not in ("float", "base64"):
+            raise ApiError(400, "'encoding_format' must be 'float' or 'base64'")
+        data: list[dict[str, Any]] = []
+        prompt_tokens = 0
+        for i, item in enumerate(items):
+            if isinstance(item, str):
+                text = item
+                prompt_tokens += len(tokenize(item))
+            else:
+                text = " ".join(str(t) for t in item)
+                prompt_tokens += len(item)
+            vec = embed(text, dims)
+            emb: list[float] | str
+            if fmt == "base64":
+                emb = base64.b64encode(array("f", vec).tobytes()).decode()
+            else:
+                emb = vec
+            data.append({"object": "embedding", "index": i, "embedding": emb})
+        return json_response(
+            {
+                "object": "list",
+                "data": data,
+                "model": model,
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+            },
+            headers=self._headers,
+        )
+
+    async def _models(self, req: Request) -> Response:
+        data = [
+            {"id": m, "object": "model", "created": self.started, "owned_by": "continuum-sim"}
+            for m in self.config.models
+        ]
+        return json_response({"object": "list", "data": data}, headers=self._headers)
+
+    async def _health(self, req: Request) -> Response:
+        if self.config.unhealthy:
+            return json_response({"status": "unhealthy"}, 503, self._headers)
+        return json_response({"status": "ok"}, headers=self._headers)
+
+    async def _metrics(self, req: Request) -> Response:
+        """A few vLLM-named gauges/counters, for routers that balance on scraped load."""
+        st = self.cache.stats
+        lines: list[str] = []
+        for model in self.config.models:
+            lbl = f'{{model_name="{model}",engine="{self.config.name}"}}'
+            lines += [
+                f"vllm:num_requests_running{lbl} {self.in_flight}",
+                f"vllm:num_requests_waiting{lbl} 0",
+                f"vllm:kv_cache_usage_perc{lbl} {len(self.cache) / self.cache.capacity_blocks}",
+                f"vllm:prefix_cache_queries_total{lbl} {st.prompt_tokens}",
+                f"vllm:prefix_cache_hits_total{lbl} {st.cached_tokens}",
+                f"vllm:request_success_total{lbl} {self.requests - self.errors}",
+            ]
+        return Response("\n".join(lines) + "\n", 200, self._headers, "text/plain; version=0.0.4")
+
+    # -- /sim control plane -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        st = self.cache.stats
+        return {
+            "name": self.config.name,
+            "models": list(self.config.models),
+            "requests": self.requests,
+            "errors": self.errors,
+            "prompt_tokens": st.prompt_tokens,
+            "cached_tokens": st.cached_tokens,
+            "hit_rate": st.hit_rate,
+            "prefill_seconds_modelled": st.prefill_seconds_modelled,
+            "in_flight": self.in_flight,
+            "cache_blocks": len(self.cache),
+            "capacity_blocks": self.cache.capacity_blocks,
+            "block_size": self.cache.block_size,
+        }
+
+    async def _stats(self, req: Request) -> Response:
+        return json_response(self.stats(), headers=self._headers)
+
+    async def _reset(self, req: Request) -> Response:
+        self.cache.clear()
+        self.cache.reset_stats()
+        self.requests = 0
+        self.errors = 0
+        self._last = None
+        return json_response({"status": "reset"}, headers=self._headers)
+
+    async def _last_request(self, req: Request) -> Response:
+        last = self._last
+        if last is None:
+            return self._error(404, "no request recorded yet", False)
+        headers = dict(self._headers, **{"x-sim-last-path": last.path})
+        try:
+            loads(last.body)
+        except JSONDecodeError:
+            return Response(last.body, 200, headers, "application/octet-stream")
+        return Response(last.body, 200, headers)
+
+    async def _last_headers(self, req: Request) -> Response:
+        last = self._last
+        if last is None:
+            return self._error(404, "no request recorded yet", False)
+        return json_response(last.headers, headers=self._headers)

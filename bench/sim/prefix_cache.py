@@ -1,0 +1,215 @@
+"""Block-level prefix-cache model shaped like vLLM's automatic prefix caching.
+
+The router's whole reason to exist is to land requests where their prefix is already cached,
+so the sim has to make "where did this prefix go before" observable and costly to get wrong:
+a hit skips modelled prefill time, a miss pays for it.
+
+Tokenisation: the text is UTF-8 encoded and split by the bytes regex ``\\w+|[^\\w\\s]`` (ASCII
+words, and every other non-space byte on its own), and each piece becomes ``crc32(piece)``.
+That is deterministic across processes and machines (unlike ``hash()``), needs no vocabulary,
+runs at C speed, and gives token counts in the same ballpark as a real BPE tokenizer for
+English/code (~1.2-1.4 tokens per word). Whitespace is dropped, so prompts differing only in
+spacing share cache; that is an accepted simplification. Token ids are 32-bit, not a real vocab.
+
+Block hashing follows vLLM: only *full* blocks are cached, and each block's hash chains the
+parent block's hash with the block's token ids, so a block is only reusable after the exact
+same prefix. Like vLLM, when the entire prompt is cached the last token is still recomputed
+(a prefill needs at least one token to produce logits), so at most
+``(n - 1) // block_size`` blocks count as hits.
+
+Eviction is LRU over blocks. A request touches its blocks tail-first, so within one sequence
+the tail is least recently used and is evicted before the shared root — again like vLLM, whose
+free queue receives a finished request's blocks in reverse order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+__all__ = [
+    "CacheStats",
+    "KVEventCallback",
+    "PrefixCache",
+    "StoredBlock",
+    "tokenize",
+]
+
+_PIECE = re.compile(rb"\w+|[^\w\s]")
+# Parent of the first block. vLLM seeds this too (NONE_HASH); events report None instead.
+_ROOT_SEED = 0x636F6E74696E7575  # b"continuu"
+_crc32 = zlib.crc32
+
+
+def tokenize(text: str) -> list[int]:
+    """Deterministic cheap tokenizer; see the module docstring for why this shape."""
+    return [_crc32(p) for p in _PIECE.findall(text.encode("utf-8", "surrogatepass"))]
+
+
+def chain_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """64-bit block hash of (parent hash, token ids); stable across processes."""
+    h = hashlib.blake2b(parent.to_bytes(8, "little"), digest_size=8)
+    h.update(array("Q", token_ids).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+@dataclass(slots=True, frozen=True)
+class StoredBlock:
+    """A block that entered the cache, with what a vLLM ``BlockStored`` event would carry."""
+
+    block_hash: int
+    #: ``None`` for the first block of a sequence (vLLM's ``parent_block_hash=None``).
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+
+
+#: ``callback(stored, removed)``. ``stored`` is in chain order (each block's parent is the
+#: previous one, or already cached); ``removed`` lists evicted/cleared hashes. Removals happen
+#: before the stores of the same call (room is made first), so emit them in that order.
+KVEventCallback = Callable[[list[StoredBlock], list[int]], None]
+
+
+@dataclass(slots=True)
+class CacheStats:
+    """Counters the engine reports at /sim/stats; tokens are prompt tokens only."""
+
+    requests: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    prefill_seconds_modelled: float = 0.0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+
+@dataclass(slots=True)
+class _Block:
+    parent_hash: int | None
+    token_ids: tuple[int, ...]
+
+
+@dataclass
+class PrefixCache:
+    """LRU block cache; not thread-safe (the sim is single-threaded asyncio)."""
+
+    block_size: int = 16
+    capacity_blocks: int = 4096
+    prefill_us_per_token: float = 50.0
+    #: Fixed per-request prefill cost (scheduling, the recomputed last token, sampling).
+    prefill_overhead_us: float = 1000.0
+    on_change: KVEventCallback | None = None
+    stats: CacheStats = field(default_factory=CacheStats)
+    #: Tokens newly written by the last ``lookup_and_insert`` (Anthropic's cache_creation).
+    last_stored_tokens: int = field(default=0, init=False)
+    _blocks: OrderedDict[int, _Block] = field(default_factory=OrderedDict, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.capacity_blocks < 1:
+            raise ValueError("capacity_blocks must be >= 1")
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+    def __contains__(self, block_hash: object) -> bool:
+        return block_hash in self._blocks
+
+    def block_hashes(self, tokens: Sequence[int]) -> list[int]:
+        """Chain hashes of the full blocks of ``tokens`` (what a KV-aware router would index)."""
+        bs = self.block_size
+        parent = _ROOT_SEED
+        out: list[int] = []
+        for start in range(0, len(tokens) - bs + 1, bs):
+            parent = chain_hash(parent, tokens[start : start + bs])
+            out.append(parent)
+        return out
+
+    def prefill_seconds(self, uncached_tokens: int) -> float:
+        """Modelled prefill latency: linear in uncached tokens plus a fixed overhead."""
+        return (uncached_tokens * self.prefill_us_per_token + self.prefill_overhead_us) / 1e6
+
+    def peek(self, tokens: Sequence[int]) -> int:
+        """Cached-token count ``lookup_and_insert`` would report, without touching LRU/stats."""
+        hashes = self.block_hashes(tokens)
+        hits = 0
+        for h in hashes[: self._max_hit_blocks(len(tokens))]:
+            if h not in self._blocks:
+                break
+            hits += 1
+        return hits * self.block_size
+
+    def lookup_and_insert(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """Account one prefill: count the cached prefix, cache the rest, update stats.
+
+        Returns ``(cached_tokens, total_tokens)``.
+        """
+        total = len(tokens)
+        bs = self.block_size
+        blocks = self._blocks
+        hashes = self.block_hashes(tokens)
+        max_hits = self._max_hit_blocks(total)
+
+        hits = 0
+        for h in hashes:
+            if hits >= max_hits or h not in blocks:
+                break
+            hits += 1
+        # A request cannot hold more blocks than the cache has; the excess tail is not stored.
+        limit = min(len(hashes), self.capacity_blocks)
+        mine = hashes[:limit]
+        # Protect this request's already-cached blocks, then make room, then store the rest.
+        # (After the first miss everything is normally new, but a block whose ancestor was
+        # evicted can still be present, hence the membership test.)
+        new: list[int] = []
+        for i, h in enumerate(mine):
+            if h in blocks:
+                blocks.move_to_end(h)
+            else:
+                new.append(i)
+        removed: list[int] = []
+        overflow = len(blocks) + len(new) - self.capacity_blocks
+        while overflow > 0:
+            removed.append(blocks.popitem(last=False)[0])
+            overflow -= 1
+        stored: list[StoredBlock] = []
+        for i in new:
+            parent = hashes[i - 1] if i > 0 else None
+            token_ids = tuple(tokens[i * bs : (i + 1) * bs])
+            blocks[hashes[i]] = _Block(parent, token_ids)
+            if self.on_change is not None:
+                stored.append(StoredBlock(hashes[i], parent, token_ids))
+        # Final LRU order, oldest first: tail ... root, so the shared root outlives the tail.
+        for h in reversed(mine):
+            blocks.move_to_end(h)
+
+        cached = hits * bs
+        self.last_stored_tokens = len(new) * bs
+        st = self.stats
+        st.requests += 1
+        st.prompt_tokens += total
+        st.cached_tokens += cached
+        st.prefill_seconds_modelled += self.prefill_seconds(total - cached)
+        if self.on_change is not None and (stored or removed):
+            self.on_change(stored, removed)
+        return cached, total
+
+    def clear(self) -> None:
+        """Drop every block (reported as removals, like vLLM's reset_prefix_cache)."""
+        removed = list(self._blocks)
+        self._blocks.clear()
+        if self.on_change is not None and removed:
+            self.on_change([], removed)
+
+    def reset_stats(self) -> None:
+        self.stats = CacheStats()
+
+    def _max_hit_blocks(self, total: int) -> int:
+        # The last prompt token is always recomputed, so a full-prompt hit stops one short.
+        return max(0, (total - 1) // self.block_size)
