@@ -1,0 +1,739 @@
+"""ZMQ SUB source for vLLM / SGLang KV events (one per backend and data-parallel rank).
+
+Wire format (``engine-formats.md`` §1, §6): every live message is three frames,
+``[topic, seq, payload]``, where ``seq`` is an 8-byte big-endian counter that starts at 0 when
+the engine's publisher starts and rises by 1 per batch. Anything else is counted as a
+malformed frame and dropped; an undecodable payload is counted as a decode error. Neither
+ever ends the receive loop.
+
+Ordering (the algorithm)
+------------------------
+``last_seq`` is the sequence number of the last batch handed to ``on_batch``. It survives
+reconnects, so a reconnect is just another chance to see a gap. For each live batch ``s``:
+
+* no ``last_seq`` yet: ``s`` is the baseline and is delivered;
+* ``s == last_seq + 1``: delivered;
+* ``s > last_seq + 1`` (a gap: slow-joiner loss, HWM overflow, a reconnect): with a
+  ``replay_endpoint`` a DEALER asks the engine's ROUTER for every buffered batch from
+  ``last_seq + 1``; the replayed batches are delivered in order (the live ``s`` among them)
+  and the live copies of replayed batches that are still queued on the SUB socket are
+  dropped as duplicates. If there is no replay endpoint, or replay fails, times out or
+  starts past ``last_seq + 1`` (the engine's buffer no longer holds the missing batches),
+  ``on_resync("gap")`` is called and delivery resumes at ``s``;
+* ``s <= last_seq`` outside that duplicate window: a PUB never repeats a sequence number,
+  so the engine restarted. ``on_resync("restart")`` is called and ``s`` becomes the new
+  baseline; with a replay endpoint the restarted engine's batches ``0..s-1`` (lost to the
+  slow-joiner rule) are fetched first.
+
+Access control: ``allowed_publishers`` (IPs, CIDRs, hostnames). In bind mode a ZAP handler
+on ``inproc://zeromq.zap.01`` of the source's private context accepts only listed peer
+addresses (the SUB socket sets a ZAP domain and enforces it, so the check fails closed);
+in connect mode the endpoint's host, resolved, must be listed, or :meth:`ZmqSource.run`
+raises :class:`PublisherNotAllowedError` before any socket exists. The replay endpoint is
+always connected to, so its host is checked the same way. ``ipc://`` and ``inproc://``
+endpoints are local and are not checked.
+
+Structure: :meth:`ZmqSource.run` is the supervisor (reconnects with an injected
+:class:`~listener.backoff.Backoff`); :meth:`ZmqSource._run_once` owns one socket's lifetime.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import ipaddress
+import logging
+import re
+import socket
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Literal, TypeAlias
+
+import zmq
+import zmq.asyncio
+
+from listener.backoff import Backoff, ExponentialBackoff
+from listener.engine_events import EventBatch
+
+__all__ = [
+    "END_SEQ",
+    "BatchCallback",
+    "Decoder",
+    "PublisherAllowlist",
+    "PublisherNotAllowedError",
+    "ResyncCallback",
+    "ZmqSource",
+    "ZmqSourceConfig",
+    "ZmqSourceStats",
+    "expand_dp_endpoints",
+    "offset_endpoint",
+]
+
+logger = logging.getLogger(__name__)
+
+ZmqEngine: TypeAlias = Literal["vllm", "sglang"]
+Decoder: TypeAlias = Callable[[bytes, ZmqEngine], EventBatch]
+"""``decode_batch(payload, engine) -> EventBatch``; raises (``ValueError``) on bad input."""
+BatchCallback: TypeAlias = Callable[[EventBatch, "int | None"], "Awaitable[None] | None"]
+"""``on_batch(batch, dp_rank)``; may be a plain function or a coroutine function."""
+ResyncCallback: TypeAlias = Callable[[str], "Awaitable[None] | None"]
+"""``on_resync(reason)``: forget this source's blocks; ``reason`` is ``gap`` or ``restart``."""
+
+SEQ_LEN = 8
+END_SEQ = b"\xff" * SEQ_LEN
+"""The replay end marker (-1 as 8 bytes); never a live sequence number."""
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+_ZAP_DOMAIN = b"continuum"
+_SCHEMES = ("tcp://", "ipc://", "inproc://")
+_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+_MAX_LOGGED_DENIED = 64
+
+
+# --------------------------------------------------------------------------------------------
+# Access control (shared with the TensorRT-LLM poller)
+
+
+class PublisherNotAllowedError(ValueError):
+    """A publisher endpoint's host is not in ``allowed_publishers``. Not retried."""
+
+    def __init__(self, host: str, addresses: Iterable[str], allowed: Iterable[str]) -> None:
+        self.host = host
+        self.addresses = tuple(addresses)
+        self.allowed = tuple(allowed)
+        resolved = (
+            f" (resolves to {', '.join(self.addresses)})"
+            if self.addresses and self.addresses != (host,)
+            else ""
+        )
+        super().__init__(
+            f"publisher host {host!r}{resolved} is not in allowed_publishers "
+            f"{list(self.allowed)}; add it (IP, CIDR or hostname) or fix the endpoint"
+        )
+
+
+def _normalize_ip(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    text = text.strip().strip("[]").split("%", 1)[0]
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        return ip.ipv4_mapped
+    return ip
+
+
+class PublisherAllowlist:
+    """``allowed_publishers``: IP addresses, CIDR networks and hostnames.
+
+    Hostnames are resolved by :meth:`refresh` (call it before each connection lifetime);
+    a name that does not resolve allows nothing. IPv4-mapped IPv6 peers match their IPv4
+    form.
+
+    Raises:
+        ValueError: an entry is neither an IP, a CIDR nor a hostname.
+    """
+
+    def __init__(self, entries: Iterable[str]) -> None:
+        self.entries: tuple[str, ...] = tuple(str(e).strip() for e in entries)
+        nets: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        names: list[str] = []
+        for entry in self.entries:
+            try:
+                nets.append(ipaddress.ip_network(entry.strip("[]"), strict=False))
+                continue
+            except ValueError:
+                pass
+            if not _HOSTNAME.match(entry):
+                raise ValueError(
+                    f"allowed_publishers entry {entry!r} is not an IP address, CIDR or hostname"
+                )
+            names.append(entry.lower().rstrip("."))
+        self._networks = tuple(nets)
+        self._hostnames = frozenset(names)
+        self._resolved: frozenset[ipaddress.IPv4Address | ipaddress.IPv6Address] = frozenset()
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    async def refresh(self) -> None:
+        """Resolve the hostname entries (never blocks the loop). Unresolvable names are logged."""
+        loop = asyncio.get_running_loop()
+        found: set[ipaddress.IPv4Address | ipaddress.IPv6Address] = set()
+        for name in sorted(self._hostnames):
+            try:
+                infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            except OSError as exc:
+                logger.warning("allowed_publishers: cannot resolve %r: %s", name, exc)
+                continue
+            found.update(ip for info in infos if (ip := _normalize_ip(str(info[4][0]))))
+        self._resolved = frozenset(found)
+
+    def allows_address(self, address: str) -> bool:
+        """Whether a peer IP address (as ZAP or a socket reports it) is allowed."""
+        ip = _normalize_ip(address)
+        if ip is None:
+            return False
+        return ip in self._resolved or any(ip in net for net in self._networks)
+
+    async def check_host(self, host: str) -> None:
+        """Allow ``host`` (IP or hostname) only if it, and every address it resolves to, is listed.
+
+        Raises:
+            PublisherNotAllowedError: it is not.
+            OSError: the name does not resolve (``socket.gaierror``); retryable.
+        """
+        if host.lower().rstrip(".") in self._hostnames:
+            return
+        ip = _normalize_ip(host)
+        if ip is not None:
+            addresses = [str(ip)]
+        else:
+            loop = asyncio.get_running_loop()
+            infos = await loop.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+            addresses = sorted({str(info[4][0]).split("%", 1)[0] for info in infos})
+        if not addresses or not all(self.allows_address(a) for a in addresses):
+            raise PublisherNotAllowedError(host, addresses, self.entries)
+
+
+# --------------------------------------------------------------------------------------------
+# Endpoints
+
+
+def _tcp_host_port(endpoint: str) -> tuple[str, str]:
+    """``tcp://[src;]host:port`` -> (host without brackets, port text)."""
+    rest = endpoint[len("tcp://") :].rsplit(";", 1)[-1]
+    host, sep, port = rest.rpartition(":")
+    if not sep or not host:
+        raise ValueError(f"tcp endpoint needs host:port, got {endpoint!r}")
+    return host.strip("[]"), port
+
+
+def _is_ipv6(endpoint: str) -> bool:
+    return endpoint.startswith("tcp://") and ":" in _tcp_host_port(endpoint)[0]
+
+
+def offset_endpoint(endpoint: str, dp_rank: int) -> str:
+    """The endpoint a data-parallel rank publishes on (the engines' own rule, §1).
+
+    ``tcp://h:5557`` becomes ``tcp://h:5557+rank``; ``inproc://x`` / ``ipc://x`` become
+    ``..._dp<rank>``; rank 0 is unchanged.
+
+    Raises:
+        ValueError: negative rank, no numeric port, a port above 65535, or an unknown scheme.
+    """
+    if dp_rank < 0:
+        raise ValueError(f"dp rank must be >= 0, got {dp_rank}")
+    if not endpoint.startswith(_SCHEMES):
+        raise ValueError(f"endpoint must start with tcp://, ipc:// or inproc://: {endpoint!r}")
+    if dp_rank == 0:
+        return endpoint
+    if endpoint.startswith(("inproc://", "ipc://")):
+        return f"{endpoint}_dp{dp_rank}"
+    _, port = _tcp_host_port(endpoint)
+    if not port.isdigit():
+        raise ValueError(f"cannot offset a non-numeric port for dp rank {dp_rank}: {endpoint!r}")
+    new_port = int(port) + dp_rank
+    if new_port > 65535:
+        raise ValueError(f"port {new_port} for dp rank {dp_rank} exceeds 65535 ({endpoint!r})")
+    return f"{endpoint[: endpoint.rfind(':')]}:{new_port}"
+
+
+def expand_dp_endpoints(
+    endpoint: str, dp_ranks: int | Iterable[int], replay_endpoint: str | None = None
+) -> list[tuple[int, str, str | None]]:
+    """One ``(rank, endpoint, replay_endpoint)`` per data-parallel rank.
+
+    Args:
+        endpoint: rank 0's endpoint.
+        dp_ranks: the number of ranks (``0..n-1``) or the ranks themselves.
+        replay_endpoint: rank 0's replay endpoint, offset the same way; ``None`` stays ``None``.
+    """
+    ranks = range(dp_ranks) if isinstance(dp_ranks, int) else list(dp_ranks)
+    return [
+        (
+            rank,
+            offset_endpoint(endpoint, rank),
+            offset_endpoint(replay_endpoint, rank) if replay_endpoint else None,
+        )
+        for rank in ranks
+    ]
+
+
+# --------------------------------------------------------------------------------------------
+# Config and counters
+
+
+@dataclass(frozen=True, slots=True)
+class ZmqSourceConfig:
+    endpoint: str
+    """Where the engine publishes: ``tcp://host:port`` (``tcp://127.0.0.1:*`` binds an
+    ephemeral port, see :attr:`ZmqSource.bound_endpoint`), ``ipc://...`` or ``inproc://...``."""
+    mode: Literal["bind", "connect"] = "connect"
+    """``connect`` when the engine binds (its endpoint has ``*``); ``bind`` when the engine is
+    given this listener's address and connects."""
+    engine: ZmqEngine = "vllm"
+    """Passed to the decoder."""
+    topic: str = ""
+    """SUB prefix filter; the engine's ``topic`` (default empty: everything)."""
+    replay_endpoint: str | None = None
+    """The engine's replay ROUTER (always connected to). ``None``: gaps are not replayed."""
+    allowed_publishers: tuple[str, ...] = ()
+    """IPs, CIDRs or hostnames allowed to publish (tcp only). Empty: anyone may."""
+    dp_rank: int | None = None
+    """The data-parallel rank this source listens to; passed to ``on_batch``."""
+    backend: str = ""
+    """Backend name, for logs."""
+    replay_timeout_s: float = 5.0
+    """Longest wait for each replay reply message, in seconds."""
+    rcvhwm: int = 100_000
+    """SUB receive high-water mark (messages); the engines' PUB uses 100 000."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("bind", "connect"):
+            raise ValueError(f"mode must be 'bind' or 'connect', got {self.mode!r}")
+        if self.engine not in ("vllm", "sglang"):
+            raise ValueError(f"engine must be 'vllm' or 'sglang', got {self.engine!r}")
+        for name, ep in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if ep is not None and not ep.startswith(_SCHEMES):
+                raise ValueError(f"{name} must start with tcp://, ipc:// or inproc://: {ep!r}")
+            if ep is not None and ep.startswith("tcp://"):
+                _tcp_host_port(ep)
+        if self.mode == "connect" and self.endpoint.startswith("tcp://"):
+            host, port = _tcp_host_port(self.endpoint)
+            if host == "*" or not port.isdigit():
+                raise ValueError(
+                    f"mode 'connect' requires a concrete host:port endpoint, got {self.endpoint!r}"
+                )
+        if self.replay_timeout_s <= 0:
+            raise ValueError("replay_timeout_s must be > 0")
+        if self.dp_rank is not None and self.dp_rank < 0:
+            raise ValueError("dp_rank must be >= 0")
+        object.__setattr__(self, "allowed_publishers", tuple(self.allowed_publishers))
+        PublisherAllowlist(self.allowed_publishers)  # validates the entries
+
+
+@dataclass(slots=True)
+class ZmqSourceStats:
+    frames: int = 0
+    """Multipart messages received on the live socket."""
+    batches: int = 0
+    """Batches decoded and handed to ``on_batch`` (live and replayed)."""
+    events: int = 0
+    """Events in those batches."""
+    decode_errors: int = 0
+    malformed_frames: int = 0
+    """Live messages that are not ``[topic, 8-byte seq, payload]``."""
+    gaps: int = 0
+    """Forward jumps in ``seq``."""
+    replays: int = 0
+    """Gaps closed by replay."""
+    replay_failures: int = 0
+    replayed_batches: int = 0
+    duplicates: int = 0
+    """Live batches dropped because replay had already delivered them."""
+    restarts: int = 0
+    resyncs: int = 0
+    publishers_denied: int = 0
+    """Connections refused by the ZAP handler (bind mode)."""
+    callback_errors: int = 0
+    connects: int = 0
+    """Socket lifetimes started (the first, then one per reconnect)."""
+    last_seq: int | None = None
+
+
+# --------------------------------------------------------------------------------------------
+# Frame parsing
+
+
+def _parse_live(frames: list[bytes]) -> tuple[int, bytes] | None:
+    if len(frames) != 3 or len(frames[1]) != SEQ_LEN or frames[1] == END_SEQ:
+        return None
+    return int.from_bytes(frames[1], "big"), frames[2]
+
+
+_END = object()
+
+
+def _parse_replay(frames: list[bytes]) -> tuple[int, bytes] | object | None:
+    """A replay reply as ``(seq, payload)``, ``_END``, or ``None`` when malformed.
+
+    Layouts (§6): ``[b"", seq, payload]`` / ``[b"", END, b""]`` (vLLM < 0.26, SGLang < 0.5.22)
+    and ``[b"", topic, seq, payload]`` / ``[b"", b"", END, b""]`` (newer).
+    """
+    if len(frames) == 3 and frames[0] == b"":
+        seq, payload = frames[1], frames[2]
+    elif len(frames) == 4 and frames[0] == b"":
+        seq, payload = frames[2], frames[3]
+    else:
+        return None
+    if len(seq) != SEQ_LEN:
+        return None
+    if seq == END_SEQ:
+        return _END if payload == b"" else None
+    return int.from_bytes(seq, "big"), payload
+
+
+class _ReplayError(Exception):
+    pass
+
+
+# --------------------------------------------------------------------------------------------
+# ZAP
+
+
+class _ZapHandler:
+    """Answers ZAP requests (RFC 27) by peer address; fails closed on anything odd."""
+
+    def __init__(self, allowlist: PublisherAllowlist, stats: ZmqSourceStats, name: str) -> None:
+        self._allowlist = allowlist
+        self._stats = stats
+        self._name = name
+        self._logged: set[str] = set()
+
+    def reply(self, msg: list[bytes]) -> list[bytes]:
+        if len(msg) < 6:
+            request_id = msg[1] if len(msg) > 1 else b""
+            return [b"1.0", request_id, b"500", b"Malformed ZAP request", b"", b""]
+        version, request_id, _domain, address_b, _identity, _mechanism = msg[:6]
+        address = address_b.decode("ascii", "replace")
+        if version == b"1.0" and self._allowlist.allows_address(address):
+            return [b"1.0", request_id, b"200", b"OK", b"", b""]
+        self._stats.publishers_denied += 1
+        if address not in self._logged and len(self._logged) < _MAX_LOGGED_DENIED:
+            self._logged.add(address)
+            logger.warning(
+                "zmq source %s: refused publisher %s (not in allowed_publishers)",
+                self._name,
+                address,
+            )
+        return [b"1.0", request_id, b"400", b"Address not allowed", b"", b""]
+
+    async def serve(self, sock: zmq.asyncio.Socket) -> None:
+        """Answer requests until cancelled. Owns ``sock`` and closes it."""
+        try:
+            while True:
+                msg = await sock.recv_multipart()
+                await sock.send_multipart(self.reply(msg))
+        except zmq.ZMQError as exc:
+            # Without a handler the SUB socket enforces its ZAP domain: every peer is refused.
+            logger.error("zmq source %s: ZAP handler stopped: %s", self._name, exc)
+        finally:
+            sock.close(0)
+
+
+# --------------------------------------------------------------------------------------------
+# The source
+
+
+class ZmqSource:
+    """Receives one engine publisher's batches, in order, and hands them on.
+
+    Args:
+        config: where and how to listen.
+        decode: ``decode_batch(payload, engine) -> EventBatch`` (``listener.decode``); any
+            exception it raises counts as a decode error.
+        on_batch: called with each batch in sequence order, and this source's dp rank (the
+            batch's own ``dp_rank`` when the config has none). Sync or async.
+        on_resync: called with ``"gap"`` or ``"restart"`` before the first batch after a loss
+            that could not be replayed, or after an engine restart. Sync or async.
+        backoff: reconnect delay strategy (default ``ExponentialBackoff()``).
+
+    Callback exceptions are logged (the first) and counted, never propagated.
+    """
+
+    def __init__(
+        self,
+        config: ZmqSourceConfig,
+        *,
+        decode: Decoder,
+        on_batch: BatchCallback,
+        on_resync: ResyncCallback,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.config = config
+        self.stats = ZmqSourceStats()
+        self._decode = decode
+        self._on_batch = on_batch
+        self._on_resync = on_resync
+        self._backoff = backoff if backoff is not None else ExponentialBackoff()
+        self._allowlist = PublisherAllowlist(config.allowed_publishers)
+        self._name = config.backend or config.endpoint
+        if config.dp_rank is not None:
+            self._name += f"[dp{config.dp_rank}]"
+        self._uses_zap = (
+            bool(self._allowlist) and config.mode == "bind" and config.endpoint.startswith("tcp://")
+        )
+        self._ctx: zmq.asyncio.Context | None = None
+        self._last_seq: int | None = None
+        self._dup_floor: int | None = None
+        """After a replay, live batches with ``dup_floor < seq <= last_seq`` are duplicates."""
+        self._failures = 0
+        self._ready = asyncio.Event()
+        self._bound_endpoint: str | None = None
+        self._decode_error_logged = False
+        self._malformed_logged = False
+        self._callback_error_logged = False
+
+    # -- public surface ----------------------------------------------------------------------
+
+    @property
+    def last_seq(self) -> int | None:
+        return self._last_seq
+
+    @property
+    def bound_endpoint(self) -> str | None:
+        """The live socket's actual endpoint (resolves ``*`` ports), once :meth:`wait_ready`."""
+        return self._bound_endpoint
+
+    async def wait_ready(self) -> str:
+        """Wait until the live socket is bound or connected; returns :attr:`bound_endpoint`."""
+        await self._ready.wait()
+        assert self._bound_endpoint is not None
+        return self._bound_endpoint
+
+    async def run(self) -> None:
+        """Receive until cancelled. May be called once at a time per source.
+
+        Each connection lifetime (:meth:`_run_once`) that ends in an error (a bind that fails,
+        a name that does not resolve, a socket error) is logged and retried after
+        ``backoff.compute(failures)``; the first good frame resets the failure count. The
+        source owns a private ZMQ context (ZAP handlers are per context), destroyed on exit.
+
+        Raises:
+            PublisherNotAllowedError: an endpoint's host is not in ``allowed_publishers``
+                (a configuration error; not retried).
+            asyncio.CancelledError: always propagated.
+        """
+        self._ctx = ctx = zmq.asyncio.Context()
+        zap_task: asyncio.Task[None] | None = None
+        try:
+            if self._uses_zap:
+                # The ZAP handler belongs to the context (one per source), not to a socket
+                # lifetime: it is bound before any SUB socket exists and outlives reconnects.
+                zap_sock = ctx.socket(zmq.REP)
+                zap_sock.setsockopt(zmq.LINGER, 0)
+                zap_sock.bind(ZAP_ENDPOINT)
+                zap = _ZapHandler(self._allowlist, self.stats, self._name)
+                zap_task = asyncio.create_task(zap.serve(zap_sock), name=f"zap:{self._name}")
+            while True:
+                try:
+                    await self._run_once()
+                except PublisherNotAllowedError:
+                    raise
+                except Exception as exc:
+                    self._failures += 1
+                    delay = self._backoff.compute(self._failures)
+                    logger.warning(
+                        "zmq source %s: %s: %s; reconnecting in %.2fs (failure %d)",
+                        self._name,
+                        type(exc).__name__,
+                        exc,
+                        delay,
+                        self._failures,
+                    )
+                    await asyncio.sleep(delay)
+        finally:
+            self._ready.clear()
+            if zap_task is not None:
+                zap_task.cancel()
+                await asyncio.wait([zap_task])
+            self._ctx = None
+            ctx.destroy(linger=0)
+
+    # -- one connection's lifetime -----------------------------------------------------------
+
+    async def _run_once(self) -> None:
+        """Check the allowlist, then own one SUB socket until an error (or cancellation)."""
+        assert self._ctx is not None
+        cfg = self.config
+        self._ready.clear()
+        if self._allowlist:
+            await self._allowlist.refresh()
+            if cfg.mode == "connect" and cfg.endpoint.startswith("tcp://"):
+                await self._allowlist.check_host(_tcp_host_port(cfg.endpoint)[0])
+            if cfg.replay_endpoint and cfg.replay_endpoint.startswith("tcp://"):
+                await self._allowlist.check_host(_tcp_host_port(cfg.replay_endpoint)[0])
+        with self._ctx.socket(zmq.SUB) as sock:
+            sock.setsockopt(zmq.RCVHWM, cfg.rcvhwm)
+            sock.setsockopt(zmq.LINGER, 0)
+            if _is_ipv6(cfg.endpoint):
+                sock.setsockopt(zmq.IPV6, 1)
+            if self._uses_zap:
+                sock.setsockopt(zmq.ZAP_DOMAIN, _ZAP_DOMAIN)
+                sock.setsockopt(zmq.ZAP_ENFORCE_DOMAIN, 1)
+            sock.setsockopt(zmq.SUBSCRIBE, cfg.topic.encode())
+            if cfg.mode == "bind":
+                sock.bind(cfg.endpoint)
+            else:
+                sock.connect(cfg.endpoint)
+            self._bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or cfg.endpoint
+            self.stats.connects += 1
+            self._ready.set()
+            logger.info(
+                "zmq source %s: %s %s (replay %s)",
+                self._name,
+                "bound" if cfg.mode == "bind" else "connected to",
+                self._bound_endpoint,
+                cfg.replay_endpoint or "off",
+            )
+            while True:
+                frames = await sock.recv_multipart()
+                await self._on_live(frames)
+
+    # -- ordering ----------------------------------------------------------------------------
+
+    async def _on_live(self, frames: list[bytes]) -> None:
+        self.stats.frames += 1
+        parsed = _parse_live(frames)
+        if parsed is None:
+            self.stats.malformed_frames += 1
+            if not self._malformed_logged:
+                self._malformed_logged = True
+                logger.warning(
+                    "zmq source %s: dropped a malformed message (%d frames, seq frame %d bytes);"
+                    " further ones are only counted",
+                    self._name,
+                    len(frames),
+                    len(frames[1]) if len(frames) > 1 else -1,
+                )
+            return
+        if self._failures:
+            self._failures = 0
+            self._backoff.reset()
+        seq, payload = parsed
+        last = self._last_seq
+        if last is None or seq == last + 1:
+            self._dup_floor = None
+            await self._deliver(seq, payload)
+        elif seq > last + 1:
+            self.stats.gaps += 1
+            await self._recover(last + 1, seq, payload, after_restart=False)
+        elif self._dup_floor is not None and seq > self._dup_floor:
+            self.stats.duplicates += 1
+        else:
+            self.stats.restarts += 1
+            logger.warning(
+                "zmq source %s: seq fell from %d to %d: engine restarted", self._name, last, seq
+            )
+            await self._resync("restart")
+            self._last_seq = self.stats.last_seq = None
+            self._dup_floor = None
+            if self.config.replay_endpoint and seq > 0:
+                await self._recover(0, seq, payload, after_restart=True)
+            else:
+                await self._deliver(seq, payload)
+
+    async def _recover(self, start: int, seq: int, payload: bytes, *, after_restart: bool) -> None:
+        """Fill ``start..seq-1`` by replay, then make sure live batch ``seq`` is delivered.
+
+        After a restart the state has just been reset, so a failed replay only means fewer
+        known blocks and no second resync is sent.
+        """
+        if self.config.replay_endpoint:
+            try:
+                await self._replay(start)
+            except (_ReplayError, TimeoutError, zmq.ZMQError) as exc:
+                logger.warning(
+                    "zmq source %s: replay from %d failed: %s",
+                    self._name,
+                    start,
+                    str(exc) or type(exc).__name__,
+                )
+        covered = self._last_seq if self._last_seq is not None else start - 1
+        if covered >= seq - 1:
+            if self.config.replay_endpoint:
+                self.stats.replays += 1
+            self._dup_floor = start - 1
+            if covered == seq - 1:
+                await self._deliver(seq, payload)
+            return
+        if self.config.replay_endpoint:
+            self.stats.replay_failures += 1
+        if not after_restart:
+            logger.warning(
+                "zmq source %s: lost batches %d..%d; resync",
+                self._name,
+                covered + 1,
+                seq - 1,
+            )
+            await self._resync("gap")
+        self._dup_floor = None
+        await self._deliver(seq, payload)
+
+    async def _replay(self, start: int) -> None:
+        """Ask the replay ROUTER for batches from ``start`` and deliver them as they arrive.
+
+        Raises:
+            _ReplayError: malformed reply, or the first batch is past ``start`` (lost).
+            TimeoutError: no reply within ``replay_timeout_s``.
+        """
+        assert self._ctx is not None and self.config.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            if _is_ipv6(self.config.replay_endpoint):
+                dealer.setsockopt(zmq.IPV6, 1)
+            dealer.connect(self.config.replay_endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(SEQ_LEN, "big")])
+            expected = start
+            while True:
+                async with asyncio.timeout(self.config.replay_timeout_s):
+                    frames = await dealer.recv_multipart()
+                item = _parse_replay(frames)
+                if item is _END:
+                    return
+                if item is None:
+                    raise _ReplayError(f"malformed replay reply ({len(frames)} frames)")
+                assert isinstance(item, tuple)
+                seq, payload = item
+                if seq < expected or (self._last_seq is not None and seq <= self._last_seq):
+                    continue
+                if seq > expected:
+                    raise _ReplayError(f"replay buffer starts at {seq}, needed {expected}")
+                self.stats.replayed_batches += 1
+                await self._deliver(seq, payload)
+                expected = seq + 1
+        finally:
+            dealer.close(0)
+
+    # -- hand-off ----------------------------------------------------------------------------
+
+    async def _deliver(self, seq: int, payload: bytes) -> None:
+        self._last_seq = self.stats.last_seq = seq
+        try:
+            batch = self._decode(payload, self.config.engine)
+        except Exception as exc:
+            self.stats.decode_errors += 1
+            if not self._decode_error_logged:
+                self._decode_error_logged = True
+                logger.warning(
+                    "zmq source %s: undecodable batch seq=%d (%d bytes): %s;"
+                    " further decode errors are only counted",
+                    self._name,
+                    seq,
+                    len(payload),
+                    type(exc).__name__,
+                )
+            return
+        self.stats.batches += 1
+        self.stats.events += len(batch.events)
+        rank = self.config.dp_rank if self.config.dp_rank is not None else batch.dp_rank
+        await self._call(self._on_batch, batch, rank)
+
+    async def _resync(self, reason: str) -> None:
+        self.stats.resyncs += 1
+        await self._call(self._on_resync, reason)
+
+    async def _call(self, fn: Callable[..., object], *args: object) -> None:
+        try:
+            result = fn(*args)
+            if inspect.isawaitable(result):
+                await result
+        except Exception:
+            self.stats.callback_errors += 1
+            if not self._callback_error_logged:
+                self._callback_error_logged = True
+                logger.exception(
+                    "zmq source %s: callback failed; further failures are only counted",
+                    self._name,
+                )

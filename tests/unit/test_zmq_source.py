@@ -1,0 +1,762 @@
+"""ZmqSource against real ZMQ sockets on loopback.
+
+The publisher side is built the way vLLM's ``ZmqEventPublisher`` works (engine-formats.md §1,
+§6): frames ``[topic, seq(8 BE), payload]`` on a PUB socket (an XPUB here, only so the test can
+await the subscription instead of sleeping past the slow-joiner window), a ROUTER answering
+replay requests from its buffer in either reply layout, and a separate process for the
+engine-restart case. The decoder is a stub that understands the encoding-A batches these
+tests publish; ``listener.decode`` is tested on its own.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Literal
+
+import msgpack
+import pytest
+import zmq
+import zmq.asyncio
+
+from listener.backoff import ExponentialBackoff, NoBackoff
+from listener.engine_events import BlockStored, EventBatch, normalize_hash
+from listener.zmq_source import (
+    END_SEQ,
+    PublisherAllowlist,
+    PublisherNotAllowedError,
+    ZmqSource,
+    ZmqSourceConfig,
+    expand_dp_endpoints,
+    offset_endpoint,
+)
+
+TIMEOUT = 5.0
+HASH_BASE = (1 << 63) + 12345
+"""Batch ``seq`` carries block hash ``HASH_BASE + seq`` (a uint64 above 2**63, as vLLM sends)."""
+
+
+# --------------------------------------------------------------------------------------------
+# Helpers
+
+
+def batch_payload(seq: int) -> bytes:
+    """A vLLM 0.10.2 encoding-A ``EventBatch`` whose block hash identifies ``seq``."""
+    stored = ["BlockStored", [HASH_BASE + seq], None, [101, 102, 103, 104], 4, None, "GPU"]
+    return msgpack.packb([1_700_000_000.5, [stored], 0])
+
+
+def stub_decode(payload: bytes, engine: str) -> EventBatch:
+    try:
+        top = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except Exception as exc:
+        raise ValueError("not msgpack") from exc
+    if not isinstance(top, list) or len(top) < 2 or not isinstance(top[1], list):
+        raise ValueError("not an EventBatch")
+    events: list[Any] = []
+    for ev in top[1]:
+        if ev[0] == "BlockStored":
+            events.append(
+                BlockStored(
+                    block_hashes=[normalize_hash(h) for h in ev[1]],
+                    parent_block_hash=None,
+                    token_ids=list(ev[3]),
+                    block_size=ev[4],
+                    medium=ev[6],
+                )
+            )
+    return EventBatch(ts=top[0], events=events, dp_rank=top[2] if len(top) > 2 else None)
+
+
+def seq_of(batch: EventBatch) -> int:
+    h = batch.events[0].block_hashes[0]  # type: ignore[union-attr]
+    assert isinstance(h, int)
+    return h - HASH_BASE
+
+
+async def eventually(pred: Callable[[], bool]) -> None:
+    """Await a condition within ``TIMEOUT``: no fixed sleep, it is checked every millisecond.
+
+    Polling is deliberate: most conditions are source counters, which have no notification
+    hook (and should not grow one for tests).
+    """
+    async with asyncio.timeout(TIMEOUT):
+        while not pred():  # noqa: ASYNC110
+            await asyncio.sleep(0.001)
+
+
+class Recorder:
+    """Callbacks: an async ``on_batch`` and a sync ``on_resync``, recorded in call order."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, ...]] = []
+        self.payloads: list[tuple[bytes, str]] = []
+
+    def decode(self, payload: bytes, engine: str) -> EventBatch:
+        self.payloads.append((payload, engine))
+        return stub_decode(payload, engine)
+
+    async def on_batch(self, batch: EventBatch, dp_rank: int | None) -> None:
+        self.items.append(("batch", seq_of(batch), dp_rank))
+
+    def on_resync(self, reason: str) -> None:
+        self.items.append(("resync", reason))
+
+    def seqs(self) -> list[int]:
+        return [item[1] for item in self.items if item[0] == "batch"]
+
+    def source(self, config: ZmqSourceConfig, **kw: Any) -> ZmqSource:
+        kw.setdefault("backoff", NoBackoff())
+        return ZmqSource(
+            config,
+            decode=self.decode,
+            on_batch=self.on_batch,
+            on_resync=self.on_resync,
+            **kw,
+        )
+
+
+@contextlib.asynccontextmanager
+async def running(source: ZmqSource) -> AsyncIterator[asyncio.Task[None]]:
+    task = asyncio.create_task(source.run())
+    try:
+        yield task
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+class FakeEngine:
+    """vLLM's ``ZmqEventPublisher``: live PUB frames, a replay ROUTER over a bounded buffer."""
+
+    def __init__(
+        self,
+        ctx: zmq.asyncio.Context,
+        *,
+        topic: bytes = b"",
+        layout: Literal["old", "new"] = "new",
+        buffer_steps: int = 10_000,
+    ) -> None:
+        self.pub = ctx.socket(zmq.XPUB)
+        self.pub.setsockopt(zmq.LINGER, 0)
+        self.ctx = ctx
+        self.topic = topic
+        self.layout = layout
+        self.buffer: list[tuple[int, bytes]] = []
+        self.buffer_steps = buffer_steps
+        self.next_seq = 0
+        self.router: zmq.asyncio.Socket | None = None
+        self.replay_requests: list[int] = []
+        self.hold: asyncio.Event | None = None
+        """When set, replay requests are answered only once this event is set."""
+        self._task: asyncio.Task[None] | None = None
+
+    def bind(self) -> str:
+        port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        return f"tcp://127.0.0.1:{port}"
+
+    def bind_replay(self) -> str:
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.setsockopt(zmq.LINGER, 0)
+        port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self._task = asyncio.create_task(self._serve_replay())
+        return f"tcp://127.0.0.1:{port}"
+
+    async def subscribed(self) -> None:
+        async with asyncio.timeout(TIMEOUT):
+            assert await self.pub.recv() == b"\x01" + self.topic
+
+    async def publish(self, *, live: bool = True, payload: bytes | None = None) -> int:
+        seq = self.next_seq
+        self.next_seq += 1
+        data = batch_payload(seq) if payload is None else payload
+        self.buffer = [*self.buffer, (seq, data)][-self.buffer_steps :]
+        if live:
+            await self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), data])
+        return seq
+
+    def restart(self) -> None:
+        """The engine process restarted: the sequence and the replay buffer start over."""
+        self.next_seq = 0
+        self.buffer = []
+
+    async def _serve_replay(self) -> None:
+        assert self.router is not None
+        while True:
+            frame = await self.router.recv_multipart()
+            if len(frame) != 3:
+                continue
+            client_id, _, start_seq_bytes = frame
+            start_seq = int.from_bytes(start_seq_bytes, "big")
+            self.replay_requests.append(start_seq)
+            if self.hold is not None:
+                await self.hold.wait()
+            for seq, buf in self.buffer:
+                if seq >= start_seq:
+                    if self.layout == "new":
+                        reply = [client_id, b"", self.topic, seq.to_bytes(8, "big"), buf]
+                    else:
+                        reply = [client_id, b"", seq.to_bytes(8, "big"), buf]
+                    await self.router.send_multipart(reply)
+            if self.layout == "new":
+                await self.router.send_multipart([client_id, b"", b"", END_SEQ, b""])
+            else:
+                await self.router.send_multipart([client_id, b"", END_SEQ, b""])
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.pub.close(0)
+        if self.router is not None:
+            self.router.close(0)
+
+
+@pytest.fixture
+async def zctx() -> AsyncIterator[zmq.asyncio.Context]:
+    ctx = zmq.asyncio.Context()
+    yield ctx
+    ctx.destroy(linger=0)
+
+
+@pytest.fixture
+async def engine_factory(
+    zctx: zmq.asyncio.Context,
+) -> AsyncIterator[Callable[..., FakeEngine]]:
+    engines: list[FakeEngine] = []
+
+    def make(**kw: Any) -> FakeEngine:
+        engines.append(FakeEngine(zctx, **kw))
+        return engines[-1]
+
+    yield make
+    for engine in engines:
+        await engine.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------------------------
+# Live delivery, both socket modes
+
+
+@pytest.mark.parametrize("topic", ["", "kv@vllm-1"])
+async def test_connect_mode_delivers_batches_in_order(
+    engine_factory: Callable[..., FakeEngine], topic: str
+) -> None:
+    engine = engine_factory(topic=topic.encode())
+    endpoint = engine.bind()
+    rec = Recorder()
+    cfg = ZmqSourceConfig(endpoint=endpoint, engine="sglang", topic=topic, dp_rank=3)
+    source = rec.source(cfg)
+    async with running(source):
+        await engine.subscribed()
+        for _ in range(5):
+            await engine.publish()
+        await eventually(lambda: len(rec.items) == 5)
+    assert rec.items == [("batch", s, 3) for s in range(5)]
+    assert rec.payloads == [(batch_payload(s), "sglang") for s in range(5)]
+    st = source.stats
+    assert (st.frames, st.batches, st.events, st.last_seq) == (5, 5, 5, 4)
+    assert (st.gaps, st.restarts, st.resyncs, st.malformed_frames, st.decode_errors) == (
+        0,
+        0,
+        0,
+        0,
+        0,
+    )
+    assert source.last_seq == 4
+
+
+async def test_bind_mode_engine_connects(zctx: zmq.asyncio.Context) -> None:
+    rec = Recorder()
+    source = rec.source(ZmqSourceConfig(endpoint="tcp://127.0.0.1:*", mode="bind"))
+    engine = FakeEngine(zctx)
+    try:
+        async with running(source):
+            endpoint = await asyncio.wait_for(source.wait_ready(), TIMEOUT)
+            assert endpoint.startswith("tcp://127.0.0.1:") and not endpoint.endswith("*")
+            engine.pub.connect(endpoint)
+            await engine.subscribed()
+            for _ in range(3):
+                await engine.publish()
+            await eventually(lambda: len(rec.items) == 3)
+    finally:
+        await engine.close()
+    # The batch's own dp_rank (0 in the payload) is passed on when the config has none.
+    assert rec.items == [("batch", 0, 0), ("batch", 1, 0), ("batch", 2, 0)]
+    assert source.stats.connects == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Gaps and replay
+
+
+@pytest.mark.parametrize("layout", ["old", "new"])
+async def test_gap_is_replayed_in_order_without_duplicates(
+    engine_factory: Callable[..., FakeEngine], layout: Literal["old", "new"]
+) -> None:
+    engine = engine_factory(layout=layout, topic=b"kv")
+    endpoint = engine.bind()
+    replay = engine.bind_replay()
+    rec = Recorder()
+    cfg = ZmqSourceConfig(
+        endpoint=endpoint,
+        topic="kv",
+        replay_endpoint=replay,
+        allowed_publishers=("127.0.0.1",),
+    )
+    source = rec.source(cfg)
+    async with running(source):
+        await engine.subscribed()
+        await engine.publish()  # 0
+        await eventually(lambda: rec.seqs() == [0])
+
+        engine.hold = asyncio.Event()
+        await engine.publish(live=False)  # 1: lost on the wire, still in the replay buffer
+        await engine.publish(live=False)  # 2
+        await engine.publish()  # 3: reveals the gap
+        await eventually(lambda: engine.replay_requests == [1])
+        # Published while the replay is in flight: replay returns them, and the live socket
+        # delivers them too; the live copies must be dropped.
+        await engine.publish()  # 4
+        await engine.publish()  # 5
+        engine.hold.set()
+        await eventually(lambda: rec.seqs()[-1:] == [5])
+        await engine.publish()  # 6
+        await eventually(lambda: rec.seqs()[-1:] == [6])
+        await eventually(lambda: source.stats.duplicates == 2)
+
+    assert rec.items == [("batch", s, 0) for s in range(7)]
+    assert [p for p, _ in rec.payloads] == [batch_payload(s) for s in range(7)]
+    st = source.stats
+    assert (st.gaps, st.replays, st.replay_failures, st.replayed_batches) == (1, 1, 0, 5)
+    assert (st.duplicates, st.resyncs, st.frames, st.last_seq) == (2, 0, 5, 6)
+
+
+async def test_gap_without_replay_endpoint_resyncs(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    engine = engine_factory()
+    rec = Recorder()
+    source = rec.source(ZmqSourceConfig(endpoint=engine.bind()))
+    async with running(source):
+        await engine.subscribed()
+        await engine.publish()  # 0
+        await engine.publish(live=False)  # 1 lost
+        await engine.publish()  # 2
+        await engine.publish()  # 3
+        await eventually(lambda: rec.seqs()[-1:] == [3])
+    assert rec.items == [
+        ("batch", 0, 0),
+        ("resync", "gap"),
+        ("batch", 2, 0),
+        ("batch", 3, 0),
+    ]
+    assert (source.stats.gaps, source.stats.resyncs, source.stats.replays) == (1, 1, 0)
+
+
+async def test_replay_buffer_overrun_resyncs(engine_factory: Callable[..., FakeEngine]) -> None:
+    engine = engine_factory(buffer_steps=2)
+    endpoint = engine.bind()
+    rec = Recorder()
+    source = rec.source(ZmqSourceConfig(endpoint=endpoint, replay_endpoint=engine.bind_replay()))
+    async with running(source):
+        await engine.subscribed()
+        await engine.publish()  # 0
+        for _ in range(3):
+            await engine.publish(live=False)  # 1, 2, 3; the buffer keeps only 2 batches
+        await engine.publish()  # 4: replay from 1 starts at 3, so 1 and 2 are gone
+        await eventually(lambda: rec.seqs()[-1:] == [4])
+    assert engine.replay_requests == [1]
+    assert rec.items == [("batch", 0, 0), ("resync", "gap"), ("batch", 4, 0)]
+    st = source.stats
+    assert (st.gaps, st.replays, st.replay_failures, st.resyncs) == (1, 0, 1, 1)
+
+
+async def test_unanswered_replay_times_out_and_resyncs(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    engine = engine_factory()
+    endpoint = engine.bind()
+    replay = engine.bind_replay()
+    engine.hold = asyncio.Event()  # never set: the ROUTER takes the request and stays silent
+    rec = Recorder()
+    cfg = ZmqSourceConfig(endpoint=endpoint, replay_endpoint=replay, replay_timeout_s=0.2)
+    source = rec.source(cfg)
+    async with running(source):
+        await engine.subscribed()
+        await engine.publish()  # 0
+        await engine.publish(live=False)  # 1
+        await engine.publish()  # 2
+        await eventually(lambda: rec.seqs()[-1:] == [2])
+    assert rec.items == [("batch", 0, 0), ("resync", "gap"), ("batch", 2, 0)]
+    assert source.stats.replay_failures == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Engine restarts
+
+
+async def test_seq_drop_is_a_restart_and_replays_the_new_engines_start(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    engine = engine_factory(layout="old")
+    endpoint = engine.bind()
+    rec = Recorder()
+    source = rec.source(ZmqSourceConfig(endpoint=endpoint, replay_endpoint=engine.bind_replay()))
+    async with running(source):
+        await engine.subscribed()
+        for _ in range(3):
+            await engine.publish()  # 0, 1, 2
+        await eventually(lambda: rec.seqs() == [0, 1, 2])
+        engine.restart()
+        await engine.publish(live=False)  # new 0 and 1: lost to the slow-joiner rule
+        await engine.publish(live=False)
+        await engine.publish()  # new 2: not above last_seq, so a restart
+        await eventually(lambda: len(rec.items) == 7)
+    assert rec.items == [
+        *(("batch", s, 0) for s in range(3)),
+        ("resync", "restart"),
+        *(("batch", s, 0) for s in range(3)),
+    ]
+    assert engine.replay_requests == [0]
+    assert (source.stats.restarts, source.stats.gaps, source.stats.resyncs) == (1, 0, 1)
+
+
+PUBLISHER_PROCESS = r"""
+import sys
+
+import msgpack
+import zmq
+
+port, count, base = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+ctx = zmq.Context()
+pub = ctx.socket(zmq.XPUB)
+pub.bind(f"tcp://127.0.0.1:{port}")
+print("bound", flush=True)
+assert pub.recv() == b"\x01"
+for seq in range(count):
+    stored = ["BlockStored", [base + seq], None, [101, 102, 103, 104], 4, None, "GPU"]
+    pub.send_multipart([b"", seq.to_bytes(8, "big"), msgpack.packb([1.5, [stored], 0])])
+print("sent", flush=True)
+sys.stdin.read()
+pub.close(linger=0)
+ctx.term()
+"""
+
+
+async def test_engine_process_restart_resyncs() -> None:
+    """A real publisher process exits and a new one takes its port: seq starts again at 0."""
+    port = free_port()
+    rec = Recorder()
+    source = rec.source(ZmqSourceConfig(endpoint=f"tcp://127.0.0.1:{port}"))
+
+    async def engine_process(count: int) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            PUBLISHER_PROCESS,
+            str(port),
+            str(count),
+            str(HASH_BASE),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+        )
+        assert proc.stdout is not None
+        assert await asyncio.wait_for(proc.stdout.readline(), TIMEOUT) == b"bound\n"
+        return proc
+
+    async def stop(proc: asyncio.subprocess.Process) -> None:
+        if proc.returncode is None:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            try:
+                await asyncio.wait_for(proc.wait(), TIMEOUT)
+            except TimeoutError:
+                proc.kill()
+                await proc.wait()
+
+    first = await engine_process(3)
+    try:
+        async with running(source):
+            await eventually(lambda: rec.seqs() == [0, 1, 2])
+            await stop(first)
+            assert first.returncode == 0
+            second = await engine_process(2)
+            try:
+                await eventually(lambda: len(rec.items) == 6)
+            finally:
+                await stop(second)
+    finally:
+        await stop(first)
+    assert rec.items == [
+        ("batch", 0, 0),
+        ("batch", 1, 0),
+        ("batch", 2, 0),
+        ("resync", "restart"),
+        ("batch", 0, 0),
+        ("batch", 1, 0),
+    ]
+    assert source.stats.restarts == 1 and source.stats.connects == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Bad input never ends the loop
+
+
+async def test_malformed_frames_and_undecodable_payloads_are_counted(
+    engine_factory: Callable[..., FakeEngine], caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = engine_factory()
+    rec = Recorder()
+    source = rec.source(ZmqSourceConfig(endpoint=engine.bind(), backend="vllm-1"))
+    caplog.set_level(logging.WARNING, logger="listener.zmq_source")
+    async with running(source):
+        await engine.subscribed()
+        seq0 = (0).to_bytes(8, "big")
+        await engine.pub.send_multipart([b"", seq0])  # 2 frames
+        await engine.pub.send_multipart([b"", seq0, batch_payload(0), b"extra"])  # 4 frames
+        await engine.pub.send_multipart([b"", seq0[:7], batch_payload(0)])  # 7-byte seq
+        await engine.pub.send_multipart([b"", END_SEQ, b""])  # a replay end marker, live
+        await engine.publish()  # 0
+        await engine.publish(payload=b"\xc1")  # 1: not msgpack
+        await engine.publish(payload=msgpack.packb({"not": "a batch"}))  # 2
+        await engine.publish()  # 3
+        await eventually(lambda: rec.seqs() == [0, 3])
+    st = source.stats
+    assert (st.frames, st.malformed_frames, st.decode_errors) == (8, 4, 2)
+    assert (st.batches, st.events, st.last_seq, st.gaps, st.resyncs) == (2, 2, 3, 0, 0)
+    decode_logs = [r for r in caplog.records if "undecodable" in r.getMessage()]
+    malformed_logs = [r for r in caplog.records if "malformed" in r.getMessage()]
+    assert len(decode_logs) == 1 and len(malformed_logs) == 1
+
+
+async def test_callback_errors_are_counted_and_do_not_stop_the_source(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    engine = engine_factory()
+    seen: list[int] = []
+
+    def on_batch(batch: EventBatch, dp_rank: int | None) -> None:
+        seen.append(seq_of(batch))
+        if len(seen) == 1:
+            raise RuntimeError("consumer bug")
+
+    source = ZmqSource(
+        ZmqSourceConfig(endpoint=engine.bind()),
+        decode=stub_decode,
+        on_batch=on_batch,
+        on_resync=lambda reason: None,
+        backoff=NoBackoff(),
+    )
+    async with running(source):
+        await engine.subscribed()
+        await engine.publish()
+        await engine.publish()
+        await eventually(lambda: seen == [0, 1])
+    assert source.stats.callback_errors == 1 and source.stats.connects == 1
+
+
+# --------------------------------------------------------------------------------------------
+# Supervisor
+
+
+async def test_supervisor_retries_a_failed_bind_with_backoff(zctx: zmq.asyncio.Context) -> None:
+    blocker = socket.socket()
+    blocker.bind(("127.0.0.1", 0))
+    blocker.listen()
+    port = blocker.getsockname()[1]
+
+    class ReleasingBackoff(NoBackoff):
+        """Frees the port on the third failure, so the fourth bind succeeds."""
+
+        def compute(self, failures: int) -> float:
+            if failures == 3:
+                blocker.close()
+            return super().compute(failures)
+
+    backoff = ReleasingBackoff()
+    rec = Recorder()
+    source = rec.source(
+        ZmqSourceConfig(endpoint=f"tcp://127.0.0.1:{port}", mode="bind"), backoff=backoff
+    )
+    engine = FakeEngine(zctx)
+    try:
+        async with running(source):
+            endpoint = await asyncio.wait_for(source.wait_ready(), TIMEOUT)
+            assert backoff.computed == [1, 2, 3] and backoff.resets == 0
+            engine.pub.connect(endpoint)
+            await engine.subscribed()
+            await engine.publish()
+            await eventually(lambda: rec.seqs() == [0])
+    finally:
+        blocker.close()
+        await engine.close()
+    assert backoff.resets == 1  # the first good frame proves the connection healthy
+    assert source.stats.connects == 1
+
+
+# --------------------------------------------------------------------------------------------
+# allowed_publishers
+
+
+async def test_zap_refuses_a_publisher_outside_the_allowlist(zctx: zmq.asyncio.Context) -> None:
+    """127.0.0.2 is loopback on Linux; the engine's connection is made from that address."""
+    rec = Recorder()
+    cfg = ZmqSourceConfig(
+        endpoint="tcp://127.0.0.1:*", mode="bind", allowed_publishers=("127.0.0.0/31",)
+    )
+    source = rec.source(cfg)
+    intruder, engine = FakeEngine(zctx), FakeEngine(zctx)
+    try:
+        async with running(source):
+            endpoint = await asyncio.wait_for(source.wait_ready(), TIMEOUT)
+            host_port = endpoint.removeprefix("tcp://")
+            intruder.pub.connect(f"tcp://127.0.0.2:0;{host_port}")
+            await eventually(lambda: source.stats.publishers_denied >= 1)
+
+            engine.pub.connect(endpoint)  # from 127.0.0.1, inside 127.0.0.0/31
+            await engine.subscribed()
+            await engine.publish()
+            await eventually(lambda: rec.seqs() == [0])
+            # The refused peer never received the subscription, so it cannot deliver anything.
+            assert await intruder.pub.poll(timeout=0) == 0
+            await intruder.pub.send_multipart([b"", (7).to_bytes(8, "big"), batch_payload(7)])
+            await engine.publish()
+            await eventually(lambda: rec.seqs() == [0, 1])
+    finally:
+        await intruder.close()
+        await engine.close()
+    assert source.stats.frames == 2
+
+
+async def test_zap_allows_a_listed_hostname(zctx: zmq.asyncio.Context) -> None:
+    rec = Recorder()
+    cfg = ZmqSourceConfig(
+        endpoint="tcp://127.0.0.1:*", mode="bind", allowed_publishers=("localhost",)
+    )
+    source = rec.source(cfg)
+    engine = FakeEngine(zctx)
+    try:
+        async with running(source):
+            engine.pub.connect(await asyncio.wait_for(source.wait_ready(), TIMEOUT))
+            await engine.subscribed()
+            await engine.publish()
+            await eventually(lambda: rec.seqs() == [0])
+    finally:
+        await engine.close()
+    assert source.stats.publishers_denied == 0
+
+
+async def test_connect_mode_refuses_a_host_outside_the_allowlist() -> None:
+    rec = Recorder()
+    source = rec.source(
+        ZmqSourceConfig(
+            endpoint=f"tcp://127.0.0.1:{free_port()}", allowed_publishers=("10.0.0.0/8",)
+        )
+    )
+    with pytest.raises(PublisherNotAllowedError, match=r"'127\.0\.0\.1'.*allowed_publishers"):
+        await asyncio.wait_for(source.run(), TIMEOUT)
+    assert source.stats.connects == 0
+
+
+async def test_connect_mode_checks_the_replay_host_and_resolves_names() -> None:
+    rec = Recorder()
+    source = rec.source(
+        ZmqSourceConfig(
+            endpoint="tcp://localhost:5557",  # resolves to 127.0.0.1: allowed
+            replay_endpoint="tcp://127.0.0.2:5558",
+            allowed_publishers=("127.0.0.1",),
+        )
+    )
+    with pytest.raises(PublisherNotAllowedError) as info:
+        await asyncio.wait_for(source.run(), TIMEOUT)
+    assert info.value.host == "127.0.0.2"
+    assert source.stats.connects == 0
+
+
+async def test_allowlist_matching() -> None:
+    allow = PublisherAllowlist(["10.1.0.0/16", "192.168.1.7", "::1", "localhost"])
+    await allow.refresh()
+    assert allow.allows_address("10.1.200.3")
+    assert allow.allows_address("::ffff:10.1.0.9")  # IPv4-mapped peer
+    assert allow.allows_address("192.168.1.7") and not allow.allows_address("192.168.1.8")
+    assert allow.allows_address("::1") and allow.allows_address("127.0.0.1")  # via localhost
+    assert not allow.allows_address("") and not allow.allows_address("not-an-ip")
+    await allow.check_host("LOCALHOST")
+    await allow.check_host("10.1.2.3")
+    with pytest.raises(PublisherNotAllowedError):
+        await allow.check_host("10.2.0.1")
+    assert not PublisherAllowlist([])
+    with pytest.raises(ValueError, match="not an IP address, CIDR or hostname"):
+        PublisherAllowlist(["bad host!"])
+
+
+# --------------------------------------------------------------------------------------------
+# Data-parallel endpoints, config, backoff
+
+
+def test_expand_dp_endpoints() -> None:
+    assert expand_dp_endpoints("tcp://engine:5557", 3, "tcp://engine:5600") == [
+        (0, "tcp://engine:5557", "tcp://engine:5600"),
+        (1, "tcp://engine:5558", "tcp://engine:5601"),
+        (2, "tcp://engine:5559", "tcp://engine:5602"),
+    ]
+    assert expand_dp_endpoints("tcp://*:5557", [0, 2]) == [
+        (0, "tcp://*:5557", None),
+        (2, "tcp://*:5559", None),
+    ]
+    assert expand_dp_endpoints("inproc://cache", 2) == [
+        (0, "inproc://cache", None),
+        (1, "inproc://cache_dp1", None),
+    ]
+    assert offset_endpoint("tcp://[::1]:5557", 4) == "tcp://[::1]:5561"
+    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    with pytest.raises(ValueError, match="exceeds 65535"):
+        offset_endpoint("tcp://h:65535", 1)
+    with pytest.raises(ValueError, match="non-numeric port"):
+        offset_endpoint("tcp://h:*", 1)
+    with pytest.raises(ValueError):
+        offset_endpoint("udp://h:1", 1)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="concrete host:port"):
+        ZmqSourceConfig(endpoint="tcp://*:5557", mode="connect")
+    with pytest.raises(ValueError, match="mode"):
+        ZmqSourceConfig(endpoint="tcp://h:1", mode="listen")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="engine"):
+        ZmqSourceConfig(endpoint="tcp://h:1", engine="trtllm")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="replay_endpoint"):
+        ZmqSourceConfig(endpoint="tcp://h:1", replay_endpoint="http://h:2")
+    with pytest.raises(ValueError, match="allowed_publishers"):
+        ZmqSourceConfig(endpoint="tcp://h:1", allowed_publishers=("no way",))
+    cfg = ZmqSourceConfig(endpoint="tcp://*:5557", mode="bind", allowed_publishers=["10.0.0.1"])  # type: ignore[arg-type]
+    assert cfg.allowed_publishers == ("10.0.0.1",)
+
+
+def test_exponential_backoff() -> None:
+    b = ExponentialBackoff(base_s=1.0, cap_s=8.0, jitter=0.0)
+    assert [b.compute(n) for n in range(0, 7)] == [0.0, 1.0, 2.0, 4.0, 8.0, 8.0, 8.0]
+    assert b.compute(10_000) == 8.0  # no float overflow
+    b.reset()
+    jittered = ExponentialBackoff(base_s=1.0, cap_s=8.0, jitter=0.5, rng=random.Random(7))
+    delays = [jittered.compute(3) for _ in range(200)]
+    assert all(2.0 <= d <= 4.0 for d in delays) and len(set(delays)) > 100
+    for bad in ({"base_s": 0}, {"cap_s": 0.1, "base_s": 1}, {"jitter": 1.5}):
+        with pytest.raises(ValueError):
+            ExponentialBackoff(**bad)  # type: ignore[arg-type]
+    none = NoBackoff()
+    assert none.compute(5) == 0.0 and none.computed == [5]
