@@ -28,13 +28,21 @@ import ipaddress
 import logging
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 from urllib.parse import urlsplit
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from bus.config import (
+    ConfigError,
+    ConfigIssue,
+    clean_message,
+    parse_hostport,
+    read_yaml,
+    yaml_path,
+)
+from bus.config import log_warnings as _log_warnings
 
 __all__ = [
     "BACKEND_NAME_RE",
@@ -61,9 +69,6 @@ ENGINES: tuple[str, ...] = ("vllm", "sglang", "trtllm")
 BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 """A source id: the router's backend name, a metric label and a URL path segment."""
 
-_HOSTPORT_RE = re.compile(
-    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d{1,5})$"
-)
 _ZMQ_TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})$")
 _ZMQ_NAMED_RE = re.compile(r"^(?:ipc|inproc)://\S+$")
 _HOSTNAME_RE = re.compile(
@@ -72,17 +77,6 @@ _HOSTNAME_RE = re.compile(
 )
 _ZMQ_ONLY = ("zmq_endpoint", "zmq_mode", "topic", "replay_endpoint", "dp_ranks")
 _TRTLLM_ONLY = ("trtllm_endpoint", "poll_interval_ms")
-
-
-def parse_hostport(value: str) -> tuple[str, int]:
-    """Split ``host:port`` (``[v6]:port`` for IPv6); raises ValueError naming the problem."""
-    m = _HOSTPORT_RE.match(value)
-    if not m:
-        raise ValueError(f'expected "host:port", got {value!r}')
-    port = int(m.group("port"))
-    if port > 65535:
-        raise ValueError(f"port {port} is out of range 0-65535")
-    return (m.group("v6") or m.group("host"), port)
 
 
 def _http_url(value: str) -> str:
@@ -356,54 +350,12 @@ class ListenerConfig(_Section):
 # -- loading -------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ConfigIssue:
-    severity: Literal["error", "warning"]
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.severity}: {self.path}: {self.message}"
-
-
-class ConfigError(Exception):
-    """The file cannot be used; ``issues`` lists every error found, each with its path."""
-
-    def __init__(self, issues: list[ConfigIssue]) -> None:
-        self.issues = issues
-        super().__init__("; ".join(str(i) for i in issues))
-
-
-def _yaml_path(loc: Iterable[Any]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "(root)"
-
-
-def _pydantic_path(loc: tuple[Any, ...]) -> str:
-    # A union member's name ("literal['chatml','llama3']", "ChatTemplateMarkers") is not a
-    # YAML key; keep the path to the field itself.
-    kept = [p for p in loc if isinstance(p, int) or not (p[:1].isupper() or "[" in p)]
-    return _yaml_path(kept)
-
-
-def _clean_message(msg: str) -> str:
-    for prefix in ("Value error, ", "Assertion failed, "):
-        if msg.startswith(prefix):
-            return msg[len(prefix) :]
-    return msg
-
-
 def _validation_issues(exc: ValidationError) -> list[ConfigIssue]:
     issues: list[ConfigIssue] = []
     seen: set[str] = set()
     for e in exc.errors(include_url=False):
         loc = tuple(e["loc"])
-        path = _pydantic_path(loc)
+        path = yaml_path(loc)
         literal_branch = any(isinstance(p, str) and p.startswith("literal[") for p in loc)
         markers_branch = "ChatTemplateMarkers" in loc
         if literal_branch and isinstance(e.get("input"), dict):
@@ -413,7 +365,7 @@ def _validation_issues(exc: ValidationError) -> list[ConfigIssue]:
         elif e["type"] == "extra_forbidden":
             message = "unknown field"
         else:
-            message = _clean_message(e["msg"])
+            message = clean_message(e["msg"])
         key = f"{path}\0{message}"
         if key not in seen:
             seen.add(key)
@@ -616,24 +568,9 @@ def load_listener_config(path: str | Path) -> tuple[ListenerConfig, list[ConfigI
         ConfigError: the file is unreadable, not YAML, or invalid; ``issues`` names the
             YAML path of every error.
     """
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError([ConfigIssue("error", "(file)", f"cannot read {path}: {exc}")]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(
-            [ConfigIssue("error", "(yaml)", f"{path}: invalid YAML{where}: {problem}")]
-        ) from None
+    data = read_yaml(path)
     return parse_listener_config(data, str(path))
 
 
 def log_warnings(issues: Iterable[ConfigIssue]) -> None:
-    for issue in issues:
-        if issue.severity == "warning":
-            log.warning("config %s: %s", issue.path, issue.message)
+    _log_warnings(issues, log)

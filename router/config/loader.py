@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import yaml
 from pydantic import ValidationError
+
+from bus.config import ConfigError, ConfigIssue, read_yaml, validation_issues
+from bus.config import log_warnings as _log_warnings
 
 from .models import RouterConfig
 
@@ -32,41 +33,6 @@ log = logging.getLogger("continuum.config")
 
 RESTART_ONLY: tuple[str, ...] = ("server",)
 """Top-level sections a reload cannot apply (they own sockets and credentials)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ConfigIssue:
-    severity: Literal["error", "warning"]
-    path: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.severity}: {self.path}: {self.message}"
-
-
-class ConfigError(Exception):
-    """The file cannot be used; ``issues`` lists every error found, each with its path."""
-
-    def __init__(self, issues: list[ConfigIssue]) -> None:
-        self.issues = issues
-        super().__init__("; ".join(str(i) for i in issues))
-
-
-def _yaml_path(loc: Iterable[Any]) -> str:
-    out = ""
-    for part in loc:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            out += f".{part}" if out else str(part)
-    return out or "(root)"
-
-
-def _clean_message(msg: str) -> str:
-    for prefix in ("Value error, ", "Assertion failed, "):
-        if msg.startswith(prefix):
-            return msg[len(prefix) :]
-    return msg
 
 
 def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
@@ -120,15 +86,7 @@ def parse_config(data: Any, source: str = "<config>") -> tuple[RouterConfig, lis
     try:
         cfg = RouterConfig.model_validate(data)
     except ValidationError as exc:
-        issues = [
-            ConfigIssue(
-                "error",
-                _yaml_path(e["loc"]),
-                "unknown field" if e["type"] == "extra_forbidden" else _clean_message(e["msg"]),
-            )
-            for e in exc.errors(include_url=False)
-        ]
-        raise ConfigError(issues) from None
+        raise ConfigError(validation_issues(exc)) from None
     issues = check_config(cfg)
     errors = [i for i in issues if i.severity == "error"]
     if errors:
@@ -138,27 +96,11 @@ def parse_config(data: Any, source: str = "<config>") -> tuple[RouterConfig, lis
 
 def load_config(path: str | Path) -> tuple[RouterConfig, list[ConfigIssue]]:
     """Read and validate a YAML file. Raises ConfigError naming the path of each problem."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError([ConfigIssue("error", "(file)", f"cannot read {path}: {exc}")]) from None
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise ConfigError(
-            [ConfigIssue("error", "(yaml)", f"{path}: invalid YAML{where}: {problem}")]
-        ) from None
-    return parse_config(data, str(path))
+    return parse_config(read_yaml(path), str(path))
 
 
 def log_warnings(issues: Iterable[ConfigIssue]) -> None:
-    for issue in issues:
-        if issue.severity == "warning":
-            log.warning("config %s: %s", issue.path, issue.message)
+    _log_warnings(issues, log)
 
 
 def restart_only_changes(old: RouterConfig, new: RouterConfig) -> list[str]:

@@ -11,6 +11,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from bus.config import parse_hostport
+
 __all__ = [
     "BACKEND_TYPES",
     "STRATEGIES",
@@ -43,20 +45,6 @@ STRATEGIES: tuple[str, ...] = (
 )
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
-_HOSTPORT_RE = re.compile(
-    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d{1,5})$"
-)
-
-
-def parse_hostport(value: str) -> tuple[str, int]:
-    """Split ``host:port`` (``[v6]:port`` for IPv6); raises ValueError naming the problem."""
-    m = _HOSTPORT_RE.match(value)
-    if not m:
-        raise ValueError(f'expected "host:port", got {value!r}')
-    port = int(m.group("port"))
-    if port > 65535:
-        raise ValueError(f"port {port} is out of range 0-65535")
-    return (m.group("v6") or m.group("host"), port)
 
 
 class _Section(BaseModel):

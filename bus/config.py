@@ -1,0 +1,122 @@
+"""Config plumbing shared by router and listener: issues named by YAML path, YAML reading.
+
+Both processes load YAML into pydantic models and must report problems the same way
+(``error: prefix_routing.virtual_nodes: ...``), so the pieces live here once.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import ValidationError
+
+__all__ = [
+    "ConfigError",
+    "ConfigIssue",
+    "clean_message",
+    "log_warnings",
+    "parse_hostport",
+    "read_yaml",
+    "validation_issues",
+    "yaml_path",
+]
+
+_HOSTPORT_RE = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d{1,5})$"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigIssue:
+    severity: Literal["error", "warning"]
+    path: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.severity}: {self.path}: {self.message}"
+
+
+class ConfigError(Exception):
+    """The file cannot be used; ``issues`` lists every error found, each with its path."""
+
+    def __init__(self, issues: list[ConfigIssue]) -> None:
+        self.issues = issues
+        super().__init__("; ".join(str(i) for i in issues))
+
+
+def parse_hostport(value: str) -> tuple[str, int]:
+    """Split ``host:port`` (``[v6]:port`` for IPv6); raises ValueError naming the problem."""
+    m = _HOSTPORT_RE.match(value)
+    if not m:
+        raise ValueError(f'expected "host:port", got {value!r}')
+    port = int(m.group("port"))
+    if port > 65535:
+        raise ValueError(f"port {port} is out of range 0-65535")
+    return (m.group("v6") or m.group("host"), port)
+
+
+def yaml_path(loc: Iterable[Any]) -> str:
+    """``("backends", 0, "url")`` -> ``backends[0].url``.
+
+    pydantic puts union member names (``literal['a','b']``, ``ModelName``) into error
+    locations; they are not YAML keys, so they are left out.
+    """
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part[:1].isupper() or "[" in part:
+            continue
+        else:
+            out += f".{part}" if out else str(part)
+    return out or "(root)"
+
+
+def clean_message(msg: str) -> str:
+    for prefix in ("Value error, ", "Assertion failed, "):
+        if msg.startswith(prefix):
+            return msg[len(prefix) :]
+    return msg
+
+
+def validation_issues(exc: ValidationError) -> list[ConfigIssue]:
+    """One error issue per distinct (path, message) of a pydantic ValidationError."""
+    issues: list[ConfigIssue] = []
+    seen: set[tuple[str, str]] = set()
+    for e in exc.errors(include_url=False):
+        path = yaml_path(e["loc"])
+        message = "unknown field" if e["type"] == "extra_forbidden" else clean_message(e["msg"])
+        if (path, message) not in seen:
+            seen.add((path, message))
+            issues.append(ConfigIssue("error", path, message))
+    return issues
+
+
+def read_yaml(path: str | Path) -> Any:
+    """Parse a YAML file; ConfigError names the line and column of a syntax error."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError([ConfigIssue("error", "(file)", f"cannot read {path}: {exc}")]) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError(
+            [ConfigIssue("error", "(yaml)", f"{path}: invalid YAML{where}: {problem}")]
+        ) from None
+
+
+def log_warnings(issues: Iterable[ConfigIssue], logger: logging.Logger) -> None:
+    for issue in issues:
+        if issue.severity == "warning":
+            logger.warning("config %s: %s", issue.path, issue.message)
