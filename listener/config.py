@@ -43,6 +43,7 @@ from bus.config import (
     yaml_path,
 )
 from bus.config import log_warnings as _log_warnings
+from listener.endpoints import offset_endpoint
 
 __all__ = [
     "BACKEND_NAME_RE",
@@ -98,18 +99,6 @@ def _check_zmq_endpoint(value: str) -> str:
         "expected tcp://host:port, ipc://path or inproc://name "
         f"(tcp://*:port to bind every interface), got {value!r}"
     )
-
-
-def _offset_endpoint(endpoint: str, rank: int) -> str:
-    """The endpoint of one DP rank, the engines' own rule (engine-formats.md section 1)."""
-    if rank == 0:
-        return endpoint
-    m = _ZMQ_TCP_RE.match(endpoint)
-    if m:
-        return f"tcp://{m.group('host')}:{int(m.group('port')) + rank}"
-    if endpoint.startswith("inproc://"):
-        return f"{endpoint}_dp{rank}"
-    raise ValueError(f"{endpoint!r} cannot be offset per DP rank (only tcp:// and inproc://)")
 
 
 class _Section(BaseModel):
@@ -264,11 +253,11 @@ class SourceConfig(_Section):
         return [
             ZmqEndpoint(
                 rank=r,
-                endpoint=_offset_endpoint(self.zmq_endpoint, r),
+                endpoint=offset_endpoint(self.zmq_endpoint, r),
                 replay_endpoint=(
                     None
                     if self.replay_endpoint is None
-                    else _offset_endpoint(self.replay_endpoint, r)
+                    else offset_endpoint(self.replay_endpoint, r)
                 ),
             )
             for r in range(self.dp_ranks or 1)
@@ -414,7 +403,7 @@ def _check_source(cfg: ListenerConfig, i: int, s: SourceConfig) -> list[ConfigIs
                 if value is None:
                     continue
                 try:
-                    _offset_endpoint(value, s.dp_ranks - 1)
+                    offset_endpoint(value, s.dp_ranks - 1)
                 except ValueError as exc:
                     err(field, f"{p}.dp_ranks requires a tcp:// or inproc:// endpoint: {exc}")
                     continue

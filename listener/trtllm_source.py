@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from listener.backoff import Backoff, ExponentialBackoff
+from listener.endpoints import PublisherAllowlist, PublisherNotAllowedError
 from listener.engine_events import (
     BlockHash,
     BlockRemoved,
@@ -52,12 +53,7 @@ from listener.engine_events import (
     EventBatch,
     normalize_hash,
 )
-from listener.zmq_source import (
-    BatchCallback,
-    PublisherAllowlist,
-    PublisherNotAllowedError,
-    ResyncCallback,
-)
+from listener.zmq_source import BatchCallback, ResyncCallback
 
 __all__ = [
     "TrtllmPollError",

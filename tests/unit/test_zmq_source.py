@@ -723,7 +723,8 @@ def test_expand_dp_endpoints() -> None:
         (1, "inproc://cache_dp1", None),
     ]
     assert offset_endpoint("tcp://[::1]:5557", 4) == "tcp://[::1]:5561"
-    assert offset_endpoint("ipc:///tmp/kv", 1) == "ipc:///tmp/kv_dp1"
+    with pytest.raises(ValueError, match="ipc"):
+        offset_endpoint("ipc:///tmp/kv", 1)
     with pytest.raises(ValueError, match="exceeds 65535"):
         offset_endpoint("tcp://h:65535", 1)
     with pytest.raises(ValueError, match="non-numeric port"):
