@@ -36,6 +36,25 @@ log = logging.getLogger("continuum.router")
 _JSON_HEADERS = [("content-type", "application/json")]
 _ANTHROPIC_VERSION = "2023-06-01"
 _GEMINI_OPENAI_PREFIX = "/v1beta/openai"
+_NOT_FORWARDED = frozenset(
+    (
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-authorization",
+        "proxy-connection",
+        "authorization",
+        "x-api-key",
+        "accept-encoding",
+        "content-type",
+        "expect",
+    )
+)
 
 
 def _chat_path(b: Backend) -> str:
@@ -135,13 +154,21 @@ class Router:
             return err(503, f"no healthy backend is available for model '{model}'", "no_backend")
         return err(404, f"the model '{model}' is not served by any backend", "model_not_found")
 
+    @staticmethod
+    def _forwarded(req: Request) -> dict[str, str]:
+        """The client's end-to-end headers (tracing, request ids, vendor extensions).
+
+        Hop-by-hop headers, the client's credentials (the router authenticates to the
+        backend with the backend's own key) and the headers the router sets are dropped.
+        """
+        return {k: v for k, v in req.headers.items() if k not in _NOT_FORWARDED}
+
     def _upstream_headers(self, b: Backend, req: Request) -> dict[str, str]:
-        h = {"content-type": "application/json", "accept-encoding": "identity"}
+        h = self._forwarded(req)
+        h["content-type"] = "application/json"
+        h["accept-encoding"] = "identity"
         if b.api_key:
             h["authorization"] = f"Bearer {b.api_key}"
-        rid = req.headers.get("x-request-id")
-        if rid:
-            h["x-request-id"] = rid
         return h
 
     async def chat_completions(self, req: Request) -> Response | StreamResponse:
@@ -220,14 +247,10 @@ class Router:
     # -- Anthropic Messages --------------------------------------------------------
 
     def _anthropic_headers(self, b: Backend, req: Request) -> dict[str, str]:
-        h = {
-            "content-type": "application/json",
-            "accept-encoding": "identity",
-            "anthropic-version": req.headers.get("anthropic-version") or _ANTHROPIC_VERSION,
-        }
-        beta = req.headers.get("anthropic-beta")
-        if beta:
-            h["anthropic-beta"] = beta
+        h = self._forwarded(req)
+        h["content-type"] = "application/json"
+        h["accept-encoding"] = "identity"
+        h["anthropic-version"] = req.headers.get("anthropic-version") or _ANTHROPIC_VERSION
         if b.api_key:
             h["x-api-key"] = b.api_key
         return h

@@ -13,6 +13,7 @@ Invariants:
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -244,6 +245,10 @@ class _Relay:
                 "error": {"message": f"backend {exc.backend}: {exc.detail}", "type": "api_error"}
             }
             return b"data: " + orjson.dumps(err) + b"\n\n"
+        except asyncio.CancelledError:
+            # The server cancels the pump when the client goes away: not the backend's fault.
+            self._finish(ok=False, blame=False)
+            raise
         except BaseException:
             self._finish(ok=False)
             raise

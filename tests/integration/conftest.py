@@ -1,0 +1,533 @@
+"""Integration fixtures: simulated engines and the real router, each as a subprocess.
+
+* ``sims``: a module-scoped :class:`SimFleet` of three engines with different model sets
+  (``sim-1``: demo-model + alpha, ``sim-2``: demo-model + beta, ``sim-3``: demo-model).
+* ``start_router(config) -> RouterProc``: writes the YAML, runs ``python -m router serve``,
+  waits for its ``READY`` line and always stops it at teardown, asserting exit status 0.
+  ``module_router_launcher`` does the same for routers shared by a whole module.
+* ``FaultProxy``: an in-test HTTP hop in front of a sim that adds the sim's fault headers
+  (``x-sim-delay-ms``, ``x-sim-status``, ...) to every POST, so a backend can be made slow,
+  broken or garbage-spewing without relying on the router forwarding client headers.
+
+Every async test of this directory runs on one session-wide event loop, so module-scoped
+subprocesses and servers can be shared by the tests of a module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import aiohttp
+import orjson
+import pytest
+import pytest_asyncio
+import yaml
+from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.sim.fleet import SimFleet
+
+ROOT = Path(__file__).resolve().parents[2]
+HERE = Path(__file__).resolve().parent
+
+READY_TIMEOUT_S = 20.0
+STOP_TIMEOUT_S = 10.0
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+# The reload log lines of router/reload.py, one per SIGHUP.
+_SIGHUP_APPLIED = "config reloaded (SIGHUP)"
+_SIGHUP_REJECTED = "reload (SIGHUP) rejected: keeping the running config"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run every async test of this directory on the session event loop."""
+    marker = pytest.mark.asyncio(loop_scope="session")
+    for item in items:
+        if pytest_asyncio.is_async_test(item) and HERE in Path(str(item.path)).parents:
+            item.add_marker(marker, append=False)
+
+
+# -- polling -------------------------------------------------------------------------------
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[Any]],
+    within: float = 5.0,
+    interval: float = 0.05,
+    what: str = "condition",
+) -> Any:
+    """Await ``predicate()`` until it returns a truthy value; fail after ``within`` s."""
+    deadline = time.monotonic() + within
+    last: Any = None
+    while True:
+        last = await predicate()
+        if last:
+            return last
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"timed out after {within}s waiting for {what} (last: {last!r})")
+        await asyncio.sleep(interval)
+
+
+# -- small HTTP helpers --------------------------------------------------------------------
+
+
+class HttpResult:
+    """A fully read response: ``status``, ``headers``, raw ``body`` and ``json()``."""
+
+    __slots__ = ("body", "headers", "status")
+
+    def __init__(self, status: int, headers: Mapping[str, str], body: bytes) -> None:
+        self.status = status
+        self.headers = headers
+        self.body = body
+
+    def json(self) -> Any:
+        return orjson.loads(self.body)
+
+    def __repr__(self) -> str:
+        return f"<HttpResult {self.status} {self.body[:300]!r}>"
+
+
+async def http(
+    method: str,
+    url: str,
+    *,
+    json: Any = None,
+    data: Any = None,
+    headers: Mapping[str, str] | None = None,
+    total_s: float = 15.0,
+) -> HttpResult:
+    """One request on a fresh connection (so no test inherits another's socket state)."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with (
+        aiohttp.ClientSession(
+            connector=connector, timeout=aiohttp.ClientTimeout(total=total_s)
+        ) as session,
+        session.request(method, url, json=json, data=data, headers=headers) as resp,
+    ):
+        body = await resp.read()
+        return HttpResult(resp.status, dict(resp.headers), body)
+
+
+def assert_openai_error(result: HttpResult, status: int) -> dict[str, Any]:
+    """Status and the OpenAI error body ``{"error": {message, type, param, code}}``."""
+    assert result.status == status, result
+    assert result.headers.get("Content-Type", "").startswith("application/json"), result.headers
+    body = result.json()
+    assert set(body) == {"error"}, body
+    err = body["error"]
+    assert set(err) == ERROR_KEYS, err
+    assert isinstance(err["message"], str) and err["message"], err
+    assert isinstance(err["type"], str) and err["type"], err
+    return err
+
+
+def chat_body(user: str = "hello", *, system: str | None = None, **extra: Any) -> dict[str, Any]:
+    messages: list[dict[str, Any]] = []
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    messages.append({"role": "user", "content": user})
+    return {"model": "demo-model", "messages": messages, **extra}
+
+
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """All samples called ``name`` (e.g. ``continuum_requests_total``) as (labels, value)."""
+    out: list[tuple[dict[str, str], float]] = []
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name:
+                out.append((dict(sample.labels), float(sample.value)))
+    return out
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels`` (0 when none)."""
+    return sum(
+        v
+        for lbl, v in metric_samples(text, name)
+        if all(lbl.get(k) == want for k, want in labels.items())
+    )
+
+
+# -- sockets -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def dead_url() -> Any:
+    """URL of a port that refuses connections: bound (so nobody else gets it), not listening."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        sock.close()
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+# -- the router process --------------------------------------------------------------------
+
+
+class RouterProc:
+    """A running ``python -m router serve``; stderr (the log) goes to ``log_path``."""
+
+    def __init__(
+        self,
+        proc: asyncio.subprocess.Process,
+        config_path: Path,
+        log_path: Path,
+        config: dict[str, Any],
+        admin_token: str | None,
+    ) -> None:
+        self.proc = proc
+        self.config_path = config_path
+        self.log_path = log_path
+        self.config = config
+        self.launch_listen: str = config["server"]["listen"]
+        self.admin_token = admin_token
+        self.url = ""
+        self.grpc_target: str | None = None
+
+    # -- observation ------------------------------------------------------------------
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    async def wait_for_log(self, text: str, within: float = 5.0) -> str:
+        async def found() -> bool:
+            return text in self.log()
+
+        await wait_until(found, within, what=f"log line containing {text!r}")
+        return self.log()
+
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        return {"authorization": f"Bearer {self.admin_token}"} if self.admin_token else {}
+
+    async def stats(self) -> dict[str, Any]:
+        r = await http("GET", self.url + "/admin/prefix-routing/stats", headers=self.admin_headers)
+        assert r.status == 200, r
+        data: dict[str, Any] = r.json()
+        return data
+
+    async def in_flight(self) -> dict[str, int]:
+        dist = (await self.stats())["backend_distribution"]
+        return {d["backend"]: d["in_flight_requests"] for d in dist}
+
+    async def metrics(self) -> str:
+        r = await http("GET", self.url + "/metrics")
+        assert r.status == 200, r
+        return r.body.decode()
+
+    async def chat(self, body: Mapping[str, Any] | None = None, **kw: Any) -> HttpResult:
+        return await http("POST", self.url + "/v1/chat/completions", json=body or chat_body(), **kw)
+
+    # -- reconfiguration --------------------------------------------------------------
+
+    def write_config(self, config: dict[str, Any] | str) -> None:
+        """Replace the file atomically, as editors do (the router polls its contents).
+
+        ``config`` is a dict dumped as YAML, or raw file text (to write broken YAML).
+        """
+        if isinstance(config, str):
+            text = config
+        else:
+            text = yaml.safe_dump(self.complete(config), sort_keys=False)
+        tmp = self.config_path.with_suffix(".tmp")
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, self.config_path)
+
+    async def reload(self, config: dict[str, Any] | str, within: float = 5.0) -> bool:
+        """Rewrite the file, SIGHUP, and wait for the outcome; returns whether it applied.
+
+        Waits for this SIGHUP's own log line (the file poller may also reload the same
+        contents; those lines say "file changed" and are not counted), then, when the new
+        config was applied, until /admin/prefix-routing/stats shows its prefix_routing.
+        """
+        applied_before, rejected_before = self._sighup_outcomes()
+        self.write_config(config)
+        self.proc.send_signal(signal.SIGHUP)
+
+        async def outcome() -> bool:
+            return sum(self._sighup_outcomes()) > applied_before + rejected_before
+
+        await wait_until(outcome, within, what="the router to process SIGHUP")
+        applied = self._sighup_outcomes()[0] > applied_before
+        if applied and isinstance(config, dict):
+            self.config = self.complete(config)
+            await self.wait_prefix_config(config, within)
+        return applied
+
+    def complete(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` with the launch-time ``server.listen`` unless it sets its own, so a
+        reload does not change a restart-only field by accident."""
+        server = {"listen": self.launch_listen, **(config.get("server") or {})}
+        return {**config, "server": server}
+
+    def _sighup_outcomes(self) -> tuple[int, int]:
+        log = self.log()
+        return log.count(_SIGHUP_APPLIED), log.count(_SIGHUP_REJECTED)
+
+    async def wait_prefix_config(self, config: dict[str, Any], within: float = 5.0) -> None:
+        """Poll the stats until their ``config`` section matches ``config``'s prefix_routing."""
+        want = expected_prefix_config(config)
+
+        async def visible() -> bool:
+            return (await self.stats())["config"] == want
+
+        await wait_until(visible, within, interval=0.1, what=f"stats config == {want}")
+
+
+def expected_prefix_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The stats ``config`` section the router should report for ``config``."""
+    pr = dict(config.get("prefix_routing") or {})
+    return {
+        "max_prefix_length": pr.get("max_prefix_length", 1024),
+        "load_factor_epsilon": pr.get("load_factor_epsilon", 0.25),
+        "virtual_nodes": pr.get("virtual_nodes", 150),
+        "anthropic_cache_control_injection": pr.get("anthropic_cache_control_injection", False),
+    }
+
+
+def _open_log(path: Path) -> BinaryIO:
+    # A tiny local file; the child inherits the descriptor, ours is closed after the spawn.
+    return open(path, "wb")
+
+
+class RouterLauncher:
+    """Starts routers in ``directory`` and stops every one of them in ``close``."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.started: list[RouterProc] = []
+
+    async def start(
+        self, config: dict[str, Any], *, env: Mapping[str, str] | None = None
+    ) -> RouterProc:
+        config = dict(config)
+        config["server"] = {"listen": "127.0.0.1:0", **(config.get("server") or {})}
+        n = len(self.started) + 1
+        config_path = self.directory / f"router-{n}.yaml"
+        log_path = self.directory / f"router-{n}.log"
+        config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
+        full_env = {**os.environ, **(env or {})}
+        full_env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p
+        )
+        token_env = config["server"].get("admin_token_env")
+        admin_token = full_env.get(token_env) if token_env else None
+        with _open_log(log_path) as log_file:
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "router",
+                "serve",
+                "--config",
+                str(config_path),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log_file,
+                cwd=str(ROOT),
+                env=full_env,
+            )
+        rp = RouterProc(proc, config_path, log_path, config, admin_token)
+        self.started.append(rp)
+        await self._wait_ready(rp)
+        return rp
+
+    @staticmethod
+    async def _wait_ready(rp: RouterProc) -> None:
+        assert rp.proc.stdout is not None
+        try:
+            line = await asyncio.wait_for(rp.proc.stdout.readline(), READY_TIMEOUT_S)
+        except TimeoutError:
+            raise AssertionError(
+                f"router not READY after {READY_TIMEOUT_S}s; log:\n{rp.log()}"
+            ) from None
+        text = line.decode(errors="replace").strip()
+        if not text.startswith("READY "):
+            rc = await rp.proc.wait()
+            raise AssertionError(f"router exited ({rc}) before READY ({text!r}); log:\n{rp.log()}")
+        for part in text.split()[1:]:
+            key, _, value = part.partition("=")
+            if key == "http":
+                rp.url = f"http://{value}"
+            elif key == "grpc":
+                rp.grpc_target = value
+        assert rp.url, text
+
+    async def close(self) -> None:
+        """SIGTERM every router, SIGKILL after a grace period; assert each exited 0."""
+        problems: list[str] = []
+        for rp in self.started:
+            proc = rp.proc
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.send_signal(signal.SIGTERM)
+                try:
+                    await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
+                except TimeoutError:
+                    with contextlib.suppress(ProcessLookupError):
+                        proc.kill()
+                    await proc.wait()
+                    problems.append(f"{rp.config_path.name}: no exit within {STOP_TIMEOUT_S}s")
+            if proc.returncode != 0:
+                problems.append(
+                    f"{rp.config_path.name}: exit status {proc.returncode}; log:\n{rp.log()}"
+                )
+        self.started.clear()
+        assert not problems, "\n".join(problems)
+
+
+StartRouter = Callable[..., Awaitable[RouterProc]]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def start_router(tmp_path: Path) -> AsyncIterator[StartRouter]:
+    """``await start_router(config_dict, env=None) -> RouterProc``; stopped at teardown."""
+    launcher = RouterLauncher(tmp_path)
+    try:
+        yield launcher.start
+    finally:
+        await launcher.close()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def module_router_launcher(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[RouterLauncher]:
+    """For a router shared by the tests of one module; stopped after the module."""
+    launcher = RouterLauncher(tmp_path_factory.mktemp("routers"))
+    try:
+        yield launcher
+    finally:
+        await launcher.close()
+
+
+# -- simulated engines ---------------------------------------------------------------------
+
+SIM_MODELS = {
+    "sim-1": ["demo-model", "alpha"],
+    "sim-2": ["demo-model", "beta"],
+    "sim-3": ["demo-model"],
+}
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def sims() -> AsyncIterator[SimFleet]:
+    """Three engines: sim-1 serves demo-model + alpha, sim-2 demo-model + beta, sim-3
+    demo-model only (the sim answers any model name unless strict)."""
+    overrides = {i: {"model": models} for i, models in enumerate(SIM_MODELS.values())}
+    async with SimFleet(n=3, names=list(SIM_MODELS), overrides=overrides) as fleet:
+        yield fleet
+
+
+def backend(name: str, url: str, **extra: Any) -> dict[str, Any]:
+    return {"name": name, "url": url, "type": "vllm", **extra}
+
+
+async def sim_json(url: str, path: str) -> Any:
+    r = await http("GET", url + path)
+    assert r.status == 200, r
+    return r.json()
+
+
+# -- fault injection in front of a sim -----------------------------------------------------
+
+_HOP_BY_HOP = frozenset(
+    ("connection", "keep-alive", "transfer-encoding", "content-length", "host", "upgrade")
+)
+
+
+class FaultProxy:
+    """Relays every request to ``target`` (a sim), adding ``fault_headers`` to POSTs.
+
+    Health probes (GET) pass unfaulted, so the router keeps the backend in rotation.
+    Streams are relayed chunk by chunk; when the router drops its connection, the write
+    fails and the upstream connection is closed, so the sim sees the disconnect.
+    """
+
+    def __init__(self, target: str, fault_headers: Mapping[str, str]) -> None:
+        self.target = target.rstrip("/")
+        self.fault_headers = dict(fault_headers)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.url = ""
+
+    async def start(self) -> FaultProxy:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False
+        )
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=0.5
+        )
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = self._runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        if request.method == "POST":
+            headers.update(self.fault_headers)
+        body = await request.read()
+        up = await self._session.request(
+            request.method, self.target + request.rel_url.path_qs, headers=headers, data=body
+        )
+        try:
+            ctype = up.headers.get("Content-Type", "application/octet-stream")
+            if not ctype.startswith("text/event-stream"):
+                data = await up.read()
+                return web.Response(status=up.status, body=data, headers={"Content-Type": ctype})
+            resp = web.StreamResponse(status=up.status, headers={"Content-Type": ctype})
+            await resp.prepare(request)
+            async for chunk in up.content.iter_any():
+                await resp.write(chunk)
+            await resp.write_eof()
+            return resp
+        finally:
+            up.close()
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def fault_proxy() -> AsyncIterator[Callable[..., Awaitable[FaultProxy]]]:
+    """``await fault_proxy(sim_url, {"x-sim-status": "500"}) -> FaultProxy`` (per test)."""
+    proxies: list[FaultProxy] = []
+
+    async def make(target: str, fault_headers: Mapping[str, str]) -> FaultProxy:
+        proxy = await FaultProxy(target, fault_headers).start()
+        proxies.append(proxy)
+        return proxy
+
+    try:
+        yield make
+    finally:
+        for p in proxies:
+            await p.close()
