@@ -92,8 +92,11 @@ def anchor_text(body: Mapping[str, Any]) -> tuple[Literal["S", "M"], str] | None
     """Locate the anchor of an OpenAI or Anthropic request body.
 
     Returns the tag and text, or ``None`` when there is no text to anchor on. The
-    Anthropic top-level ``system`` (string or blocks) wins; then the first OpenAI
-    ``system``/``developer`` message; else the first non-empty non-system message.
+    Anthropic top-level ``system`` (string or blocks) wins; then an OpenAI
+    ``system``/``developer`` message that comes before any other non-empty message; else
+    the first non-empty message. A system message after the first user turn is rendered
+    after it, so the engine's chain (all the listener sees) starts with the user turn:
+    the key must too.
     """
     system = body.get("system")
     if system is not None:
@@ -103,20 +106,13 @@ def anchor_text(body: Mapping[str, Any]) -> tuple[Literal["S", "M"], str] | None
     messages = body.get("messages")
     if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
         return None
-    first: str | None = None
     for msg in messages:
         if not isinstance(msg, Mapping):
             continue
         text = _content_text(msg.get("content"))
-        if not text:
-            continue
-        if msg.get("role") in _SYSTEM_ROLES:
-            return "S", text
-        if first is None:
-            first = text
-    if first is None:
-        return None
-    return "M", first
+        if text:
+            return ("S" if msg.get("role") in _SYSTEM_ROLES else "M"), text
+    return None
 
 
 def extract_prefix_key(

@@ -60,6 +60,25 @@ def test_first_message_fallback_uses_m_tag() -> None:
     assert key_hex(body) == want == GOLDEN["openai_first_message"]
 
 
+def test_system_after_first_user_turn_does_not_anchor() -> None:
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "first"},
+            {"role": "system", "content": "late rules"},
+        ],
+    }
+    assert key_hex(body) == sha(b"m", b"\x00", b"M", b"first")
+
+
+def test_empty_system_message_is_skipped() -> None:
+    body = {
+        "model": "m",
+        "messages": [{"role": "system", "content": ""}, {"role": "user", "content": "q"}],
+    }
+    assert key_hex(body) == sha(b"m", b"\x00", b"M", b"q")
+
+
 def test_developer_role_counts_as_system() -> None:
     body = {"model": "m", "messages": [{"role": "developer", "content": "rules"}]}
     assert key_hex(body) == sha(b"m", b"\x00", b"S", b"rules")
