@@ -299,6 +299,9 @@ class ListenerConfig(_Section):
     unset = not started."""
     grpc_tls: GrpcTlsConfig | None = None
     """TLS for ``grpc_listen``; unset = plaintext."""
+    max_prefix_length: Annotated[int, Field(ge=1, le=1 << 20)] = 1024
+    """Bytes of anchor text hashed into prefix keys: must equal the router's
+    ``prefix_routing.max_prefix_length`` or the two sides compute different keys."""
     history_size: Annotated[int, Field(ge=16, le=1_000_000)] = 10_000
     """Events kept per backend for ``Last-Event-ID`` resumption; an older ID gets ``resync``
     and a snapshot instead."""

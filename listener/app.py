@@ -1,0 +1,230 @@
+"""The listener process: sources -> decode -> chain tracker -> event hub -> SSE and gRPC.
+
+One ``SourceRuntime`` per configured backend owns its tracker and its transports (one
+ZMQ source per DP rank, or one trtllm poller). Everything runs on one asyncio loop; the
+ingestion path (``_on_batch``) is synchronous from the decoded batch to the hub, so an
+event is published in the same step its engine event is applied and a snapshot taken
+by a new subscriber is always consistent with the live stream that follows.
+
+Stop order (SIGTERM/SIGINT): sources, gRPC, SSE, then the hub, so subscribers see the
+end of their stream rather than a reset connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Sequence
+from typing import Any
+
+from bus.config import parse_hostport
+from bus.events import KvEvent
+from bus.salt import load_secret
+
+from .chains import ChainTracker
+from .config import ListenerConfig, SourceConfig
+from .decode import decode_batch
+from .engine_events import EventBatch
+from .grpc_service import GrpcServer, ListenerServicer
+from .recovery import Attributor, Detokenizer
+from .sse_server import SseServer
+from .stream import EventHub
+from .templates import CHATML, LLAMA3, ChatTemplate, get_template, marker_template
+from .trtllm_source import TrtllmPoller, TrtllmPollerConfig
+from .zmq_source import ZmqSource, ZmqSourceConfig
+
+__all__ = ["ListenerApp", "SourceRuntime", "run"]
+
+log = logging.getLogger("continuum.listener")
+
+
+def _templates(src: SourceConfig) -> Sequence[ChatTemplate]:
+    tpl = src.chat_template
+    if tpl is None:
+        chosen: Sequence[ChatTemplate] = (CHATML, LLAMA3)
+    elif isinstance(tpl, str):
+        chosen = (get_template(tpl),)
+    else:
+        chosen = (marker_template(tpl.system_start, tpl.user_start, tpl.end),)
+    if src.default_system_prompt:
+        chosen = tuple(t.with_default_system_prompt(src.default_system_prompt) for t in chosen)
+    return chosen
+
+
+class SourceRuntime:
+    """One backend: its tracker, its transports and their counters."""
+
+    def __init__(self, cfg: ListenerConfig, src: SourceConfig, hub: EventHub) -> None:
+        self.src = src
+        self.name = src.backend_name
+        self.hub = hub
+        secret = None
+        if cfg.has_salt_secret:
+            secret = load_secret(cfg.salt_secret_file, cfg.salt_secret_env)
+        self.detokenizer: Detokenizer | None = None
+        if src.detokenize_endpoint:
+            self.detokenizer = Detokenizer(
+                src.detokenize_endpoint,
+                model=src.model,
+                flavor="sglang" if src.engine == "sglang" else "vllm",
+            )
+        attributor = Attributor(
+            model=src.model or "",
+            template=_templates(src),
+            backend=self.name,
+            detokenizer=self.detokenizer,
+            max_prefix_length=cfg.max_prefix_length,
+            salt_secret=secret,
+        )
+        self.tracker = ChainTracker(
+            self.name,
+            self._emit,
+            attributor,
+            engine=src.engine,
+            max_chain_tokens=src.max_chain_tokens,
+            max_tracked_blocks=src.max_tracked_blocks,
+            max_retained_tokens=src.max_retained_tokens,
+        )
+        hub.add_backend(self.name, self.tracker.snapshot)
+        self.transports: list[ZmqSource | TrtllmPoller] = []
+        if src.engine == "trtllm":
+            assert src.trtllm_endpoint is not None
+            self.transports.append(
+                TrtllmPoller(
+                    TrtllmPollerConfig(
+                        url=src.trtllm_endpoint,
+                        allowed_publishers=tuple(src.allowed_publishers),
+                        backend=self.name,
+                        poll_interval_ms=src.poll_interval_ms,
+                    ),
+                    on_batch=self._on_batch,
+                    on_resync=self._on_resync,
+                )
+            )
+        else:
+            for i, ep in enumerate(src.zmq_endpoints()):
+                rank = i if src.dp_ranks else None
+                self.transports.append(
+                    ZmqSource(
+                        ZmqSourceConfig(
+                            endpoint=ep.endpoint,
+                            mode=src.zmq_mode,
+                            engine=src.engine,  # type: ignore[arg-type]
+                            topic=src.topic,
+                            replay_endpoint=ep.replay_endpoint,
+                            allowed_publishers=tuple(src.allowed_publishers),
+                            dp_rank=rank,
+                            backend=self.name,
+                        ),
+                        decode=decode_batch,
+                        on_batch=self._on_batch,
+                        on_resync=self._on_resync,
+                    )
+                )
+
+    def _emit(self, ev: KvEvent) -> None:
+        self.hub.publish(self.name, ev)
+
+    def _on_batch(self, batch: EventBatch, dp_rank: int | None) -> None:
+        if batch.dp_rank is None and dp_rank is not None:
+            batch.dp_rank = dp_rank
+        self.tracker.apply(batch)
+
+    def _on_resync(self, reason: str) -> None:
+        """The engine restarted or events were lost: forget, then tell subscribers."""
+        self.tracker.reset()
+        self.hub.resync(self.name, reason, self.tracker.snapshot())
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"engine": self.src.engine}
+        transport: dict[str, int] = {}
+        for t in self.transports:
+            for k, v in vars(t.stats).items():
+                if isinstance(v, int) and not isinstance(v, bool):
+                    transport[k] = transport.get(k, 0) + v
+        out.update(transport)
+        out.update(self.tracker.stats())
+        return out
+
+    async def aclose(self) -> None:
+        await self.tracker.aclose()
+        if self.detokenizer is not None:
+            await self.detokenizer.aclose()
+
+
+class ListenerApp:
+    def __init__(self, cfg: ListenerConfig) -> None:
+        self.cfg = cfg
+        self.hub = EventHub(cfg.history_size, cfg.subscriber_queue_size)
+        self.sources = {s.backend_name: SourceRuntime(cfg, s, self.hub) for s in cfg.sources}
+        self.sse = SseServer(
+            self.hub,
+            heartbeat_interval=cfg.heartbeat_interval_ms / 1000,
+            stats_provider=self.stats,
+        )
+        self.grpc: GrpcServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.http_port: int | None = None
+        self.grpc_port: int | None = None
+
+    def stats(self) -> dict[str, dict[str, Any]]:
+        return {name: rt.stats() for name, rt in self.sources.items()}
+
+    async def start(self) -> None:
+        host, port = parse_hostport(self.cfg.listen)
+        self.http_port = await self.sse.start(host, port)
+        if self.cfg.grpc_listen:
+            servicer = ListenerServicer(self.hub, self.cfg.sources, self.stats)
+            self.grpc = GrpcServer(servicer, self.cfg.grpc_tls)
+            self.grpc_port = await self.grpc.start(self.cfg.grpc_listen)
+        loop = asyncio.get_running_loop()
+        for rt in self.sources.values():
+            for t in rt.transports:
+                self._tasks.append(loop.create_task(t.run(), name=f"source-{rt.name}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.grpc is not None:
+            await self.grpc.stop()
+        await self.sse.stop()
+        self.hub.close()
+        for rt in self.sources.values():
+            await rt.aclose()
+
+    def announce(self) -> str:
+        host = parse_hostport(self.cfg.listen)[0]
+        line = f"READY http={host}:{self.http_port}"
+        if self.grpc_port is not None and self.cfg.grpc_listen:
+            line += f" grpc={parse_hostport(self.cfg.grpc_listen)[0]}:{self.grpc_port}"
+        return line
+
+
+async def run(cfg: ListenerConfig) -> int:
+    """Serve until SIGTERM or SIGINT; returns the exit status."""
+    app = ListenerApp(cfg)
+    await app.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    log.info("listening on %s with %d source(s)", cfg.listen, len(app.sources))
+    print(app.announce(), flush=True)
+    failed = asyncio.gather(*app._tasks)
+    done, _ = await asyncio.wait(
+        (asyncio.ensure_future(stop.wait()), failed), return_when=asyncio.FIRST_COMPLETED
+    )
+    status = 0
+    if failed in done and failed.exception() is not None:
+        log.error("a source stopped: %s", failed.exception())
+        status = 1
+    await app.stop()
+    failed.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await failed
+    return status
