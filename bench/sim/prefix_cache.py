@@ -17,6 +17,12 @@ same prefix. Like vLLM, when the entire prompt is cached the last token is still
 (a prefill needs at least one token to produce logits), so at most
 ``(n - 1) // block_size`` blocks count as hits.
 
+A request's ``cache_salt`` is folded into its first block's hash (vLLM's extra keys), so
+requests with different salts never share a block. The default hash is a fast 64-bit
+blake2b chain; with KV events on, the engine plugs in the hash its published format uses
+(a :class:`BlockHasher` from :mod:`bench.sim.block_hash`), so cache keys *are* the hashes
+on the wire.
+
 Eviction is LRU over blocks. A request touches its blocks tail-first, so within one sequence
 the tail is least recently used and is evicted before the shared root — again like vLLM, whose
 free queue receives a finished request's blocks in reverse order.
@@ -29,10 +35,12 @@ import re
 import zlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 __all__ = [
+    "BlockHasher",
     "CacheStats",
     "KVEventCallback",
     "PrefixCache",
@@ -58,20 +66,36 @@ def chain_hash(parent: int, token_ids: Sequence[int]) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
+def salted_root(salt: str | None) -> int:
+    """Parent seed of a request's first block: the salt is part of that block's hash."""
+    if not salt:
+        return _ROOT_SEED
+    h = hashlib.blake2b(b"cache_salt\x00" + salt.encode("utf-8", "surrogatepass"), digest_size=8)
+    return int.from_bytes(h.digest(), "little")
+
+
+class BlockHasher(Protocol):
+    """Chain hashes of the full blocks of a prompt; keys are ints or bytes, never mixed."""
+
+    def chain(self, tokens: Sequence[int], block_size: int, salt: str | None) -> list[Any]: ...
+
+
 @dataclass(slots=True, frozen=True)
 class StoredBlock:
     """A block that entered the cache, with what a vLLM ``BlockStored`` event would carry."""
 
-    block_hash: int
+    block_hash: Any
     #: ``None`` for the first block of a sequence (vLLM's ``parent_block_hash=None``).
-    parent_hash: int | None
+    parent_hash: Any
     token_ids: tuple[int, ...]
 
 
 #: ``callback(stored, removed)``. ``stored`` is in chain order (each block's parent is the
 #: previous one, or already cached); ``removed`` lists evicted/cleared hashes. Removals happen
 #: before the stores of the same call (room is made first), so emit them in that order.
-KVEventCallback = Callable[[list[StoredBlock], list[int]], None]
+#: During the call, ``PrefixCache.last_removed_parents[i]`` is the parent of ``removed[i]``.
+#: Hashes are ints with the default hasher (a :class:`BlockHasher` may use bytes).
+KVEventCallback = Callable[[list[StoredBlock], list[Any]], None]
 
 
 @dataclass(slots=True)
@@ -90,7 +114,7 @@ class CacheStats:
 
 @dataclass(slots=True)
 class _Block:
-    parent_hash: int | None
+    parent_hash: Hashable | None
     token_ids: tuple[int, ...]
 
 
@@ -104,10 +128,14 @@ class PrefixCache:
     #: Fixed per-request prefill cost (scheduling, the recomputed last token, sampling).
     prefill_overhead_us: float = 1000.0
     on_change: KVEventCallback | None = None
+    #: Block hash function; ``None`` = the fast 64-bit blake2b chain (:func:`chain_hash`).
+    hasher: BlockHasher | None = None
     stats: CacheStats = field(default_factory=CacheStats)
     #: Tokens newly written by the last ``lookup_and_insert`` (Anthropic's cache_creation).
     last_stored_tokens: int = field(default=0, init=False)
-    _blocks: OrderedDict[int, _Block] = field(default_factory=OrderedDict, repr=False)
+    #: Parents of the hashes removed by the current ``on_change`` call, index for index.
+    last_removed_parents: list[Any] = field(default_factory=list, init=False, repr=False)
+    _blocks: OrderedDict[Any, _Block] = field(default_factory=OrderedDict, repr=False)
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -121,10 +149,12 @@ class PrefixCache:
     def __contains__(self, block_hash: object) -> bool:
         return block_hash in self._blocks
 
-    def block_hashes(self, tokens: Sequence[int]) -> list[int]:
+    def block_hashes(self, tokens: Sequence[int], salt: str | None = None) -> list[Any]:
         """Chain hashes of the full blocks of ``tokens`` (what a KV-aware router would index)."""
         bs = self.block_size
-        parent = _ROOT_SEED
+        if self.hasher is not None:
+            return self.hasher.chain(tokens, bs, salt)
+        parent = salted_root(salt) if salt else _ROOT_SEED
         out: list[int] = []
         for start in range(0, len(tokens) - bs + 1, bs):
             parent = chain_hash(parent, tokens[start : start + bs])
@@ -135,9 +165,9 @@ class PrefixCache:
         """Modelled prefill latency: linear in uncached tokens plus a fixed overhead."""
         return (uncached_tokens * self.prefill_us_per_token + self.prefill_overhead_us) / 1e6
 
-    def peek(self, tokens: Sequence[int]) -> int:
+    def peek(self, tokens: Sequence[int], salt: str | None = None) -> int:
         """Cached-token count ``lookup_and_insert`` would report, without touching LRU/stats."""
-        hashes = self.block_hashes(tokens)
+        hashes = self.block_hashes(tokens, salt)
         hits = 0
         for h in hashes[: self._max_hit_blocks(len(tokens))]:
             if h not in self._blocks:
@@ -145,15 +175,16 @@ class PrefixCache:
             hits += 1
         return hits * self.block_size
 
-    def lookup_and_insert(self, tokens: Sequence[int]) -> tuple[int, int]:
+    def lookup_and_insert(self, tokens: Sequence[int], salt: str | None = None) -> tuple[int, int]:
         """Account one prefill: count the cached prefix, cache the rest, update stats.
 
+        ``salt`` is the request's ``cache_salt`` (folded into the first block's hash).
         Returns ``(cached_tokens, total_tokens)``.
         """
         total = len(tokens)
         bs = self.block_size
         blocks = self._blocks
-        hashes = self.block_hashes(tokens)
+        hashes = self.block_hashes(tokens, salt)
         max_hits = self._max_hit_blocks(total)
 
         hits = 0
@@ -173,10 +204,13 @@ class PrefixCache:
                 blocks.move_to_end(h)
             else:
                 new.append(i)
-        removed: list[int] = []
+        removed: list[Any] = []
+        removed_parents: list[Any] = []
         overflow = len(blocks) + len(new) - self.capacity_blocks
         while overflow > 0:
-            removed.append(blocks.popitem(last=False)[0])
+            h, old = blocks.popitem(last=False)
+            removed.append(h)
+            removed_parents.append(old.parent_hash)
             overflow -= 1
         stored: list[StoredBlock] = []
         for i in new:
@@ -197,14 +231,17 @@ class PrefixCache:
         st.cached_tokens += cached
         st.prefill_seconds_modelled += self.prefill_seconds(total - cached)
         if self.on_change is not None and (stored or removed):
+            self.last_removed_parents = removed_parents
             self.on_change(stored, removed)
         return cached, total
 
     def clear(self) -> None:
-        """Drop every block (reported as removals, like vLLM's reset_prefix_cache)."""
+        """Drop every block; ``on_change`` gets them all as removals (in LRU order)."""
         removed = list(self._blocks)
+        parents = [b.parent_hash for b in self._blocks.values()]
         self._blocks.clear()
         if self.on_change is not None and removed:
+            self.last_removed_parents = parents
             self.on_change([], removed)
 
     def reset_stats(self) -> None:

