@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import signal
 from collections.abc import Sequence
@@ -141,7 +142,9 @@ class SourceRuntime:
         out: dict[str, Any] = {"engine": self.src.engine}
         transport: dict[str, int] = {}
         for t in self.transports:
-            for k, v in vars(t.stats).items():
+            for f in dataclasses.fields(t.stats):
+                v = getattr(t.stats, f.name)
+                k = f.name
                 if isinstance(v, int) and not isinstance(v, bool):
                     transport[k] = transport.get(k, 0) + v
         out.update(transport)

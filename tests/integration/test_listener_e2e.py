@@ -1,0 +1,385 @@
+"""Engine -> listener -> SSE, end to end with real processes and real ZMQ sockets.
+
+A simulated engine with Qwen2's real tokenizer and ChatML template publishes vLLM
+KV events; the real ``continuum-kv-listener`` process recovers prefix keys through the
+engine's ``/detokenize`` and serves them on ``GET /events/{backend}``. The keys must be
+exactly what the router computes for the same request (``bus.prefix_key``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+import yaml
+
+from bench.sim.fleet import SimFleet
+from bus.events import KvEvent
+from bus.prefix_key import extract_prefix_key
+from bus.salt import encode_salt
+from bus.sse import SseParser, SseRecord
+
+from .conftest import free_port, wait_until
+
+pytest.importorskip("tokenizers")
+
+MODEL = "demo-model"
+SECRET = "e2e-salt-secret-" + "x" * 16
+
+
+class ListenerProc:
+    def __init__(self, config: dict[str, Any], path: Path) -> None:
+        self.config = config
+        self.path = path
+        self.proc: asyncio.subprocess.Process | None = None
+        self.url = ""
+        self.log_path = path.with_suffix(".log")
+
+    async def start(self) -> ListenerProc:
+        self.path.write_text(yaml.safe_dump(self.config))
+        env = {**os.environ, "CONTINUUM_SALT_SECRET": SECRET}
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "listener",
+            "--config",
+            str(self.path),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=open(self.log_path, "ab"),  # noqa: SIM115 - handed to the child
+            env=env,
+        )
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 20)
+        assert line.startswith(b"READY"), (line, self.log_path.read_text())
+        self.url = "http://" + line.split()[1].decode().split("=", 1)[1]
+        return self
+
+    async def stop(self) -> int:
+        assert self.proc is not None
+        if self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(self.proc.wait(), 10)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        return self.proc.returncode or 0
+
+    async def stats(self) -> dict[str, Any]:
+        async with aiohttp.ClientSession() as s, s.get(self.url + "/stats") as r:
+            return await r.json()
+
+
+class SseClient:
+    """Reads GET /events/{backend} with the project's own parser."""
+
+    def __init__(self, url: str, last_event_id: str | None = None) -> None:
+        self.url = url
+        self.last_event_id = last_event_id
+        self.records: list[SseRecord] = []
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self.connected = asyncio.Event()
+
+    async def __aenter__(self) -> SseClient:
+        self._session = aiohttp.ClientSession()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+        await asyncio.wait_for(self.connected.wait(), 10)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._task is not None and self._session is not None
+        self._task.cancel()
+        try:
+            await self._task
+        except (asyncio.CancelledError, Exception):
+            pass
+        await self._session.close()
+
+    async def _run(self) -> None:
+        assert self._session is not None
+        headers = {"Last-Event-ID": self.last_event_id} if self.last_event_id else {}
+        parser = SseParser(last_id=self.last_event_id)
+        async with self._session.get(self.url, headers=headers) as resp:
+            assert resp.status == 200
+            self.connected.set()
+            async for chunk in resp.content.iter_any():
+                self.records.extend(parser.feed(chunk))
+
+    def events(self) -> list[KvEvent]:
+        return [
+            KvEvent.from_json(r.data, event_field=r.event)
+            for r in self.records
+            if r.event != "error"
+        ]
+
+    def created_keys(self) -> set[str]:
+        return {e.prefix_hash for e in self.events() if e.event == "cache_created"}  # type: ignore[misc]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[str, Any]]:
+    """One listener (binding the ZMQ port) and one qwen2 engine publishing to it."""
+    tmp = tmp_path_factory.mktemp("listener")
+    zmq_port = free_port()
+    # The engine's replay socket lets the listener recover the batches it missed while
+    # its SUB was still connecting (ZMQ's slow joiner) or across a listener restart.
+    replay_port = free_port()
+    async with SimFleet(
+        n=1,
+        model=MODEL,
+        names=["engine-1"],
+        tokenizer="qwen2",
+        # The engine binds (vLLM's default, tcp://*:5557) and the listener connects. The
+        # other way round, an engine started first keeps reconnecting to an ephemeral
+        # loopback port and can connect to itself (TCP simultaneous open).
+        kv_events=f"tcp://*:{zmq_port}",
+        kv_events_format="vllm-0.33",
+        kv_events_replay=f"tcp://*:{replay_port}",
+    ) as fleet:
+        config = {
+            "listen": "127.0.0.1:0",
+            "salt_secret_env": "CONTINUUM_SALT_SECRET",
+            "history_size": 64,
+            "sources": [
+                {
+                    "backend_name": "engine-1",
+                    "engine": "vllm",
+                    "zmq_endpoint": f"tcp://127.0.0.1:{zmq_port}",
+                    "zmq_mode": "connect",
+                    "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                    "allowed_publishers": ["127.0.0.1"],
+                    "detokenize_endpoint": f"{fleet.urls[0]}/detokenize",
+                    "model": MODEL,
+                    "chat_template": "chatml",
+                }
+            ],
+        }
+        listener = await ListenerProc(config, tmp / "listener.yaml").start()
+        # ZMQ's slow joiner: batches published before the connection is up are lost (as
+        # with the real engines). Warm up until the listener has received a frame.
+        n = 0
+
+        async def connected() -> bool:
+            nonlocal n
+            n += 1
+            await post(
+                fleet.urls[0] + "/v1/chat/completions",
+                {"model": MODEL, "messages": [{"role": "user", "content": long_system(f"w{n}")}]},
+            )
+            return (await listener.stats())["sources"]["engine-1"]["frames"] > 0
+
+        await wait_until(connected, within=15, interval=0.1, what="the engine's first frame")
+        try:
+            yield {"fleet": fleet, "listener": listener, "tmp": tmp}
+        finally:
+            assert await listener.stop() == 0, listener.log_path.read_text()
+
+
+async def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+def long_system(tag: str) -> str:
+    return f"You are assistant {tag}. " + " ".join(f"rule-{tag}-{i}" for i in range(60))
+
+
+# Long enough that the system turn's end marker lands in a full block, not in the
+# trailing partial block the engine never publishes.
+LONG_QUESTION = "Please explain, step by step and with examples, " * 6
+
+
+def sys_req(tag: str) -> dict[str, Any]:
+    """A system prompt followed by a user turn: the chain holds the system turn's end.
+
+    (The engine publishes only full blocks of the prompt, so an anchor is complete once
+    a later turn starts, or once it is longer than max_prefix_length.)
+    """
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": long_system(tag)},
+            {"role": "user", "content": LONG_QUESTION},
+        ],
+    }
+
+
+async def test_listener_keys_equal_the_routers_for_openai_and_anthropic(stack) -> None:
+    fleet, listener = stack["fleet"], stack["listener"]
+    events_url = f"{listener.url}/events/engine-1"
+    openai_req = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": long_system("oa")},
+            {"role": "user", "content": LONG_QUESTION},
+        ],
+    }
+    parts_req = {
+        "model": MODEL,
+        "messages": [
+            {
+                "role": "system",
+                "content": [
+                    {"type": "text", "text": long_system("p1")},
+                    {"type": "text", "text": "Second part, ünïcödé 한국어."},
+                ],
+            },
+            {"role": "user", "content": LONG_QUESTION},
+        ],
+    }
+    # No system prompt: the first message is the anchor; longer than max_prefix_length
+    # (1024 bytes), so its first 1024 bytes decide the key even without the turn's end.
+    no_system_req = {
+        "model": MODEL,
+        "messages": [{"role": "user", "content": long_system("user-only") * 3}],
+    }
+    anthropic_req = {
+        "model": MODEL,
+        "max_tokens": 8,
+        "system": [{"type": "text", "text": long_system("an")}],
+        "messages": [{"role": "user", "content": LONG_QUESTION}],
+    }
+    expected = {
+        extract_prefix_key(r).hex()  # type: ignore[union-attr]
+        for r in (openai_req, parts_req, no_system_req, anthropic_req)
+    }
+    async with SseClient(events_url) as sse:
+        await post(fleet.urls[0] + "/v1/chat/completions", openai_req)
+        await post(fleet.urls[0] + "/v1/chat/completions", parts_req)
+        await post(fleet.urls[0] + "/v1/chat/completions", no_system_req)
+        await post(fleet.urls[0] + "/v1/messages", anthropic_req)
+
+        async def all_seen() -> bool:
+            return expected <= sse.created_keys()
+
+        try:
+            await wait_until(all_seen, within=20, what="cache_created for every request's key")
+        except AssertionError:
+            names = ["openai", "parts", "no_system", "anthropic"]
+            reqs = (openai_req, parts_req, no_system_req, anthropic_req)
+            missing = [
+                n
+                for n, r in zip(names, reqs, strict=True)
+                if extract_prefix_key(r).hex() not in sse.created_keys()  # type: ignore[union-attr]
+            ]
+            raise AssertionError(f"missing keys for {missing}: {await listener.stats()}") from None
+    # The stream starts with resync (+ snapshot) for a consumer without an event ID.
+    assert sse.records[0].event == "resync"
+
+
+async def test_salt_echo_attributes_without_detokenizing_and_rejects_forgeries(stack) -> None:
+    fleet, listener = stack["fleet"], stack["listener"]
+    req = {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": long_system("salted")},
+            {"role": "user", "content": LONG_QUESTION},
+        ],
+    }
+    key = extract_prefix_key(req)
+    assert key is not None
+    good = encode_salt(SECRET.encode(), "engine-1", key, "tenant-a")
+    other_key = bytes(32)
+    forged = encode_salt(b"not-the-secret-" + b"y" * 16, "engine-1", other_key)
+    async with SseClient(f"{listener.url}/events/engine-1") as sse:
+        await post(fleet.urls[0] + "/v1/chat/completions", {**req, "cache_salt": good})
+        forged_req = {
+            "model": MODEL,
+            "messages": [
+                {"role": "system", "content": long_system("forged")},
+                {"role": "user", "content": LONG_QUESTION},
+            ],
+            "cache_salt": forged,
+        }
+        await post(fleet.urls[0] + "/v1/chat/completions", forged_req)
+
+        async def salted_seen() -> bool:
+            return key.hex() in sse.created_keys()
+
+        await wait_until(salted_seen, within=15, what="the salted prefix")
+
+        async def forged_discarded() -> bool:
+            stats = (await listener.stats())["sources"]["engine-1"]
+            return stats.get("salt_failures", 0) >= 1
+
+        await wait_until(forged_discarded, within=10, what="the forged salt to be counted")
+        forged_key = extract_prefix_key(forged_req).hex()  # type: ignore[union-attr]
+        assert forged_key not in sse.created_keys()
+        assert other_key.hex() not in sse.created_keys()
+
+
+async def test_reconnect_with_last_event_id_has_no_duplicate_and_no_gap(stack) -> None:
+    fleet, listener = stack["fleet"], stack["listener"]
+    url = f"{listener.url}/events/engine-1"
+    async with SseClient(url) as first:
+        await post(fleet.urls[0] + "/v1/chat/completions", sys_req("r1"))
+
+        async def got_live() -> bool:
+            return any(r.event == "cache_created" and "-" in (r.id or "") for r in first.records)
+
+        await wait_until(got_live, within=15, what="a live event")
+    last_id = first.records[-1].id
+    assert last_id is not None
+    await post(fleet.urls[0] + "/v1/chat/completions", sys_req("r2"))
+    expected_key = extract_prefix_key(sys_req("r2")).hex()  # type: ignore[union-attr]
+
+    async with SseClient(url, last_event_id=last_id) as second:
+
+        async def caught_up() -> bool:
+            return expected_key in second.created_keys()
+
+        await wait_until(caught_up, within=15, what="the missed event after reconnect")
+    epoch, _, seq = last_id.partition("-")
+    resumed = [r for r in second.records if r.id]
+    assert resumed[0].event != "resync"  # replayed from the ring, not re-synchronised
+    seqs = [int(r.id.partition("-")[2]) for r in resumed if r.id.startswith(epoch + "-")]
+    assert seqs == list(range(int(seq) + 1, int(seq) + 1 + len(seqs)))  # no gap, no duplicate
+
+
+async def test_listener_restart_gives_resync_and_snapshot(stack) -> None:
+    fleet, listener = stack["fleet"], stack["listener"]
+    url = f"{listener.url}/events/engine-1"
+    req = sys_req("restart")
+    key = extract_prefix_key(req).hex()  # type: ignore[union-attr]
+    async with SseClient(url) as sse:
+        await post(fleet.urls[0] + "/v1/chat/completions", req)
+
+        async def seen() -> bool:
+            return key in sse.created_keys()
+
+        await wait_until(seen, within=15, what="the prefix before restart")
+    old_id = sse.records[-1].id
+    assert await listener.stop() == 0
+    listener.config["listen"] = listener.url.removeprefix("http://")
+    await listener.start()
+    # The restarted listener learns the engine's blocks again through replay.
+    async with SseClient(listener.url + "/events/engine-1", last_event_id=old_id) as after:
+
+        async def resynced() -> bool:
+            return bool(after.records) and after.records[0].event == "resync"
+
+        await wait_until(resynced, within=15, what="resync for an ID from the old epoch")
+    assert after.records[0].id is not None and not after.records[0].id.startswith(
+        (old_id or "").partition("-")[0] + "-"
+    )
+
+
+async def test_unknown_backend_is_404(stack) -> None:
+    listener = stack["listener"]
+    async with aiohttp.ClientSession() as s, s.get(listener.url + "/events/nope") as r:
+        assert r.status == 404
+
+
+def test_secret_is_long_enough() -> None:
+    assert len(SECRET) >= 16 and secrets.compare_digest(SECRET, SECRET)
