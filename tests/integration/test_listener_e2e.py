@@ -47,6 +47,7 @@ class ListenerProc:
     async def start(self) -> ListenerProc:
         self.path.write_text(yaml.safe_dump(self.config))
         env = {**os.environ, "CONTINUUM_SALT_SECRET": SECRET}
+        log = self.log_path.open("ab")
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -54,9 +55,10 @@ class ListenerProc:
             "--config",
             str(self.path),
             stdout=asyncio.subprocess.PIPE,
-            stderr=open(self.log_path, "ab"),  # noqa: SIM115 - handed to the child
+            stderr=log,
             env=env,
         )
+        log.close()
         assert self.proc.stdout is not None
         line = await asyncio.wait_for(self.proc.stdout.readline(), 20)
         assert line.startswith(b"READY"), (line, self.log_path.read_text())
