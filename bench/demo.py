@@ -1,12 +1,15 @@
 """``make run``: the router on its embedded default config, in front of simulated engines.
 
-Starts a fleet of simulated engines (block-level prefix caches, modelled prefill time),
-then for each selection strategy starts the real router process on ``deploy/demo.yaml``
+Starts a fleet of simulated engines (Qwen2 tokenizer and ChatML template, block-level
+prefix caches, modelled prefill time, KV events published over ZMQ in vLLM's format)
+and the real ``continuum-kv-listener`` subscribed to all of them, then for each
+selection strategy starts the real router process on ``deploy/demo.yaml``
 with the fleet as its backends, drives the same multi-tenant multi-turn workload through
 it, and prints how requests were distributed and what prefix-cache hit rate the engines
 saw. Each engine's cache holds only a share of all tenants' prompts, so a strategy that
 scatters a tenant over the fleet makes every engine thrash, while prefix-aware routing
-keeps each tenant's prefix warm on one engine.
+keeps each tenant's prefix warm on one engine. After each run the listener's view of
+the fleet (prefix keys recovered from the engines' KV events) is printed too.
 
 Afterwards the PrefixAwareHash router keeps serving on http://127.0.0.1:8080 until Ctrl-C
 (``--once`` exits instead).
@@ -21,6 +24,7 @@ import contextlib
 import os
 import random
 import signal
+import socket
 import sys
 import tempfile
 import time
@@ -32,6 +36,8 @@ import aiohttp
 import yaml
 
 from bench.sim.fleet import SimFleet
+from bus.events import KvEvent
+from bus.sse import SseParser
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "deploy" / "demo.yaml"
@@ -49,6 +55,12 @@ _TOPICS = (
 class Tenant:
     name: str
     system: str
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def make_tenants(n: int, rng: random.Random) -> list[Tenant]:
@@ -89,22 +101,21 @@ def workload(tenants: list[Tenant], sessions: int, turns: int, seed: int) -> lis
     return order
 
 
-class RouterProcess:
-    def __init__(self, config: dict[str, Any], workdir: Path) -> None:
+class ServiceProcess:
+    """A router or listener process on a generated config; ready once it prints READY."""
+
+    def __init__(self, config: dict[str, Any], workdir: Path, argv: list[str], name: str) -> None:
         self.config = config
-        self.path = workdir / "router.yaml"
+        self.path = workdir / f"{name}.yaml"
+        self.argv = argv
         self.proc: asyncio.subprocess.Process | None = None
         self.url = ""
 
-    async def __aenter__(self) -> RouterProcess:
+    async def __aenter__(self) -> ServiceProcess:
         self.path.write_text(yaml.safe_dump(self.config, sort_keys=False))
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable,
-            "-m",
-            "router",
-            "--log-level",
-            "WARNING",
-            "serve",
+            *self.argv,
             "--config",
             str(self.path),
             stdout=asyncio.subprocess.PIPE,
@@ -112,7 +123,7 @@ class RouterProcess:
         assert self.proc.stdout is not None
         line = await asyncio.wait_for(self.proc.stdout.readline(), 30)
         if not line.startswith(b"READY"):
-            raise RuntimeError(f"router did not start: {line!r}")
+            raise RuntimeError(f"{self.argv[1]} did not start: {line!r}")
         http = line.split()[1].decode().split("=", 1)[1]
         self.url = f"http://{http}"
         return self
@@ -125,6 +136,82 @@ class RouterProcess:
             except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
+
+
+def RouterProcess(config: dict[str, Any], workdir: Path) -> ServiceProcess:
+    return ServiceProcess(
+        config, workdir, ["-m", "router", "--log-level", "WARNING", "serve"], "router"
+    )
+
+
+def ListenerProcess(config: dict[str, Any], workdir: Path) -> ServiceProcess:
+    return ServiceProcess(config, workdir, ["-m", "listener", "--log-level", "WARNING"], "listener")
+
+
+def listener_config(fleet: SimFleet, zmq_ports: list[int]) -> dict[str, Any]:
+    """One source per engine: SUB connects to the engine's bound PUB (vLLM's default)."""
+    return {
+        "listen": "127.0.0.1:0",
+        "sources": [
+            {
+                "backend_name": name,
+                "engine": "vllm",
+                "zmq_endpoint": f"tcp://127.0.0.1:{port}",
+                "zmq_mode": "connect",
+                "allowed_publishers": ["127.0.0.1"],
+                "detokenize_endpoint": f"{url}/detokenize",
+                "model": MODEL,
+                "chat_template": "chatml",
+            }
+            for name, url, port in zip(fleet.names, fleet.urls, zmq_ports, strict=True)
+        ],
+    }
+
+
+async def listener_connected(listener: ServiceProcess, fleet: SimFleet) -> None:
+    """Send each engine a request until the listener has a frame from every engine.
+
+    ZMQ's slow joiner: what an engine publishes before the SUB is connected is lost.
+    """
+    async with aiohttp.ClientSession() as session:
+        for attempt in range(200):
+            async with session.get(listener.url + "/stats") as resp:
+                sources = (await resp.json())["sources"]
+            waiting = [n for n in fleet.names if sources[n]["frames"] == 0]
+            if not waiting:
+                return
+            for i, name in enumerate(fleet.names):
+                if name in waiting:
+                    body = {
+                        "model": MODEL,
+                        "messages": [{"role": "user", "content": f"warm-up {attempt} " * 40}],
+                    }
+                    async with session.post(fleet.urls[i] + "/v1/chat/completions", json=body):
+                        pass
+            await asyncio.sleep(0.05)
+    raise RuntimeError("the listener received nothing from the engines")
+
+
+async def listener_view(listener: ServiceProcess, names: list[str]) -> dict[str, set[str]]:
+    """Prefix keys the listener currently attributes to each engine (its SSE snapshot)."""
+    view: dict[str, set[str]] = {}
+    async with aiohttp.ClientSession() as session:
+        for name in names:
+            keys: set[str] = set()
+            parser = SseParser()
+            async with session.get(f"{listener.url}/events/{name}") as resp:
+                try:
+                    while True:
+                        chunk = await asyncio.wait_for(resp.content.readany(), 0.3)
+                        if not chunk:
+                            break
+                        for rec in parser.feed(chunk):
+                            if rec.event == "cache_created":
+                                keys.add(KvEvent.from_json(rec.data).prefix_hash or "")
+                except TimeoutError:
+                    pass
+            view[name] = keys
+    return view
 
 
 async def drive(url: str, requests: list[list[dict]], concurrency: int) -> collections.Counter:
@@ -184,51 +271,66 @@ async def main(args: argparse.Namespace) -> int:
         f"{args.sessions} sessions x {args.turns} turns = {len(requests)} requests\n"
     )
     rows = []
-    async with SimFleet(
-        n=args.engines,
-        model=MODEL,
-        names=[f"engine-{i + 1}" for i in range(args.engines)],
-        capacity_blocks=args.capacity_blocks,
-        latency=True,
-    ) as fleet:
-        with tempfile.TemporaryDirectory(prefix="continuum-demo-") as tmp:
-            for strategy in STRATEGIES:
-                await fleet.reset()
-                print(f"  {strategy:<16} ", end="", flush=True)
-                cfg = router_config(base, fleet, strategy, 0)
-                t0 = time.perf_counter()
-                async with RouterProcess(cfg, Path(tmp)) as router:
-                    dist = await drive(router.url, requests, args.concurrency)
-                    overflow = await overflow_rate(router.url)
-                elapsed = time.perf_counter() - t0
-                stats = await fleet.stats()
-                prompt = sum(s["prompt_tokens"] for s in stats)
-                cached = sum(s["cached_tokens"] for s in stats)
-                prefill = sum(s["prefill_seconds_modelled"] for s in stats)
-                rows.append(
-                    (strategy, dist, cached / prompt if prompt else 0.0, prefill, elapsed, overflow)
-                )
-                print(f"done in {elapsed:.1f}s")
-            print_table(rows, fleet.names, len(requests))
-            if args.once:
-                return 0
-            cfg = router_config(base, fleet, "PrefixAwareHash", args.port)
+    views: list[tuple[str, dict[str, set[str]]]] = []
+    zmq_ports = [free_port() for _ in range(args.engines)]
+    async with (
+        SimFleet(
+            n=args.engines,
+            model=MODEL,
+            names=[f"engine-{i + 1}" for i in range(args.engines)],
+            capacity_blocks=args.capacity_blocks,
+            latency=True,
+            tokenizer="qwen2",
+            kv_events_format="vllm-0.33",
+            overrides={i: {"kv_events": f"tcp://*:{p}"} for i, p in enumerate(zmq_ports)},
+        ) as fleet,
+        contextlib.AsyncExitStack() as stack,
+    ):
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="continuum-demo-"))
+        listener = await stack.enter_async_context(
+            ListenerProcess(listener_config(fleet, zmq_ports), Path(tmp))
+        )
+        await listener_connected(listener, fleet)
+        for strategy in STRATEGIES:
+            await fleet.reset()
+            print(f"  {strategy:<16} ", end="", flush=True)
+            cfg = router_config(base, fleet, strategy, 0)
+            t0 = time.perf_counter()
             async with RouterProcess(cfg, Path(tmp)) as router:
-                print(
-                    f"\nThe router is serving on {router.url} (PrefixAwareHash, "
-                    f"{args.engines} simulated engines). Try:\n"
-                    f"  curl -s {router.url}/v1/chat/completions -H 'content-type: "
-                    f'application/json\' -d \'{{"model":"{MODEL}","messages":'
-                    f'[{{"role":"user","content":"hi"}}]}}\'\n'
-                    f"  curl -s {router.url}/admin/prefix-routing/stats\n"
-                    f"  curl -s {router.url}/metrics\n"
-                    "Press Ctrl-C to stop."
-                )
-                stop = asyncio.Event()
-                loop = asyncio.get_running_loop()
-                for sig in (signal.SIGINT, signal.SIGTERM):
-                    loop.add_signal_handler(sig, stop.set)
-                await stop.wait()
+                dist = await drive(router.url, requests, args.concurrency)
+                overflow = await overflow_rate(router.url)
+            elapsed = time.perf_counter() - t0
+            stats = await fleet.stats()
+            prompt = sum(s["prompt_tokens"] for s in stats)
+            cached = sum(s["cached_tokens"] for s in stats)
+            prefill = sum(s["prefill_seconds_modelled"] for s in stats)
+            view = await listener_view(listener, fleet.names)
+            rows.append(
+                (strategy, dist, cached / prompt if prompt else 0.0, prefill, elapsed, overflow)
+            )
+            views.append((strategy, view))
+            print(f"done in {elapsed:.1f}s")
+        print_table(rows, fleet.names, len(requests))
+        print_listener_table(views, fleet.names, len(tenants))
+        if args.once:
+            return 0
+        cfg = router_config(base, fleet, "PrefixAwareHash", args.port)
+        async with RouterProcess(cfg, Path(tmp)) as router:
+            print(
+                f"\nThe router is serving on {router.url} (PrefixAwareHash, "
+                f"{args.engines} simulated engines). Try:\n"
+                f"  curl -s {router.url}/v1/chat/completions -H 'content-type: "
+                f'application/json\' -d \'{{"model":"{MODEL}","messages":'
+                f'[{{"role":"user","content":"hi"}}]}}\'\n'
+                f"  curl -s {router.url}/admin/prefix-routing/stats\n"
+                f"  curl -s {router.url}/metrics\n"
+                "Press Ctrl-C to stop."
+            )
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.add_signal_handler(sig, stop.set)
+            await stop.wait()
     return 0
 
 
@@ -254,13 +356,38 @@ def print_table(rows: list[tuple], names: list[str], total: int) -> None:
     )
 
 
+def print_listener_table(
+    views: list[tuple[str, dict[str, set[str]]]], names: list[str], tenants: int
+) -> None:
+    """What continuum-kv-listener attributed from the engines' real KV events."""
+    print(
+        "\n  The listener's view (prefix keys recovered from the engines' KV events, after "
+        "each run):"
+    )
+    head = f"  {'strategy':<16} {'distinct prefixes':>18} {'engines per prefix':>19}  "
+    head += "  ".join(f"{n:>9}" for n in names)
+    print(head)
+    print("  " + "-" * (len(head) - 2))
+    for strategy, view in views:
+        distinct = set().union(*view.values()) if view else set()
+        copies = sum(len(v) for v in view.values())
+        per = copies / len(distinct) if distinct else 0.0
+        cols = "  ".join(f"{len(view.get(n, ())):>9}" for n in names)
+        print(f"  {strategy:<16} {len(distinct):>18} {per:>19.2f}  {cols}")
+    print(
+        f"\n  {tenants} tenants share system prompts; 'engines per prefix' is how many engines "
+        "hold a copy of the same prefix\n  (1.0 = each prefix cached once in the fleet). The "
+        "per-engine columns count the prefixes each engine holds."
+    )
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--engines", type=int, default=4)
     p.add_argument("--tenants", type=int, default=24)
     p.add_argument("--sessions", type=int, default=160)
     p.add_argument("--turns", type=int, default=5)
-    p.add_argument("--capacity-blocks", type=int, default=320)
+    p.add_argument("--capacity-blocks", type=int, default=700)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--port", type=int, default=int(os.environ.get("CONTINUUM_DEMO_PORT", "8080")))
