@@ -385,3 +385,44 @@ async def test_unknown_backend_is_404(stack) -> None:
 
 def test_secret_is_long_enough() -> None:
     assert len(SECRET) >= 16 and secrets.compare_digest(SECRET, SECRET)
+
+
+async def test_trtllm_source_takes_keys_from_router_salts(tmp_path: Path) -> None:
+    """trtllm-serve has no public /detokenize: only router-issued salts attribute chains."""
+    async with SimFleet(n=1, model=MODEL, names=["trt-1"], kv_events_trtllm=True) as fleet:
+        config = {
+            "listen": "127.0.0.1:0",
+            "salt_secret_env": "CONTINUUM_SALT_SECRET",
+            "sources": [
+                {
+                    "backend_name": "trt-1",
+                    "engine": "trtllm",
+                    "trtllm_endpoint": f"{fleet.urls[0]}/kv_cache_events",
+                    "allowed_publishers": ["127.0.0.1"],
+                    "poll_interval_ms": 20,
+                }
+            ],
+        }
+        listener = await ListenerProc(config, tmp_path / "listener.yaml").start()
+        try:
+            req = sys_req("trt")
+            key = extract_prefix_key(req)
+            assert key is not None
+            salt = encode_salt(SECRET.encode(), "trt-1", key)
+            async with SseClient(f"{listener.url}/events/trt-1") as sse:
+                await post(fleet.urls[0] + "/v1/chat/completions", {**req, "cache_salt": salt})
+                unsalted = sys_req("trt-unsalted")
+                await post(fleet.urls[0] + "/v1/chat/completions", unsalted)
+
+                async def seen() -> bool:
+                    return key.hex() in sse.created_keys()
+
+                await wait_until(seen, within=15, what="the salted trtllm prefix")
+                unsalted_key = extract_prefix_key(unsalted).hex()  # type: ignore[union-attr]
+                assert unsalted_key not in sse.created_keys()
+            stats = (await listener.stats())["sources"]["trt-1"]
+            assert stats["polls"] > 0 and stats["attributed_prefixes"] >= 1
+        finally:
+            assert await listener.stop() == 0, listener.log_path.read_text()
+        # Salts never appear in the listener's logs.
+        assert salt not in listener.log_path.read_text()
