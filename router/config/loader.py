@@ -31,7 +31,7 @@ __all__ = [
 
 log = logging.getLogger("continuum.config")
 
-RESTART_ONLY: tuple[str, ...] = ("server",)
+RESTART_ONLY: tuple[str, ...] = ("server", "kv_cache_index", "response_cache")
 """Top-level sections a reload cannot apply (they own sockets and credentials)."""
 
 
@@ -68,6 +68,68 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
                 "prefix_routing.enabled: true",
             )
         )
+    kv = cfg.kv_cache_index
+    sc = kv.scoring
+    total = sc.overlap_weight + sc.load_weight + sc.health_weight
+    if abs(total - 1.0) > 1e-6:
+        issues.append(
+            ConfigIssue(
+                "error",
+                "kv_cache_index.scoring",
+                f"overlap_weight + load_weight + health_weight must sum to 1.0 (got {total:g})",
+            )
+        )
+    if kv.enabled and cfg.prefix_routing.enabled and sc.gpu_tier_weight < sc.min_overlap_threshold:
+        issues.append(
+            ConfigIssue(
+                "warning",
+                "kv_cache_index.scoring.gpu_tier_weight",
+                f"{sc.gpu_tier_weight:g} is below min_overlap_threshold "
+                f"{sc.min_overlap_threshold:g}: no backend can pass, every request falls back "
+                "to selection_strategy",
+            )
+        )
+    if kv.enabled and not cfg.prefix_routing.enabled:
+        issues.append(
+            ConfigIssue(
+                "warning",
+                "kv_cache_index.enabled",
+                "the KV index needs prefix keys: set prefix_routing.enabled: true",
+            )
+        )
+    if kv.backend == "redis" and cfg.response_cache.redis is None:
+        issues.append(
+            ConfigIssue(
+                "error",
+                "kv_cache_index.backend",
+                "redis requires response_cache.redis (the shared connection pool)",
+            )
+        )
+    names = {b.name for b in cfg.backends}
+    seen_sources: set[str] = set()
+    for i, src in enumerate(kv.event_sources):
+        path = f"kv_cache_index.event_sources[{i}]"
+        if src.backend_name not in names:
+            issues.append(
+                ConfigIssue(
+                    "error", f"{path}.backend_name", f"no backend named {src.backend_name!r}"
+                )
+            )
+        if src.backend_name in seen_sources:
+            issues.append(ConfigIssue("error", f"{path}.backend_name", "duplicate event source"))
+        seen_sources.add(src.backend_name)
+        if src.transport == "sse" and src.endpoint is None:
+            issues.append(
+                ConfigIssue("error", f"{path}.endpoint", "transport sse requires endpoint")
+            )
+        if src.transport == "event_bus":
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    f"{path}.transport",
+                    "event_bus (push mode) is not implemented in this version; use sse",
+                )
+            )
     if not any(b.enabled and not b.internal for b in cfg.backends):
         issues.append(
             ConfigIssue("warning", "backends", "no enabled backend: every request will get 503")

@@ -17,6 +17,12 @@ __all__ = [
     "BACKEND_TYPES",
     "STRATEGIES",
     "BackendConfig",
+    "EventSourceConfig",
+    "KvCacheIndexConfig",
+    "RedisConfig",
+    "ResponseCacheConfig",
+    "ScoringConfig",
+    "StorageOffloadingConfig",
     "HealthCheckConfig",
     "PrefixRoutingConfig",
     "RouterConfig",
@@ -154,6 +160,98 @@ class PrefixRoutingConfig(_Section):
     """Force cache_control injection even for backends with auto injection off."""
 
 
+class RedisConfig(_Section):
+    """One Redis/Valkey connection pool, shared by the response cache and the KV index."""
+
+    url: str = "redis://127.0.0.1:6379"
+    """``redis://`` or ``rediss://`` (TLS); ``tls: true`` upgrades a ``redis://`` URL."""
+    tls: bool = False
+    pool_size: Annotated[int, Field(ge=1, le=1024)] = 8
+    key_prefix: str = "cr:resp:"
+    """Response cache key namespace; glob characters (``*?[]``) are rejected."""
+    connect_timeout_ms: Annotated[int, Field(ge=10, le=600_000)] = 3_000
+    command_timeout_ms: Annotated[int, Field(ge=10, le=600_000)] = 1_000
+    fallback_capacity: Annotated[int, Field(ge=1, le=10_000_000)] = 1_000
+    fallback_ttl_seconds: Annotated[int, Field(ge=1, le=86_400)] = 300
+    fallback_to_memory: bool = True
+    health_check_interval_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 30_000
+    """How often a Redis that failed is retried before switching back from memory."""
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        if not re.match(r"^rediss?://", v):
+            raise ValueError(f"must be a redis:// or rediss:// URL, got {v!r}")
+        return v
+
+    @field_validator("key_prefix")
+    @classmethod
+    def _prefix(cls, v: str) -> str:
+        if any(c in v for c in "*?[]"):
+            raise ValueError("must not contain glob characters (* ? [ ])")
+        return v
+
+
+class ResponseCacheConfig(_Section):
+    """Tier 2/3 settings. Only the shared Redis connection is defined so far."""
+
+    redis: RedisConfig | None = None
+
+
+class ScoringConfig(_Section):
+    """KvOverlapScorer weights; read once at start (kv_cache_index is restart-only)."""
+
+    overlap_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.6
+    load_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.3
+    health_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+    min_overlap_threshold: Annotated[float, Field(ge=0.0, le=1.0)] = 0.3
+    """A backend whose tier-weighted overlap is below this scores 0 (treated as uncached)."""
+    gpu_tier_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    storage_tier_weight: Annotated[float, Field(ge=0.0, le=1.0)] = 0.6
+
+
+class StorageOffloadingConfig(_Section):
+    enabled: bool = False
+    """Track GpuHot vs StorageWarm per (prefix, backend)."""
+    treat_eviction_as_offload: bool = True
+    """With offloading on, ``cache_evicted`` demotes to StorageWarm instead of removing."""
+
+
+class EventSourceConfig(_Section):
+    """One listener stream the router consumes."""
+
+    backend_name: str
+    """The configured backend the events describe."""
+    endpoint: str | None = None
+    """``http(s)://listener:7817/events/<backend>`` or ``ws(s)://...``; none for event_bus."""
+    transport: Literal["sse", "event_bus"] = "sse"
+    reconnect_interval_ms: Annotated[int, Field(ge=10, le=600_000)] = 1_000
+    """First reconnect delay; doubles up to max(this, 60 s)."""
+
+    @field_validator("endpoint")
+    @classmethod
+    def _endpoint(cls, v: str | None) -> str | None:
+        if v is not None and not re.match(r"^(https?|wss?)://[^/\s]+", v):
+            raise ValueError(f"must be an http, https, ws or wss URL, got {v!r}")
+        return v
+
+
+class KvCacheIndexConfig(_Section):
+    """Tier 4: the index of which backend holds which prefix. Restart-only."""
+
+    enabled: bool = False
+    backend: Literal["memory", "redis"] = "memory"
+    """``redis`` reuses ``response_cache.redis``'s connection pool."""
+    max_entries: Annotated[int, Field(ge=100, le=10_000_000)] = 100_000
+    """Prefix entries kept in memory; when full the oldest 10% go in one step."""
+    entry_ttl_seconds: Annotated[int, Field(ge=1, le=86_400)] = 600
+    cleanup_interval_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 30_000
+    """Period of the proactive sweep of expired entries (TTL is also checked on query)."""
+    scoring: ScoringConfig = Field(default_factory=ScoringConfig)
+    storage_offloading: StorageOffloadingConfig = Field(default_factory=StorageOffloadingConfig)
+    event_sources: list[EventSourceConfig] = Field(default_factory=list)
+
+
 class RouterConfig(_Section):
     """The whole router config file."""
 
@@ -162,3 +260,5 @@ class RouterConfig(_Section):
     selection_strategy: Strategy = "RoundRobin"
     health_check: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
     prefix_routing: PrefixRoutingConfig = Field(default_factory=PrefixRoutingConfig)
+    response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
+    kv_cache_index: KvCacheIndexConfig = Field(default_factory=KvCacheIndexConfig)
