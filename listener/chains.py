@@ -68,10 +68,10 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Literal, Protocol
 
+from bus.backoff import Backoff, ExponentialBackoff
 from bus.events import KvEvent
 from bus.prefix_key import PrefixKey
 from bus.salt import SaltError
-from listener.backoff import Backoff, ExponentialBackoff
 from listener.engine_events import (
     AllBlocksCleared,
     BlockHash,

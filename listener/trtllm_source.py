@@ -43,7 +43,7 @@ from urllib.parse import urlsplit
 
 import aiohttp
 
-from listener.backoff import Backoff, ExponentialBackoff
+from bus.backoff import Backoff, ExponentialBackoff
 from listener.endpoints import PublisherAllowlist, PublisherNotAllowedError
 from listener.engine_events import (
     BlockHash,

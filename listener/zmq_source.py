@@ -49,7 +49,7 @@ from typing import Literal, TypeAlias
 import zmq
 import zmq.asyncio
 
-from listener.backoff import Backoff, ExponentialBackoff
+from bus.backoff import Backoff, ExponentialBackoff
 from listener.endpoints import (
     SCHEMES as _SCHEMES,
 )

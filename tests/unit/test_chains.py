@@ -16,10 +16,10 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bus.backoff import NoBackoff
 from bus.events import KvEvent
 from bus.prefix_key import PrefixKey, extract_prefix_key
 from bus.salt import encode_salt
-from listener.backoff import NoBackoff
 from listener.chains import ChainTracker, TrackedBlock
 from listener.engine_events import (
     AllBlocksCleared,

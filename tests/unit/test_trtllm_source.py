@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from listener.backoff import NoBackoff
+from bus.backoff import NoBackoff
 from listener.engine_events import BlockRemoved, BlockStored, EventBatch
 from listener.trtllm_source import TrtllmPoller, TrtllmPollerConfig, map_event
 from listener.zmq_source import PublisherNotAllowedError

@@ -24,7 +24,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from listener.backoff import ExponentialBackoff, NoBackoff
+from bus.backoff import ExponentialBackoff, NoBackoff
 from listener.engine_events import BlockStored, EventBatch, normalize_hash
 from listener.zmq_source import (
     END_SEQ,
