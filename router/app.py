@@ -11,8 +11,9 @@ import hmac
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 
@@ -28,6 +29,9 @@ from .pool import Backend, BackendPool, Endpoint
 from .proxy import ForwardSpec, forward
 from .selection import SelectionContext, Selector
 from .upstream import UpstreamClient
+
+if TYPE_CHECKING:
+    from .kvindex.runtime import KvRuntime
 
 __all__ = ["Router"]
 
@@ -95,6 +99,13 @@ class Router:
             config.server.connect_timeout_ms / 1000, config.server.request_timeout_ms / 1000
         )
         self.admin_token = _read_admin_token(config)
+        self.kv: KvRuntime | None = None
+        if config.prefix_routing.enabled and config.kv_cache_index.enabled:
+            from .kvindex.runtime import KvRuntime  # Tier 4 only costs when configured
+
+            self.kv = KvRuntime(config, self.metrics.kv_decision)
+            self.selector.scorer = self.kv.scorer
+            self.metrics.attach_kv(self.kv.metrics_snapshot)
         self._routes = {
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/anthropic/v1/messages"): self.anthropic_messages,
@@ -103,6 +114,9 @@ class Router:
             ("GET", "/health"): self.health,
             ("GET", "/metrics"): self.render_metrics,
             ("GET", "/admin/prefix-routing/stats"): self.admin_prefix_stats,
+            ("GET", "/admin/kv-index/stats"): self.admin_kv_stats,
+            ("GET", "/admin/kv-index/backends"): self.admin_kv_backends,
+            ("POST", "/admin/kv-index/clear"): self.admin_kv_clear,
         }
 
     # -- lifecycle -----------------------------------------------------------------
@@ -110,8 +124,12 @@ class Router:
     async def start(self) -> None:
         await self.client.start()
         await self.pool.start(self.client)
+        if self.kv is not None:
+            await self.kv.start()
 
     async def stop(self) -> None:
+        if self.kv is not None:
+            await self.kv.stop()
         await self.pool.stop()
         await self.client.close()
 
@@ -189,6 +207,9 @@ class Router:
         stream = body.get("stream", False)
         if not isinstance(stream, bool):
             return openai_error(400, "'stream' must be a boolean", param="stream")
+        caller_salt = body.get("cache_salt")
+        if caller_salt is not None and (not isinstance(caller_salt, str) or not caller_salt):
+            return openai_error(400, "'cache_salt' must be a non-empty string", param="cache_salt")
         candidates, mask = self.pool.candidates(model, "chat")
         if not candidates:
             return self._no_candidates(model, "chat", _oai_err)
@@ -208,8 +229,26 @@ class Router:
             _chat_path,
             lambda b: self._upstream_headers(b, req),
             _oai_err,
+            self._salt_rewriter(ctx.prefix_key),
         )
         return await forward(self, spec, candidates, mask, started)
+
+    def _salt_rewriter(
+        self, key: bytes | None
+    ) -> Callable[[Backend, dict[str, Any], bytes], bytes] | None:
+        """Binds (backend, prefix key) in the forwarded cache_salt, for the KV listener."""
+        kv = self.kv
+        if kv is None or key is None or kv.salt_secret is None:
+            return None
+
+        def rewrite(b: Backend, parsed: dict[str, Any], raw: bytes) -> bytes:
+            if not kv.salt_for(b.name, b.type, b.config.cache_salt):
+                return raw
+            body = dict(parsed)
+            body["cache_salt"] = kv.make_salt(b.name, key, parsed.get("cache_salt"))
+            return orjson.dumps(body)
+
+        return rewrite
 
     @staticmethod
     def _affinity(req: Request, body: dict[str, Any]) -> str | None:
@@ -335,10 +374,35 @@ class Router:
             headers=[("www-authenticate", "Bearer")],
         )
 
+    async def admin_kv_stats(self, req: Request) -> Response:
+        if not self._admin_ok(req):
+            return self._unauthorized()
+        if self.kv is None:
+            return _kv_disabled()
+        return Response(200, orjson.dumps(await self.kv.admin_stats()), _JSON_HEADERS)
+
+    async def admin_kv_backends(self, req: Request) -> Response:
+        if not self._admin_ok(req):
+            return self._unauthorized()
+        if self.kv is None:
+            return _kv_disabled()
+        return Response(200, orjson.dumps(self.kv.admin_backends()), _JSON_HEADERS)
+
+    async def admin_kv_clear(self, req: Request) -> Response:
+        if not self._admin_ok(req):
+            return self._unauthorized()
+        if self.kv is None:
+            return openai_error(409, "the KV cache index is not enabled", code="kv_index_disabled")
+        return Response(200, orjson.dumps(await self.kv.clear()), _JSON_HEADERS)
+
     async def admin_prefix_stats(self, req: Request) -> Response:
         if not self._admin_ok(req):
             return self._unauthorized()
         return Response(200, orjson.dumps(prefix_routing_stats(self)), _JSON_HEADERS)
+
+
+def _kv_disabled() -> Response:
+    return Response(200, orjson.dumps({"enabled": False}), _JSON_HEADERS)
 
 
 def _oai_err(status: int, message: str, code: str | None = None) -> Response:

@@ -19,7 +19,7 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -111,6 +111,50 @@ class _PoolCollector(Collector):
         yield success
 
 
+class _KvCollector(Collector):
+    """Tier 4 state read at scrape time: consumer counters and index size."""
+
+    def __init__(self, source: Callable[[], dict[str, Any]]) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Any]:
+        snap = self._source()
+        dropped = CounterMetricFamily(
+            "continuum_kv_event_dropped",
+            "KV events from the listener that could not be applied (invalid, overflow).",
+            labels=["backend"],
+        )
+        connected = GaugeMetricFamily(
+            "continuum_kv_consumer_connected",
+            "1 while the router's event stream from the listener is connected.",
+            labels=["backend"],
+        )
+        received = CounterMetricFamily(
+            "continuum_kv_events_received", "KV events received per backend.", labels=["backend"]
+        )
+        for name, c in snap.get("consumers", {}).items():
+            dropped.add_metric([name], c.get("dropped", 0))
+            connected.add_metric([name], 1.0 if c.get("connected") else 0.0)
+            received.add_metric([name], c.get("received", 0))
+        yield dropped
+        yield connected
+        yield received
+        index = snap.get("index", {})
+        yield GaugeMetricFamily(
+            "continuum_kv_index_prefixes", "Prefixes in the KV index.", index.get("prefix_count", 0)
+        )
+        yield GaugeMetricFamily(
+            "continuum_kv_index_entries",
+            "(prefix, backend) entries in the KV index.",
+            index.get("entry_count", 0),
+        )
+        yield GaugeMetricFamily(
+            "continuum_kv_index_fallback_active",
+            "1 while the Redis KV index serves from its in-memory fallback.",
+            1.0 if index.get("fallback_active") else 0.0,
+        )
+
+
 class RouterMetrics:
     def __init__(self, pool_ref: Callable[[], BackendPool]) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -142,6 +186,23 @@ class RouterMetrics:
             ["backend"],
             registry=self.registry,
         )
+        self.kv_decisions = Counter(
+            "continuum_kv_index_routing_decisions",
+            "Selections where the KV scorer ran: kv_aware (it chose) or fallback (strategy).",
+            ["decision", "tier"],
+            registry=self.registry,
+        )
+        self._kv_children = {
+            (d, t): self.kv_decisions.labels(d, t)
+            for d in ("kv_aware", "fallback")
+            for t in ("gpu_hot", "storage_warm", "none")
+        }
+        self.kv_overlap = Histogram(
+            "continuum_kv_index_overlap_score",
+            "Winning composite score of kv_aware decisions.",
+            buckets=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
+            registry=self.registry,
+        )
         self.registry.register(_PoolCollector(pool_ref))
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
@@ -167,6 +228,14 @@ class RouterMetrics:
             self._children[key] = pair
         pair[0].inc()
         pair[1].observe(seconds)
+
+    def kv_decision(self, decision: str, tier: str, score: float | None) -> None:
+        self._kv_children[(decision, tier if tier in ("gpu_hot", "storage_warm") else "none")].inc()
+        if score is not None:
+            self.kv_overlap.observe(score)
+
+    def attach_kv(self, source: Callable[[], dict[str, Any]]) -> None:
+        self.registry.register(_KvCollector(source))
 
     def retry(self, backend: str) -> None:
         self.upstream_retries.labels(self._backend_label(backend)).inc()

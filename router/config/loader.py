@@ -105,6 +105,32 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
                 "redis requires response_cache.redis (the shared connection pool)",
             )
         )
+    for i, b in enumerate(cfg.backends):
+        if b.cache_salt and b.type not in ("vllm", "sglang", "trtllm"):
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    f"backends[{i}].cache_salt",
+                    f"cache salts are for vllm, sglang and trtllm backends, not {b.type}",
+                )
+            )
+        if (b.cache_salt or b.type == "trtllm") and not (kv.salt_secret_file or kv.salt_secret_env):
+            if b.cache_salt:
+                issues.append(
+                    ConfigIssue(
+                        "error",
+                        f"backends[{i}].cache_salt",
+                        "requires kv_cache_index.salt_secret_file or salt_secret_env",
+                    )
+                )
+    if kv.salt_secret_file and not Path(kv.salt_secret_file).is_file():
+        issues.append(
+            ConfigIssue(
+                "error",
+                "kv_cache_index.salt_secret_file",
+                f"file {kv.salt_secret_file!r} does not exist",
+            )
+        )
     names = {b.name for b in cfg.backends}
     seen_sources: set[str] = set()
     for i, src in enumerate(kv.event_sources):

@@ -108,6 +108,10 @@ class BackendConfig(_Section):
     openai, none for anthropic and gemini, which are then assumed healthy)."""
     anthropic_auto_cache_control: bool = True
     """Inject ``cache_control`` into native Anthropic requests for this backend."""
+    cache_salt: bool = False
+    """Issue a ``cache_salt`` binding (backend, prefix key) so the KV listener learns the
+    prefix key without detokenizing (opt-in for vllm and sglang; always on for trtllm
+    when ``kv_cache_index`` has a salt secret; never for other types)."""
 
     @field_validator("name")
     @classmethod
@@ -250,6 +254,10 @@ class KvCacheIndexConfig(_Section):
     scoring: ScoringConfig = Field(default_factory=ScoringConfig)
     storage_offloading: StorageOffloadingConfig = Field(default_factory=StorageOffloadingConfig)
     event_sources: list[EventSourceConfig] = Field(default_factory=list)
+    salt_secret_file: str | None = None
+    """HMAC secret shared with the listener for router-issued cache salts (file wins)."""
+    salt_secret_env: str | None = None
+    """Environment variable holding that secret."""
 
 
 class RouterConfig(_Section):
