@@ -11,7 +11,10 @@ Ordering (the algorithm)
 ``last_seq`` is the sequence number of the last batch handed to ``on_batch``. It survives
 reconnects, so a reconnect is just another chance to see a gap. For each live batch ``s``:
 
-* no ``last_seq`` yet: ``s`` is the baseline and is delivered;
+* no ``last_seq`` yet: ``s`` is the baseline and is delivered; with a ``replay_endpoint``
+  and ``s > 0`` (the engine ran before us) its buffered batches ``0..s-1`` are fetched
+  first, so a listener started or restarted beside a running engine learns the blocks the
+  engine already holds;
 * ``s == last_seq + 1``: delivered;
 * ``s > last_seq + 1`` (a gap: slow-joiner loss, HWM overflow, a reconnect): with a
   ``replay_endpoint`` a DEALER asks the engine's ROUTER for every buffered batch from
@@ -438,7 +441,12 @@ class ZmqSource:
             self._backoff.reset()
         seq, payload = parsed
         last = self._last_seq
-        if last is None or seq == last + 1:
+        if last is None and seq > 0 and self.config.replay_endpoint:
+            # A listener (re)starting beside a running engine: fetch what the engine still
+            # buffers from its start, so the blocks it already holds are known too.
+            self._dup_floor = None
+            await self._recover(0, seq, payload, after_restart=True)
+        elif last is None or seq == last + 1:
             self._dup_floor = None
             await self._deliver(seq, payload)
         elif seq > last + 1:

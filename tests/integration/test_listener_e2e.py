@@ -372,6 +372,14 @@ async def test_listener_restart_gives_resync_and_snapshot(stack) -> None:
             return bool(after.records) and after.records[0].event == "resync"
 
         await wait_until(resynced, within=15, what="resync for an ID from the old epoch")
+
+        async def relearned() -> bool:
+            # Nothing new was published: only the engine's replay buffer can teach the
+            # restarted listener the blocks stored before it started.
+            await post(fleet.urls[0] + "/v1/chat/completions", sys_req("after-restart"))
+            return key in after.created_keys()
+
+        await wait_until(relearned, within=15, what="the pre-restart prefix, via replay")
     assert after.records[0].id is not None and not after.records[0].id.startswith(
         (old_id or "").partition("-")[0] + "-"
     )
