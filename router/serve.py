@@ -31,20 +31,48 @@ def _resolve_port(host: str, port: int) -> int:
         return s.getsockname()[1]
 
 
-async def _start_grpc(listen: str) -> tuple[object, int]:
+def _read_pair(key: str, cert: str) -> tuple[bytes, bytes]:
+    """Start-up only, before serving: blocking reads are fine here."""
+    return Path(key).read_bytes(), Path(cert).read_bytes()
+
+
+async def _start_grpc(router: Router, config: RouterConfig) -> tuple[object, int]:
+    """Health, reflection and (with Tier 4) KvIndex on one grpc.aio server, same loop."""
     import grpc
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
     from grpc_reflection.v1alpha import reflection
 
+    from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc
+
+    from .grpc_kvindex import SERVICE_NAME, KvIndexServicer
+
     server = grpc.aio.server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    kvindex_pb2_grpc.add_KvIndexServicer_to_server(KvIndexServicer(router), server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set(
+        SERVICE_NAME,
+        health_pb2.HealthCheckResponse.SERVING
+        if router.kv is not None
+        else health_pb2.HealthCheckResponse.NOT_SERVING,
+    )
     reflection.enable_server_reflection(
-        [health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+        [
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            SERVICE_NAME,
+            reflection.SERVICE_NAME,
+        ],
         server,
     )
-    port = server.add_insecure_port(listen)
+    listen = config.server.grpc_listen
+    assert listen is not None
+    srv = config.server
+    if srv.grpc_tls_cert and srv.grpc_tls_key:
+        creds = grpc.ssl_server_credentials([_read_pair(srv.grpc_tls_key, srv.grpc_tls_cert)])
+        port = server.add_secure_port(listen, creds)
+    else:
+        port = server.add_insecure_port(listen)
     await server.start()
     return server, port
 
@@ -60,7 +88,7 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
     grpc_server = None
     announce = f"READY http={host}:{port}"
     if config.server.grpc_listen:
-        grpc_server, gport = await _start_grpc(config.server.grpc_listen)
+        grpc_server, gport = await _start_grpc(router, config)
         announce += f" grpc={parse_hostport(config.server.grpc_listen)[0]}:{gport}"
     reloader = ConfigReloader(config_path, router)
     watcher = asyncio.get_running_loop().create_task(reloader.watch())

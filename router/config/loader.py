@@ -58,6 +58,17 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
                 f"file {cfg.server.admin_token_file!r} does not exist",
             )
         )
+    srv = cfg.server
+    if bool(srv.grpc_tls_cert) != bool(srv.grpc_tls_key):
+        issues.append(
+            ConfigIssue(
+                "error", "server.grpc_tls_key", "grpc_tls_cert and grpc_tls_key go together"
+            )
+        )
+    for field in ("grpc_tls_cert", "grpc_tls_key"):
+        value = getattr(srv, field)
+        if value and not Path(value).is_file():
+            issues.append(ConfigIssue("error", f"server.{field}", f"file {value!r} does not exist"))
     if cfg.selection_strategy == "PrefixAwareHash" and not cfg.prefix_routing.enabled:
         issues.append(
             ConfigIssue(

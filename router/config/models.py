@@ -64,6 +64,9 @@ class ServerConfig(_Section):
     """HTTP API, admin and /metrics, as ``host:port`` (port 0 picks a free port)."""
     grpc_listen: str | None = None
     """gRPC services (KvIndex, health, reflection) as ``host:port``; unset = not started."""
+    grpc_tls_cert: str | None = None
+    """PEM certificate chain for the gRPC services; with ``grpc_tls_key`` turns on TLS."""
+    grpc_tls_key: str | None = None
     admin_token_file: str | None = None
     """File holding the bearer token required under /admin (whitespace stripped)."""
     admin_token_env: str | None = None

@@ -1,0 +1,209 @@
+"""``continuum.kvindex.v1.KvIndex``: the router's KV index state for operators' tools.
+
+Runs on the router's own gRPC server (``server.grpc_listen``) beside health and
+reflection, so ``grpcurl`` can list and call it. Read RPCs never change the index, its
+LRU order or the routing counters (Score computes what the router *would* decide).
+``Clear`` changes state, so it needs the admin token as call credentials
+(``authorization: Bearer <token>`` metadata) when one is configured.
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import grpc
+import orjson
+
+from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
+from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from bus.prefix_key import extract_prefix_key
+
+from .kvindex.base import Tier
+from .kvindex.scorer import Prepared
+
+if TYPE_CHECKING:
+    from .app import Router
+
+__all__ = ["SERVICE_NAME", "KvIndexServicer"]
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvIndex"].full_name
+_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_TIERS = {Tier.GPU_HOT: pb.TIER_GPU_HOT, Tier.STORAGE_WARM: pb.TIER_STORAGE_WARM}
+
+
+def _unix_ms(t: Any) -> int:
+    """A wall-clock ms value from an index expiry (monotonic or wall seconds)."""
+    if t is None:
+        return 0
+    now_mono = time.monotonic()
+    if t < 1e9:  # monotonic clock: convert through now
+        return int((time.time() + (t - now_mono)) * 1000)
+    return int(t * 1000)
+
+
+class KvIndexServicer(pb_grpc.KvIndexServicer):
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    async def _require_kv(self, context: grpc.aio.ServicerContext) -> Any:
+        kv = self.router.kv
+        if kv is None:
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "the KV cache index is not enabled (kv_cache_index.enabled and "
+                "prefix_routing.enabled)",
+            )
+        return kv
+
+    @staticmethod
+    async def _prefix(value: str, context: grpc.aio.ServicerContext) -> str:
+        if not _HEX64.match(value):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                "prefix_hash must be 64 lowercase hex characters (a SHA-256 prefix key)",
+            )
+        return value
+
+    async def Query(self, request: pb.QueryRequest, context: Any) -> pb.QueryResponse:
+        kv = await self._require_kv(context)
+        prefix = await self._prefix(request.prefix_hash, context)
+        entries = await kv.index.query_backends(prefix)
+        return pb.QueryResponse(
+            prefix_hash=prefix,
+            entries=[
+                pb.IndexEntry(
+                    backend=e.backend,
+                    token_count=e.token_count,
+                    tier=_TIERS.get(e.tier, pb.TIER_UNSPECIFIED),
+                    expires_at_unix_ms=_unix_ms(e.expires_at),
+                )
+                for e in entries
+            ],
+        )
+
+    async def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreResponse:
+        kv = await self._require_kv(context)
+        router = self.router
+        which = request.WhichOneof("key")
+        model: str | None = None
+        if which == "prefix_hash":
+            prefix = await self._prefix(request.prefix_hash, context)
+        elif which == "request":
+            try:
+                body = orjson.loads(request.request.request_json)
+            except orjson.JSONDecodeError as exc:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, f"request_json is not JSON: {exc}"
+                )
+            if not isinstance(body, dict):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "request_json must be a JSON object"
+                )
+            model = request.request.model or body.get("model")
+            if not isinstance(model, str) or not model:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a model is required")
+            key = extract_prefix_key(
+                body,
+                model=model,
+                max_prefix_length=router.config.prefix_routing.max_prefix_length,
+            )
+            if key is None:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, "the request has no text to key on"
+                )
+            prefix = key.hex()
+        else:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prefix_hash or request")
+        if model is not None:
+            candidates, _ = router.pool.candidates(model, "chat")
+        else:
+            candidates = tuple(b for b in router.pool.backends if b.healthy and b.config.enabled)
+        scorer = kv.scorer
+        entries = {e.backend: e for e in await kv.index.query_backends(prefix)}
+        snapshot = Prepared(0.0, entries, {b.name: b.in_flight for b in candidates})
+        scores = []
+        best, best_score = "", 0.0
+        for b in candidates:
+            final, overlap, idle, health, tier = scorer.components(snapshot, b, candidates)
+            entry = entries.get(b.name)
+            scores.append(
+                pb.BackendScore(
+                    backend=b.name,
+                    overlap=overlap,
+                    load=idle,
+                    health=health,
+                    final_score=final,
+                    tier=_TIERS.get(tier, pb.TIER_UNSPECIFIED),
+                    token_count=entry.token_count if entry else 0,
+                )
+            )
+            if final > best_score:
+                best, best_score = b.name, final
+        return pb.ScoreResponse(
+            prefix_hash=prefix,
+            scores=scores,
+            selected_backend=best if best_score > scorer.threshold else "",
+            threshold=scorer.threshold,
+        )
+
+    async def Backends(self, request: pb.BackendsRequest, context: Any) -> pb.BackendsResponse:
+        kv = await self._require_kv(context)
+        out = []
+        transports = {s.backend_name: s.transport for s in kv.config.event_sources}
+        for name, c in kv._consumer_stats().items():
+            last = c.get("last_event_at")
+            out.append(
+                pb.BackendStatus(
+                    name=name,
+                    transport=transports.get(name, "sse"),
+                    connected=bool(c.get("connected")),
+                    events_received=c.get("received", 0),
+                    events_processed=c.get("processed", 0),
+                    events_dropped=c.get("dropped", 0),
+                    index_created=c.get("index_created", 0),
+                    index_evicted=c.get("index_evicted", 0),
+                    reconnects=c.get("reconnects", 0),
+                    last_event_at_unix_ms=int(last.timestamp() * 1000)
+                    if hasattr(last, "timestamp")
+                    else 0,
+                    last_event_id=c.get("last_event_id") or "",
+                )
+            )
+        return pb.BackendsResponse(backends=out)
+
+    async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        kv = await self._require_kv(context)
+        st = await kv.index_stats()
+        return pb.StatsResponse(
+            total_entries=st["entry_count"],
+            prefix_count=st["prefix_count"],
+            index_backend=kv.config.backend,
+            fallback_active=bool(st.get("fallback_active")),
+            queries=kv.queries,
+            hits=st["total_hits"],
+            evictions=st["total_evictions"],
+        )
+
+    async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
+        token = self.router.admin_token
+        if token is not None:
+            meta = dict(context.invocation_metadata() or ())
+            scheme, _, given = str(meta.get("authorization", "")).partition(" ")
+            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
+                await context.abort(
+                    grpc.StatusCode.UNAUTHENTICATED,
+                    "Clear needs the admin token: metadata 'authorization: Bearer <token>'",
+                )
+        kv = await self._require_kv(context)
+        if request.backend:
+            if self.router.pool.get(request.backend) is None:
+                await context.abort(
+                    grpc.StatusCode.NOT_FOUND, f"no backend named {request.backend!r}"
+                )
+            removed = await kv.index.remove_backend(request.backend)
+        else:
+            removed = await kv.index.clear()
+        return pb.ClearResponse(removed=removed)

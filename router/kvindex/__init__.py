@@ -1,0 +1,89 @@
+"""Tier 4: the KV cache index (which backend holds which prefix), memory or Redis.
+
+``build_kv_index`` turns ``kv_cache_index`` (+ the shared ``response_cache.redis``) into a
+:class:`KvIndex`; ``apply_event`` feeds it the listener's events. See ``base`` for the
+contract every backend honours.
+"""
+
+from __future__ import annotations
+
+from router.config.models import KvCacheIndexConfig, RedisConfig
+
+from .apply import ACTIONS, Action, apply_event
+from .base import (
+    EMPTY,
+    IndexEntry,
+    IndexStats,
+    KvIndex,
+    KvIndexError,
+    KvIndexUnavailable,
+    Tier,
+)
+from .memory import InMemoryKvIndex
+from .redis_index import DEFAULT_KEY_PREFIX, UNAVAILABLE_ERRORS, RedisKvIndex
+from .redis_pool import RedisPools, build_redis, effective_url
+
+__all__ = [
+    "ACTIONS",
+    "DEFAULT_KEY_PREFIX",
+    "EMPTY",
+    "UNAVAILABLE_ERRORS",
+    "Action",
+    "InMemoryKvIndex",
+    "IndexEntry",
+    "IndexStats",
+    "KvIndex",
+    "KvIndexError",
+    "KvIndexUnavailable",
+    "RedisKvIndex",
+    "RedisPools",
+    "Tier",
+    "apply_event",
+    "build_kv_index",
+    "build_redis",
+    "effective_url",
+]
+
+
+def build_kv_index(
+    config: KvCacheIndexConfig,
+    redis_config: RedisConfig | None,
+    *,
+    pools: RedisPools | None = None,
+    key_prefix: str = DEFAULT_KEY_PREFIX,
+) -> KvIndex:
+    """The index ``config.backend`` names. No I/O; safe outside a running loop.
+
+    * ``memory``: ``InMemoryKvIndex(max_entries, entry_ttl_seconds)``.
+    * ``redis``: a ``RedisKvIndex`` on the client ``pools`` hands out for ``redis_config``
+      (the response cache's connection pool, shared). With ``fallback_to_memory`` its
+      fallback is an ``InMemoryKvIndex`` sized like the memory backend (``max_entries``,
+      ``entry_ttl_seconds``; ``fallback_capacity``/``fallback_ttl_seconds`` size the
+      response cache's fallback, not this one), retried every ``health_check_interval_ms``.
+
+    Args:
+        pools: the router's registry of shared Redis clients (it closes them). When
+            omitted, the index gets a client of its own, closed by ``index.close()``.
+
+    Raises:
+        ValueError: ``backend: redis`` without ``redis_config``.
+    """
+    ttl = float(config.entry_ttl_seconds)
+    if config.backend == "memory":
+        return InMemoryKvIndex(config.max_entries, ttl)
+    if redis_config is None:
+        raise ValueError(
+            "kv_cache_index.backend: redis requires response_cache.redis "
+            "(the shared connection pool)"
+        )
+    owned = pools is None
+    client = build_redis(redis_config) if pools is None else pools.get(redis_config)
+    fallback = InMemoryKvIndex(config.max_entries, ttl) if redis_config.fallback_to_memory else None
+    return RedisKvIndex(
+        client,
+        ttl,
+        fallback,
+        key_prefix,
+        monitor_interval_s=redis_config.health_check_interval_ms / 1000.0,
+        owns_redis=owned,
+    )

@@ -1,0 +1,192 @@
+"""The KV index contract: which backend holds which prefix, with how many tokens, in which tier.
+
+One small storage interface (:class:`KvIndex`) with two backends beside it
+(``memory.InMemoryKvIndex``, ``redis_index.RedisKvIndex``) and a factory from config
+(``router.kvindex.build_kv_index``). Every backend passes the same conformance suite
+(``tests/unit/test_kvindex.py``), so the semantics below hold for all of them.
+
+Model::
+
+    prefix_hash -> {backend -> (token_count, tier, expires_at)}
+
+* A *prefix entry* is one ``prefix_hash``; an *entry* is one (prefix, backend) pair.
+  ``max_entries`` limits prefix entries; every count returned by a mutation counts entries.
+* ``query_backends`` returns the live entries sorted by ``token_count`` descending, ties
+  broken by backend name descending (Redis' ``ZREVRANGEBYSCORE`` order). An empty result is
+  always the shared :data:`EMPTY` tuple, so a miss allocates nothing.
+* TTL: an entry expires ``ttl_seconds`` after its last event. ``upsert`` and ``set_tier``
+  are events and refresh it; ``query_backends`` is not and never does. Expired entries are
+  never returned; they are dropped lazily and by ``cleanup_expired``.
+* Tiers: ``GPU_HOT`` (blocks on the accelerator) and ``STORAGE_WARM`` (blocks only in a
+  slower tier: CPU, disk, remote). Which events move an entry between them is decided in
+  ``router.kvindex.apply``, not here.
+* Idempotent: ``upsert`` with the same arguments, ``remove`` of an absent entry,
+  ``remove_backend`` of an unknown backend and ``clear`` of an empty index change nothing.
+* ``expires_at`` is in the index's own clock: the memory index's injected clock (monotonic
+  by default), Unix time for Redis.
+
+Concurrency: backends are used from one asyncio loop. The memory index never awaits inside
+a mutation, so every call is atomic on the loop; Redis makes each call one atomic
+transaction (MULTI/EXEC or a script), so concurrent calls from several router instances
+never leave a half-written entry.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Final
+
+__all__ = [
+    "EMPTY",
+    "IndexEntry",
+    "IndexStats",
+    "KvIndex",
+    "KvIndexError",
+    "KvIndexUnavailable",
+    "Tier",
+]
+
+
+class Tier(StrEnum):
+    """Where a backend keeps a prefix's KV blocks."""
+
+    GPU_HOT = "gpu_hot"
+    """On the accelerator: a request reuses them at once."""
+    STORAGE_WARM = "storage_warm"
+    """Offloaded only (CPU memory, local disk, remote store): reusable after a reload."""
+
+
+class IndexEntry:
+    """One (prefix, backend) entry as returned by :meth:`KvIndex.query_backends`.
+
+    Read-only by contract: the memory index returns its stored objects without copying.
+    """
+
+    __slots__ = ("backend", "expires_at", "tier", "token_count")
+
+    backend: str
+    token_count: int
+    tier: Tier
+    expires_at: float
+
+    def __init__(self, backend: str, token_count: int, tier: Tier, expires_at: float) -> None:
+        self.backend = backend
+        self.token_count = token_count
+        self.tier = tier
+        self.expires_at = expires_at
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, IndexEntry):
+            return NotImplemented
+        return (
+            self.backend == other.backend
+            and self.token_count == other.token_count
+            and self.tier is other.tier
+            and self.expires_at == other.expires_at
+        )
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (
+            f"IndexEntry({self.backend!r}, {self.token_count}, {self.tier.name}, "
+            f"expires_at={self.expires_at:.3f})"
+        )
+
+
+EMPTY: Final[tuple[IndexEntry, ...]] = ()
+"""The one empty query result; ``query_backends`` returns it (identity) on every miss."""
+
+
+@dataclass(frozen=True, slots=True)
+class IndexStats:
+    """A point-in-time summary for admin endpoints and metrics."""
+
+    kind: str
+    """``memory`` or ``redis``."""
+    prefix_count: int
+    """Prefix entries stored (Redis: counted with SCAN and cached briefly)."""
+    entry_count: int
+    """(prefix, backend) entries stored; may include expired ones not yet swept."""
+    total_hits: int
+    """Queries, since start, that returned at least one entry (this process only)."""
+    total_evictions: int
+    """Entries dropped because the index was full (this process only)."""
+    total_expired: int
+    """Expired entries dropped by lazy checks or ``cleanup_expired`` (this process only)."""
+    fallback_active: bool = False
+    """Redis only: the counts above are the in-memory fallback's."""
+
+
+class KvIndexError(Exception):
+    """Root of the KV index errors."""
+
+
+class KvIndexUnavailable(KvIndexError):
+    """The store could not be reached and no fallback is configured."""
+
+    def __init__(self, kind: str, operation: str, cause: BaseException) -> None:
+        super().__init__(f"{kind} KV index unavailable during {operation}: {cause!r}")
+        self.kind = kind
+        self.operation = operation
+        self.cause = cause
+
+
+class KvIndex(abc.ABC):
+    """prefix_hash -> {backend -> (token_count, tier)}, with a TTL per entry.
+
+    Every method may be awaited concurrently with any other. Counts returned by mutations
+    are (prefix, backend) entries.
+    """
+
+    kind: str = "abstract"
+
+    @abc.abstractmethod
+    async def query_backends(self, prefix_hash: str) -> Sequence[IndexEntry]:
+        """Live entries for ``prefix_hash``, ``token_count`` descending (ties: backend
+        name descending). Returns :data:`EMPTY` itself when there are none. Never
+        refreshes a TTL."""
+
+    @abc.abstractmethod
+    async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
+        """Create or replace the entry; its TTL restarts. Idempotent.
+
+        Raises:
+            ValueError: ``token_count`` is negative.
+        """
+
+    @abc.abstractmethod
+    async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
+        """Move an existing live entry to ``tier``, keeping its ``token_count``; its TTL
+        restarts. Returns False (and creates nothing) if there is no live entry."""
+
+    @abc.abstractmethod
+    async def remove(self, prefix_hash: str, backend: str) -> bool:
+        """Drop one entry. Returns whether a live entry was removed."""
+
+    @abc.abstractmethod
+    async def remove_backend(self, backend: str) -> int:
+        """Drop every entry of ``backend`` (engine cleared its cache, or a resync).
+
+        Returns the number of entries removed. O(prefixes): meant for rare events."""
+
+    @abc.abstractmethod
+    async def clear(self) -> int:
+        """Drop everything. Returns the number of entries removed."""
+
+    @abc.abstractmethod
+    async def cleanup_expired(self) -> int:
+        """Proactively drop expired entries (queries already hide them).
+
+        Returns the number of entries removed by this call. Bounded work per call; an
+        expired entry is removed by some later call at the latest."""
+
+    @abc.abstractmethod
+    async def stats(self) -> IndexStats:
+        """Counts for admin endpoints. May be slow (Redis scans); never on the hot path."""
+
+    async def close(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Release background tasks. Idempotent. Shared connections are not closed."""
