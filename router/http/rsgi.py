@@ -99,24 +99,35 @@ class RSGIApp:
         await self._stream(proto, resp)  # type: ignore[arg-type]
 
     async def _stream(self, proto: Any, resp: StreamResponse) -> None:
+        """Relay the body; a client disconnect cancels the relay (and so the upstream).
+
+        One task: the disconnect future's callback cancels this handler while it relays,
+        cheaper than racing a second pump task with ``asyncio.wait``.
+        """
         transport = proto.response_stream(resp.status, resp.headers)
         body = resp.body
+        task = asyncio.current_task()
+        assert task is not None
+        relaying = True
 
-        async def pump() -> None:
+        def on_gone(fut: asyncio.Future[None]) -> None:
+            if relaying and not fut.cancelled():
+                task.cancel()
+
+        gone = asyncio.ensure_future(proto.client_disconnect())
+        gone.add_done_callback(on_gone)
+        try:
             async for chunk in body:
                 await transport.send_bytes(chunk)
-
-        pump_task = asyncio.ensure_future(pump())
-        gone = asyncio.ensure_future(proto.client_disconnect())
-        try:
-            await asyncio.wait((pump_task, gone), return_when=asyncio.FIRST_COMPLETED)
+        except (asyncio.CancelledError, ProtocolClosed):
+            pass  # the client went away: close the upstream relay below
         finally:
-            if not pump_task.done():
-                pump_task.cancel()
+            relaying = False
+            gone.remove_done_callback(on_gone)
             if not gone.done():
                 gone.cancel()
-            with contextlib.suppress(asyncio.CancelledError, ProtocolClosed, Exception):
-                await pump_task
+            while task.cancelling():  # a disconnect racing the end of the stream
+                task.uncancel()
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
                 with contextlib.suppress(Exception):
