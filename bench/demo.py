@@ -35,6 +35,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from bench._plot import bar_chart_svg
 from bench.sim.fleet import SimFleet
 from bus.events import KvEvent
 from bus.sse import SseParser
@@ -42,7 +43,17 @@ from bus.sse import SseParser
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "deploy" / "demo.yaml"
 MODEL = "demo-model"
-STRATEGIES = ("RoundRobin", "LeastLatency", "Random", "ConsistentHash", "PrefixAwareHash")
+# (label, selection_strategy, KV index on): the KV rows route with Tier 4, fed by the
+# listener from the engines' real KV events, ahead of the strategy.
+STRATEGIES: tuple[tuple[str, str, bool], ...] = (
+    ("RoundRobin", "RoundRobin", False),
+    ("LeastLatency", "LeastLatency", False),
+    ("Random", "Random", False),
+    ("ConsistentHash", "ConsistentHash", False),
+    ("PrefixAwareHash", "PrefixAwareHash", False),
+    ("RoundRobin+KV", "RoundRobin", True),
+    ("PrefixAware+KV", "PrefixAwareHash", True),
+)
 
 _TOPICS = (
     "billing", "travel", "law", "medicine", "chemistry", "poetry", "cooking", "finance",
@@ -249,7 +260,13 @@ async def overflow_rate(url: str) -> str:
     )
 
 
-def router_config(base: dict[str, Any], fleet: SimFleet, strategy: str, port: int) -> dict:
+def router_config(
+    base: dict[str, Any],
+    fleet: SimFleet,
+    strategy: str,
+    port: int,
+    listener_url: str | None = None,
+) -> dict:
     cfg = dict(base)
     cfg["server"] = {**base.get("server", {}), "listen": f"127.0.0.1:{port}"}
     cfg["selection_strategy"] = strategy
@@ -257,7 +274,36 @@ def router_config(base: dict[str, Any], fleet: SimFleet, strategy: str, port: in
         {"name": name, "url": url, "type": "vllm", "models": [MODEL]}
         for name, url in zip(fleet.names, fleet.urls, strict=True)
     ]
+    if listener_url is not None:
+        cfg["kv_cache_index"] = {
+            "enabled": True,
+            "event_sources": [
+                {"backend_name": n, "endpoint": f"{listener_url}/events/{n}"} for n in fleet.names
+            ],
+        }
     return cfg
+
+
+async def kv_consumers_connected(router: ServiceProcess, names: list[str]) -> None:
+    """Wait until the router's event consumers are attached to the listener's streams."""
+    async with aiohttp.ClientSession() as session:
+        for _ in range(200):
+            async with session.get(router.url + "/admin/kv-index/backends") as resp:
+                backends = (await resp.json())["backends"]
+            if len(backends) == len(names) and all(b["connection"]["connected"] for b in backends):
+                return
+            await asyncio.sleep(0.05)
+    raise RuntimeError("the router did not connect to the listener's event streams")
+
+
+async def kv_split(router: ServiceProcess) -> str:
+    async with aiohttp.ClientSession() as session:
+        async with session.get(router.url + "/admin/kv-index/stats") as resp:
+            stats = await resp.json()
+    if not stats.get("enabled"):
+        return "-"
+    d = stats["routing_decisions"]
+    return f"{d['kv_aware']}/{d['fallback']}"
 
 
 async def main(args: argparse.Namespace) -> int:
@@ -291,14 +337,17 @@ async def main(args: argparse.Namespace) -> int:
             ListenerProcess(listener_config(fleet, zmq_ports), Path(tmp))
         )
         await listener_connected(listener, fleet)
-        for strategy in STRATEGIES:
+        for label, strategy, kv in STRATEGIES:
             await fleet.reset()
-            print(f"  {strategy:<16} ", end="", flush=True)
-            cfg = router_config(base, fleet, strategy, 0)
+            print(f"  {label:<16} ", end="", flush=True)
+            cfg = router_config(base, fleet, strategy, 0, listener.url if kv else None)
             t0 = time.perf_counter()
             async with RouterProcess(cfg, Path(tmp)) as router:
+                if kv:
+                    await kv_consumers_connected(router, fleet.names)
                 dist = await drive(router.url, requests, args.concurrency)
                 overflow = await overflow_rate(router.url)
+                split = await kv_split(router)
             elapsed = time.perf_counter() - t0
             stats = await fleet.stats()
             prompt = sum(s["prompt_tokens"] for s in stats)
@@ -306,23 +355,36 @@ async def main(args: argparse.Namespace) -> int:
             prefill = sum(s["prefill_seconds_modelled"] for s in stats)
             view = await listener_view(listener, fleet.names)
             rows.append(
-                (strategy, dist, cached / prompt if prompt else 0.0, prefill, elapsed, overflow)
+                (label, dist, cached / prompt if prompt else 0.0, prefill, elapsed, overflow, split)
             )
-            views.append((strategy, view))
+            views.append((label, view))
             print(f"done in {elapsed:.1f}s")
         print_table(rows, fleet.names, len(requests))
         print_listener_table(views, fleet.names, len(tenants))
+        base_prefill = rows[0][3] or 1.0
+        svg = bar_chart_svg(
+            ROOT / "bench" / "out" / "demo_hit_rate.svg",
+            "Simulated fleet: prefix-cache token hit rate and modelled prefill (vs RoundRobin)",
+            [
+                ("token hit rate", [r[2] for r in rows]),
+                ("prefill time / RoundRobin", [r[3] / base_prefill for r in rows]),
+            ],
+            [r[0] for r in rows],
+        )
+        print(f"\n  plot: {svg.relative_to(ROOT)}")
         if args.once:
             return 0
-        cfg = router_config(base, fleet, "PrefixAwareHash", args.port)
+        cfg = router_config(base, fleet, "PrefixAwareHash", args.port, listener.url)
         async with RouterProcess(cfg, Path(tmp)) as router:
             print(
-                f"\nThe router is serving on {router.url} (PrefixAwareHash, "
+                f"\nThe router is serving on {router.url} (PrefixAwareHash + KV index, "
                 f"{args.engines} simulated engines). Try:\n"
                 f"  curl -s {router.url}/v1/chat/completions -H 'content-type: "
                 f'application/json\' -d \'{{"model":"{MODEL}","messages":'
                 f'[{{"role":"user","content":"hi"}}]}}\'\n'
                 f"  curl -s {router.url}/admin/prefix-routing/stats\n"
+                f"  curl -s {router.url}/admin/kv-index/stats\n"
+                f"  curl -s {listener.url}/stats   # the listener\n"
                 f"  curl -s {router.url}/metrics\n"
                 "Press Ctrl-C to stop."
             )
@@ -337,22 +399,23 @@ async def main(args: argparse.Namespace) -> int:
 def print_table(rows: list[tuple], names: list[str], total: int) -> None:
     print()
     head = f"  {'strategy':<16} {'prefix-cache hit rate':>22} {'modelled prefill':>17} "
-    head += f"{'overflow':>9}  "
+    head += f"{'overflow':>9} {'kv_aware/fallback':>18}  "
     head += "  ".join(f"{n:>9}" for n in names)
     print(head)
     print("  " + "-" * (len(head) - 2))
     base_prefill = rows[0][3] or 1.0
-    for strategy, dist, hit, prefill, _, overflow in rows:
+    for strategy, dist, hit, prefill, _, overflow, split in rows:
         shares = "  ".join(f"{100 * dist.get(n, 0) / total:>8.1f}%" for n in names)
         print(
             f"  {strategy:<16} {100 * hit:>21.1f}% {prefill:>10.2f}s "
-            f"({prefill / base_prefill:>4.2f}x) {overflow:>9}  {shares}"
+            f"({prefill / base_prefill:>4.2f}x) {overflow:>9} {split:>18}  {shares}"
         )
     print(
         "\n  hit rate = cached prompt tokens / prompt tokens over all engines; prefill time "
         "is the engines' modelled GPU prefill\n  (ratio vs RoundRobin); overflow = share of "
-        "PrefixAwareHash picks sent past a loaded owner;\n  the right-hand columns are each "
-        "engine's share of requests."
+        "PrefixAwareHash picks sent past a loaded owner;\n  kv_aware/fallback = requests the "
+        "KV index scorer routed / left to the strategy (+KV rows: Tier 4 fed by the listener);"
+        "\n  the right-hand columns are each engine's share of requests."
     )
 
 

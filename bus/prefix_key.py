@@ -74,13 +74,17 @@ def compute_prefix_key(
 
 def _content_text(content: Any) -> str:
     """Text of a message's content: a string, or the text parts of a part array."""
+    if type(content) is str:
+        return content
     if isinstance(content, str):
         return content
-    if isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray)):
+    if type(content) is list or (
+        isinstance(content, Sequence) and not isinstance(content, (bytes, bytearray))
+    ):
         texts = [
             part["text"]
             for part in content
-            if isinstance(part, Mapping)
+            if (type(part) is dict or isinstance(part, Mapping))
             and part.get("type", "text") == "text"
             and isinstance(part.get("text"), str)
         ]
@@ -104,10 +108,12 @@ def anchor_text(body: Mapping[str, Any]) -> tuple[Literal["S", "M"], str] | None
         if text:
             return "S", text
     messages = body.get("messages")
-    if not isinstance(messages, Sequence) or isinstance(messages, (str, bytes)):
+    if type(messages) is not list and (
+        not isinstance(messages, Sequence) or isinstance(messages, (str, bytes))
+    ):
         return None
     for msg in messages:
-        if not isinstance(msg, Mapping):
+        if type(msg) is not dict and not isinstance(msg, Mapping):
             continue
         text = _content_text(msg.get("content"))
         if text:
