@@ -238,6 +238,44 @@ def memory_rows(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict
         nxt = cyc(events)
         return lambda: drive(apply_event(ev_index, nxt(), OFFLOADING))
 
+    # -- scorer: prepare() + score() for one request, 4 candidates ---------------------
+    from router.config import ScoringConfig, parse_config
+    from router.kvindex.scorer import KvOverlapScorer
+    from router.pool import BackendPool
+
+    # The candidates are the index's own backend names, so entries are found and scored.
+    cfg, _ = parse_config(
+        {
+            "backends": [
+                {"name": name, "url": f"http://h:{i + 1}", "models": ["m"]}
+                for i, name in enumerate(BACKENDS)
+            ]
+        }
+    )
+    pool = BackendPool(cfg.backends, cfg.health_check)
+    cands, _ = pool.candidates("m", "chat")
+    scorer = KvOverlapScorer(idx, ScoringConfig())
+    keys = [prefixes[rng.randrange(len(prefixes))] for _ in range(4096)]
+
+    def f_prepare_score() -> Callable[[], Any]:
+        # A fresh prefix each call, so prepare() really queries (no 100 ms cache hit).
+        nxt = cyc(keys)
+
+        def run() -> None:
+            key = nxt()
+            scorer._prepared.pop(key, None)
+            p = drive(scorer.prepare(key, cands))
+            for b in cands:
+                scorer.score_with_tier(p, b, cands)
+
+        return run
+
+    prep = drive(scorer.prepare(prefixes[-1], cands))  # the newest: never evicted
+    held = next(b for b in cands if b.name in prep.entries)
+
+    def f_score() -> Callable[[], Any]:
+        return lambda: scorer.score_with_tier(prep, held, cands)
+
     cases: list[tuple[str, Callable[[], Any], str]] = [
         ("baseline: dict.get, 100k keys", f_dict(), ""),
         ("memory query_backends, hit (2 backends)", f_query(hits), "query"),
@@ -245,6 +283,8 @@ def memory_rows(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict
         ("memory lookup (sync), hit", f_lookup(), ""),
         ("baseline: dict store per event", f_store(), ""),
         ("memory apply_event (offloading on)", f_apply(), "events"),
+        ("scorer prepare()+score() x8 candidates", f_prepare_score(), "prepare"),
+        ("scorer score_with_tier(), one backend", f_score(), "score"),
     ]
     timings = time_interleaved([fn for _, fn, _ in cases], loops=args.loops, repeats=args.repeats)
     results: list[dict[str, Any]] = []
@@ -261,9 +301,12 @@ def memory_rows(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict
             "target": "",
             "pass": None,
         }
-        if kind == "query":
+        if kind in ("query", "prepare"):
             row["target"] = f"<={QUERY_TARGET_US:g}us"
             row["pass"] = med <= QUERY_TARGET_US
+        if kind == "score":
+            row["target"] = "<=2us"
+            row["pass"] = med <= 2.0
         results.append(row)
         if kind == "events":
             rate = 1e6 / med if med > 0 else float("nan")

@@ -123,7 +123,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             candidates = tuple(b for b in router.pool.backends if b.healthy and b.config.enabled)
         scorer = kv.scorer
         entries = {e.backend: e for e in await kv.index.query_backends(prefix)}
-        snapshot = Prepared(0.0, entries, {b.name: b.in_flight for b in candidates})
+        snapshot = Prepared.build(0.0, entries, candidates)
         scores = []
         best, best_score = "", 0.0
         for b in candidates:

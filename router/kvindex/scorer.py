@@ -49,6 +49,20 @@ class Prepared:
     expires: float
     entries: dict[str, IndexEntry]
     in_flight: dict[str, int]
+    max_tokens: int = 0
+    """Largest token_count among the candidates' entries (the overlap normaliser)."""
+    max_load: int = 0
+    """Largest in-flight count among the candidates (the load normaliser)."""
+
+    @classmethod
+    def build(
+        cls, expires: float, entries: dict[str, IndexEntry], candidates: Sequence[Backend]
+    ) -> Prepared:
+        in_flight = {b.name: b.in_flight for b in candidates}
+        max_tokens = max(
+            (entries[b.name].token_count for b in candidates if b.name in entries), default=0
+        )
+        return cls(expires, entries, in_flight, max_tokens, max(in_flight.values(), default=0))
 
 
 class KvOverlapScorer:
@@ -74,11 +88,7 @@ class KvOverlapScorer:
         if p is not None and p.expires > now:
             return p
         found = await self.index.query_backends(prefix_hash)
-        p = Prepared(
-            now + _PREPARE_TTL_S,
-            {e.backend: e for e in found},
-            {b.name: b.in_flight for b in candidates},
-        )
+        p = Prepared.build(now + _PREPARE_TTL_S, {e.backend: e for e in found}, candidates)
         if len(self._prepared) >= _MAX_PREPARED:
             self._prepared.clear()
         self._prepared[prefix_hash] = p
@@ -92,15 +102,8 @@ class KvOverlapScorer:
         if entry is None:
             return 0.0, 0.0, 0.0, 0.0, None
         sc = self.scoring
-        max_tokens = 0
-        max_load = 0
-        for c in candidates:
-            e = p.entries.get(c.name)
-            if e is not None and e.token_count > max_tokens:
-                max_tokens = e.token_count
-            load = p.in_flight.get(c.name, c.in_flight)
-            if load > max_load:
-                max_load = load
+        max_tokens = p.max_tokens
+        max_load = p.max_load
         if max_tokens <= 0:
             return 0.0, 0.0, 0.0, 0.0, None
         mult = sc.gpu_tier_weight if entry.tier is Tier.GPU_HOT else sc.storage_tier_weight
