@@ -23,6 +23,7 @@ from bus.prefix_key import extract_prefix_key
 
 from .kvindex.base import Tier
 from .kvindex.scorer import Prepared
+from .pool import ENDPOINT_TYPES
 
 if TYPE_CHECKING:
     from .app import Router
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["SERVICE_NAME", "KvIndexServicer"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvIndex"].full_name
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
+_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
 _TIERS = {Tier.GPU_HOT: pb.TIER_GPU_HOT, Tier.STORAGE_WARM: pb.TIER_STORAGE_WARM}
 
 
@@ -63,14 +64,14 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         if not _HEX64.match(value):
             await context.abort(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                "prefix_hash must be 64 lowercase hex characters (a SHA-256 prefix key)",
+                "prefix_hash must be 64 hex characters (a SHA-256 prefix key)",
             )
-        return value
+        return value.lower()
 
     async def Query(self, request: pb.QueryRequest, context: Any) -> pb.QueryResponse:
         kv = await self._require_kv(context)
         prefix = await self._prefix(request.prefix_hash, context)
-        entries = await kv.index.query_backends(prefix)
+        entries = await kv.index.peek(prefix)
         return pb.QueryResponse(
             prefix_hash=prefix,
             entries=[
@@ -119,29 +120,37 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prefix_hash or request")
         if model is not None:
             candidates, _ = router.pool.candidates(model, "chat")
-        else:
-            candidates = tuple(b for b in router.pool.backends if b.healthy and b.config.enabled)
+        else:  # every backend a chat request could be routed to
+            types = ENDPOINT_TYPES["chat"]
+            candidates = tuple(
+                b
+                for b in router.pool.backends
+                if b.healthy and b.config.enabled and not b.config.internal and b.type in types
+            )
         scorer = kv.scorer
-        entries = {e.backend: e for e in await kv.index.query_backends(prefix)}
+        entries = {e.backend: e for e in await kv.index.peek(prefix)}
         snapshot = Prepared.build(0.0, entries, candidates)
         scores = []
         best, best_score = "", 0.0
         for b in candidates:
-            final, overlap, idle, health, tier = scorer.components(snapshot, b, candidates)
             entry = entries.get(b.name)
+            if entry is None:
+                continue  # only holders are scored
+            final, overlap, idle, health, tier = scorer.components(snapshot, b, candidates)
             scores.append(
                 pb.BackendScore(
                     backend=b.name,
-                    overlap=overlap,
-                    load=idle,
+                    overlap=overlap if final > 0.0 else 0.0,
+                    load=1.0 - idle,
                     health=health,
                     final_score=final,
                     tier=_TIERS.get(tier, pb.TIER_UNSPECIFIED),
-                    token_count=entry.token_count if entry else 0,
+                    token_count=entry.token_count,
                 )
             )
             if final > best_score:
                 best, best_score = b.name, final
+        scores.sort(key=lambda s: (-s.final_score, s.backend))
         return pb.ScoreResponse(
             prefix_hash=prefix,
             scores=scores,
@@ -153,6 +162,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         kv = await self._require_kv(context)
         out = []
         transports = {s.backend_name: s.transport for s in kv.config.event_sources}
+        counts = await kv.index.backend_counts()
         for name, c in kv._consumer_stats().items():
             last = c.get("last_event_at")
             out.append(
@@ -170,6 +180,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                     if hasattr(last, "timestamp")
                     else 0,
                     last_event_id=c.get("last_event_id") or "",
+                    entries=counts.get(name, 0),
                 )
             )
         return pb.BackendsResponse(backends=out)
@@ -177,7 +188,11 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         kv = await self._require_kv(context)
         st = await kv.index_stats()
+        counts = await kv.index.backend_counts()
         return pb.StatsResponse(
+            backend_counts=[
+                pb.BackendCount(backend=name, entries=n) for name, n in sorted(counts.items())
+            ],
             total_entries=st["entry_count"],
             prefix_count=st["prefix_count"],
             index_backend=kv.config.backend,
@@ -198,11 +213,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                     "Clear needs the admin token: metadata 'authorization: Bearer <token>'",
                 )
         kv = await self._require_kv(context)
-        if request.backend:
-            if self.router.pool.get(request.backend) is None:
-                await context.abort(
-                    grpc.StatusCode.NOT_FOUND, f"no backend named {request.backend!r}"
-                )
+        if request.backend:  # an unknown name simply removes nothing
             removed = await kv.index.remove_backend(request.backend)
         else:
             removed = await kv.index.clear()

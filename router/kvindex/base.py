@@ -150,6 +150,20 @@ class KvIndex(abc.ABC):
         name descending). Returns :data:`EMPTY` itself when there are none. Never
         refreshes a TTL."""
 
+    async def peek(self, prefix_hash: str) -> Sequence[IndexEntry]:
+        """``query_backends`` for operators' tools: not counted as a routing hit."""
+        found = await self.query_backends(prefix_hash)
+        if found:
+            self._uncount_hit()
+        return found
+
+    def _uncount_hit(self) -> None:  # noqa: B027 - optional hook, a no-op by default
+        """Undo the hit ``query_backends`` just counted (backends that count hits)."""
+
+    async def backend_counts(self) -> dict[str, int]:
+        """Live entries per backend. Admin-only: may scan the whole index."""
+        return {}
+
     @abc.abstractmethod
     async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
         """Create or replace the entry; its TTL restarts. Idempotent.

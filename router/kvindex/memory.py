@@ -281,6 +281,20 @@ class InMemoryKvIndex(KvIndex):
     async def query_backends(self, prefix_hash: str) -> Sequence[IndexEntry]:
         return self.lookup(prefix_hash)
 
+    def _uncount_hit(self) -> None:
+        self._hits -= 1
+
+    def count_per_backend(self) -> dict[str, int]:
+        now = self.clock()
+        counts: dict[str, int] = {}
+        for _, e in self.items():
+            if e.expires_at > now:
+                counts[e.backend] = counts.get(e.backend, 0) + 1
+        return counts
+
+    async def backend_counts(self) -> dict[str, int]:
+        return self.count_per_backend()
+
     async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
         self.put(prefix_hash, backend, token_count, tier)
 

@@ -468,6 +468,32 @@ class RedisKvIndex(KvIndex):
             return self._fail("query", exc).lookup(prefix_hash)
         return self._decode(zreply, hreply)
 
+    def _uncount_hit(self) -> None:
+        if self._fallback_active:
+            self._fallback._uncount_hit()  # type: ignore[union-attr]
+        else:
+            self._hits -= 1
+
+    async def backend_counts(self) -> dict[str, int]:
+        if self._fallback_active:
+            return self._fallback.count_per_backend()  # type: ignore[union-attr]
+        counts: dict[str, int] = {}
+        cursor = 0
+        try:
+            while True:
+                cursor, keys = await self._scan(self._zset_match, "zset", cursor)
+                if keys:
+                    replies = await self._roundtrip(tuple((b"ZRANGE", k, 0, -1) for k in keys))
+                    for members in replies:
+                        for m in members:
+                            name = self._name(m)
+                            counts[name] = counts.get(name, 0) + 1
+                if cursor == 0:
+                    break
+        except UNAVAILABLE_ERRORS as exc:
+            return self._fail("backend_counts", exc).count_per_backend()
+        return counts
+
     async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
         if token_count < 0:
             raise ValueError("token_count must be non-negative")
