@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .app import Router
 from .config import ConfigError, load_config, log_warnings, restart_only_changes
+from .config.loader import keep_restart_only
 
 __all__ = ["ConfigReloader"]
 
@@ -49,7 +50,7 @@ class ConfigReloader:
         for path in changed:
             log.warning("reload: %s changed; it applies only after a restart", path)
         if changed:
-            new = new.model_copy(update={"server": old.server})
+            new = keep_restart_only(old, new)
         log_warnings(issues)
         self.router.apply_config(new)
         log.info("config reloaded (%s)", reason)

@@ -23,6 +23,7 @@ __all__ = [
     "ConfigError",
     "ConfigIssue",
     "check_config",
+    "keep_restart_only",
     "load_config",
     "log_warnings",
     "parse_config",
@@ -31,7 +32,13 @@ __all__ = [
 
 log = logging.getLogger("continuum.config")
 
-RESTART_ONLY: tuple[str, ...] = ("server", "kv_cache_index", "response_cache")
+RESTART_ONLY: tuple[str, ...] = (
+    "server",
+    "kv_cache_index",
+    "response_cache.backend",
+    "response_cache.redis",
+)
+"""Sections (or single fields) a reload cannot apply: they own sockets, pools, tasks."""
 """Top-level sections a reload cannot apply (they own sockets and credentials)."""
 
 
@@ -106,6 +113,12 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
                 "warning",
                 "kv_cache_index.enabled",
                 "the KV index needs prefix keys: set prefix_routing.enabled: true",
+            )
+        )
+    if cfg.response_cache.backend == "redis" and cfg.response_cache.redis is None:
+        issues.append(
+            ConfigIssue(
+                "error", "response_cache.redis", "backend redis requires response_cache.redis"
             )
         )
     if kv.backend == "redis" and cfg.response_cache.redis is None:
@@ -205,8 +218,28 @@ def log_warnings(issues: Iterable[ConfigIssue]) -> None:
 def restart_only_changes(old: RouterConfig, new: RouterConfig) -> list[str]:
     """YAML paths of restart-only fields that differ between two configs."""
     changed: list[str] = []
-    for section in RESTART_ONLY:
+    for path in RESTART_ONLY:
+        section, _, field = path.partition(".")
         a = getattr(old, section).model_dump()
         b = getattr(new, section).model_dump()
-        changed.extend(f"{section}.{k}" for k in a if a[k] != b.get(k))
+        if field:
+            if a.get(field) != b.get(field):
+                changed.append(path)
+        else:
+            changed.extend(f"{section}.{k}" for k in a if a[k] != b.get(k))
     return changed
+
+
+def keep_restart_only(old: RouterConfig, new: RouterConfig) -> RouterConfig:
+    """``new`` with every restart-only field put back to its running value."""
+    update: dict[str, Any] = {}
+    for path in RESTART_ONLY:
+        section, _, field = path.partition(".")
+        if field:
+            current = update.get(section, getattr(new, section))
+            update[section] = current.model_copy(
+                update={field: getattr(getattr(old, section), field)}
+            )
+        else:
+            update[section] = getattr(old, section)
+    return new.model_copy(update=update)

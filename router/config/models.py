@@ -199,10 +199,47 @@ class RedisConfig(_Section):
         return v
 
 
-class ResponseCacheConfig(_Section):
-    """Tier 2/3 settings. Only the shared Redis connection is defined so far."""
+_DURATION_RE = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
+
+def parse_duration(value: str | int | float) -> float:
+    """``"5m"``, ``"30s"``, ``"250ms"``, ``"1h"`` or a number of seconds, in seconds."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = _DURATION_RE.match(str(value))
+    if not m:
+        raise ValueError(f'expected a duration like "5m", "30s" or "1h", got {value!r}')
+    return int(m.group(1)) * _UNIT_S[m.group(2)]
+
+
+class ResponseCacheConfig(_Section):
+    """Tiers 2 and 3: whole responses of deterministic requests, in memory or Redis."""
+
+    enabled: bool = False
+    backend: Literal["memory", "redis"] = "memory"
+    """``redis`` shares ``response_cache.redis``'s pool with the KV index; restart-only."""
+    capacity: Annotated[int, Field(ge=1, le=100_000_000)] = 1000
+    """Entries kept in memory before LRU eviction."""
+    ttl: str = "5m"
+    """Lifetime of an entry: ``"30s"``, ``"5m"``, ``"1h"``... (1 s to 30 days)."""
+    max_response_size: Annotated[int, Field(ge=1, le=1 << 30)] = 1 << 20
+    """Largest non-streaming body stored (bytes)."""
+    max_stream_buffer_size: Annotated[int, Field(ge=1, le=1 << 30)] = 10 << 20
+    """Largest stream buffered for storing (bytes); a longer stream is passed through only."""
     redis: RedisConfig | None = None
+
+    @field_validator("ttl")
+    @classmethod
+    def _ttl(cls, v: str) -> str:
+        seconds = parse_duration(v)
+        if not 1 <= seconds <= 30 * 86400:
+            raise ValueError("must be between 1s and 30d")
+        return v
+
+    @property
+    def ttl_seconds(self) -> int:
+        return int(parse_duration(self.ttl))
 
 
 class ScoringConfig(_Section):
