@@ -21,6 +21,8 @@ from bus.prefix_key import extract_prefix_key
 
 from .admin import prefix_routing_stats
 from .anthropic_cache import inject_cache_control, should_inject
+from .cache.response import replay_sse
+from .cache.service import CacheLookup, ResponseCacheService
 from .config import RouterConfig
 from .errors import anthropic_error, openai_error
 from .http.types import Request, Response, StreamResponse
@@ -99,11 +101,19 @@ class Router:
             config.server.connect_timeout_ms / 1000, config.server.request_timeout_ms / 1000
         )
         self.admin_token = _read_admin_token(config)
+        self.redis_pools: Any = None
+        if config.response_cache.redis is not None:
+            from .kvindex.redis_pool import RedisPools  # one pool: response cache + KV index
+
+            self.redis_pools = RedisPools()
+        self.cache: ResponseCacheService | None = None
+        if config.response_cache.enabled:
+            self.cache = _build_response_cache(config, self.redis_pools, self.metrics)
         self.kv: KvRuntime | None = None
         if config.prefix_routing.enabled and config.kv_cache_index.enabled:
             from .kvindex.runtime import KvRuntime  # Tier 4 only costs when configured
 
-            self.kv = KvRuntime(config, self.metrics.kv_decision)
+            self.kv = KvRuntime(config, self.metrics.kv_decision, pools=self.redis_pools)
             self.selector.scorer = self.kv.scorer
             self.metrics.attach_kv(self.kv.metrics_snapshot)
         self._routes = {
@@ -117,6 +127,8 @@ class Router:
             ("GET", "/admin/kv-index/stats"): self.admin_kv_stats,
             ("GET", "/admin/kv-index/backends"): self.admin_kv_backends,
             ("POST", "/admin/kv-index/clear"): self.admin_kv_clear,
+            ("GET", "/admin/response-cache/stats"): self.admin_cache_stats,
+            ("POST", "/admin/response-cache/invalidate"): self.admin_cache_invalidate,
         }
 
     # -- lifecycle -----------------------------------------------------------------
@@ -130,6 +142,8 @@ class Router:
     async def stop(self) -> None:
         if self.kv is not None:
             await self.kv.stop()
+        if self.cache is not None:
+            await self.cache.close()
         await self.pool.stop()
         await self.client.close()
 
@@ -137,6 +151,11 @@ class Router:
         """Apply a validated reload (restart-only sections already kept by the caller)."""
         self.pool.update(config.backends, config.health_check)
         self.selector.configure(config)
+        if self.cache is not None:
+            self.cache.config = config.response_cache  # ttl, sizes, enabled: per request
+            resize = getattr(self.cache.store, "resize", None)
+            if resize is not None:
+                resize(config.response_cache.capacity)
         self.config = config
 
     # -- dispatch ------------------------------------------------------------------
@@ -190,6 +209,13 @@ class Router:
         return h
 
     async def chat_completions(self, req: Request) -> Response | StreamResponse:
+        """Every chat completion answer says what the response cache did (X-Cache)."""
+        resp = await self._chat(req)
+        if not any(k == "x-cache" for k, _ in resp.headers):
+            resp.headers.append(("x-cache", "BYPASS"))
+        return resp
+
+    async def _chat(self, req: Request) -> Response | StreamResponse:
         started = time.perf_counter()
         body = self._parse(req, _oai_err)
         if isinstance(body, Response):
@@ -210,6 +236,41 @@ class Router:
         caller_salt = body.get("cache_salt")
         if caller_salt is not None and (not isinstance(caller_salt, str) or not caller_salt):
             return openai_error(400, "'cache_salt' must be a non-empty string", param="cache_salt")
+        cache = self.cache if self.config.response_cache.enabled else None
+        lookup = None
+        if cache is not None:
+            lookup = await cache.lookup(body, req.headers, stream)
+            if lookup.result == "hit":
+                return self._cache_hit(lookup.body or b"", stream, started)
+        resp = await self._route_chat(req, body, model, stream, lookup, started)
+        if lookup is not None and lookup.result == "miss":
+            resp.headers.append(("x-cache", "MISS"))
+        return resp
+
+    def _cache_hit(self, data: bytes, stream: bool, started: float) -> Response | StreamResponse:
+        """A hit never reaches a backend: the stored JSON, or the stored stream replayed."""
+        self.metrics.observe("chat", None, 200, time.perf_counter() - started)
+        if stream:
+            return StreamResponse(
+                200,
+                replay_sse(data),
+                [
+                    ("content-type", "text/event-stream"),
+                    ("cache-control", "no-cache"),
+                    ("x-cache", "HIT"),
+                ],
+            )
+        return Response(200, data, [("content-type", "application/json"), ("x-cache", "HIT")])
+
+    async def _route_chat(
+        self,
+        req: Request,
+        body: dict[str, Any],
+        model: str,
+        stream: bool,
+        lookup: CacheLookup | None,
+        started: float,
+    ) -> Response | StreamResponse:
         candidates, mask = self.pool.candidates(model, "chat")
         if not candidates:
             return self._no_candidates(model, "chat", _oai_err)
@@ -231,6 +292,10 @@ class Router:
             _oai_err,
             self._salt_rewriter(ctx.prefix_key),
         )
+        if lookup is not None and lookup.result == "miss" and lookup.key is not None:
+            assert self.cache is not None
+            spec.store = self.cache.writer(lookup.key)
+            spec.store_limit = self.cache.limit(stream)
         return await forward(self, spec, candidates, mask, started)
 
     def _salt_rewriter(
@@ -378,14 +443,14 @@ class Router:
         if not self._admin_ok(req):
             return self._unauthorized()
         if self.kv is None:
-            return _kv_disabled()
+            return _disabled()
         return Response(200, orjson.dumps(await self.kv.admin_stats()), _JSON_HEADERS)
 
     async def admin_kv_backends(self, req: Request) -> Response:
         if not self._admin_ok(req):
             return self._unauthorized()
         if self.kv is None:
-            return _kv_disabled()
+            return _disabled()
         return Response(200, orjson.dumps(self.kv.admin_backends()), _JSON_HEADERS)
 
     async def admin_kv_clear(self, req: Request) -> Response:
@@ -395,14 +460,53 @@ class Router:
             return openai_error(409, "the KV cache index is not enabled", code="kv_index_disabled")
         return Response(200, orjson.dumps(await self.kv.clear()), _JSON_HEADERS)
 
+    async def admin_cache_stats(self, req: Request) -> Response:
+        if not self._admin_ok(req):
+            return self._unauthorized()
+        if self.cache is None:
+            return _disabled()
+        return Response(200, orjson.dumps(await self.cache.admin_stats()), _JSON_HEADERS)
+
+    async def admin_cache_invalidate(self, req: Request) -> Response:
+        if not self._admin_ok(req):
+            return self._unauthorized()
+        if self.cache is None:
+            return openai_error(409, "the response cache is not enabled", code="cache_disabled")
+        body = self._parse(req, _oai_err)
+        if isinstance(body, Response):
+            return body
+        result = await self.cache.invalidate(body)
+        if result is None:
+            return openai_error(
+                400, 'expected {"clear_all": true} or {"key": "<64 hex cache key>"}'
+            )
+        return Response(200, orjson.dumps(result), _JSON_HEADERS)
+
     async def admin_prefix_stats(self, req: Request) -> Response:
         if not self._admin_ok(req):
             return self._unauthorized()
         return Response(200, orjson.dumps(prefix_routing_stats(self)), _JSON_HEADERS)
 
 
-def _kv_disabled() -> Response:
+def _disabled() -> Response:
     return Response(200, orjson.dumps({"enabled": False}), _JSON_HEADERS)
+
+
+def _build_response_cache(
+    config: RouterConfig, pools: Any, metrics: RouterMetrics
+) -> ResponseCacheService:
+    from .cache import build_cache_store
+
+    rc = config.response_cache
+    store = build_cache_store(
+        rc.backend,
+        rc.capacity,
+        rc.ttl_seconds,
+        rc.redis,
+        pools,
+        **metrics.cache_store_hooks(),
+    )
+    return ResponseCacheService(rc, store, metrics.cache_result)
 
 
 def _oai_err(status: int, message: str, code: str | None = None) -> Response:

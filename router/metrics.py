@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import (
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     disable_created_metrics,
     generate_latest,
@@ -233,6 +234,57 @@ class RouterMetrics:
         self._kv_children[(decision, tier if tier in ("gpu_hot", "storage_warm") else "none")].inc()
         if score is not None:
             self.kv_overlap.observe(score)
+
+    def _cache_metrics(self) -> None:
+        if hasattr(self, "cache_requests"):
+            return
+        self.cache_requests = Counter(
+            "continuum_response_cache_requests",
+            "Chat completions by response cache result: hit, miss, or skip (not cacheable).",
+            ["result"],
+            registry=self.registry,
+        )
+        self._cache_results = {r: self.cache_requests.labels(r) for r in ("hit", "miss", "skip")}
+        self.cache_redis_latency = Histogram(
+            "continuum_cache_redis_latency_seconds",
+            "Redis command latency of the response cache.",
+            ["operation"],
+            buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.1, 1.0),
+            registry=self.registry,
+        )
+        self.cache_redis_errors = Counter(
+            "continuum_cache_redis_errors",
+            "Redis errors of the response cache by kind (connection, timeout, other).",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.cache_fallback = Gauge(
+            "continuum_cache_fallback_active",
+            "1 while the response cache serves from its in-memory fallback (Redis down).",
+            registry=self.registry,
+        )
+
+    def cache_result(self, result: str) -> None:
+        self._cache_results[result].inc()
+
+    def cache_store_hooks(self) -> dict[str, Any]:
+        """Callables the cache store feeds; label values restricted to fixed sets."""
+        self._cache_metrics()
+        ops = ("get", "set", "delete", "clear", "ping")
+        kinds = ("connection", "timeout", "other")
+
+        def latency(operation: str, seconds: float) -> None:
+            self.cache_redis_latency.labels(operation if operation in ops else "other").observe(
+                seconds
+            )
+
+        def error(kind: str) -> None:
+            self.cache_redis_errors.labels(kind if kind in kinds else "other").inc()
+
+        def fallback(active: bool) -> None:
+            self.cache_fallback.set(1 if active else 0)
+
+        return {"observe_latency": latency, "count_error": error, "on_fallback_change": fallback}
 
     def attach_kv(self, source: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_KvCollector(source))

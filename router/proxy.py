@@ -56,6 +56,11 @@ class ForwardSpec:
     error: ErrorFactory
     rewrite: Callable[[Backend, dict[str, Any], bytes], bytes] | None = None
     """Per-backend body rewrite (cache_control injection), given the chosen backend."""
+    store: Callable[[bytes, bool], None] | None = None
+    """Response cache write-back: called with a complete 200 body (``stream`` flag) that
+    fits the size limit; never for errors, aborted or oversized streams."""
+    store_limit: int = 0
+    """Largest body (non-streaming) or stream (streaming) that may be stored."""
 
 
 async def forward(
@@ -168,6 +173,8 @@ async def _whole(
         )
     backend.record_outcome(status < 500)
     router.metrics.observe(spec.endpoint, backend.name, status, time.perf_counter() - started)
+    if status == 200 and spec.store is not None and len(data) <= spec.store_limit:
+        spec.store(data, False)
     return Response(
         status,
         data,
@@ -196,9 +203,10 @@ def _relay(
         )
         return StreamResponse(resp.status, _once(resp.body), resp.headers)
     router.metrics.observe(spec.endpoint, backend.name, 200, time.perf_counter() - started)
+    tee = _Tee(spec.store, spec.store_limit) if spec.store is not None else None
     return StreamResponse(
         200,
-        _Relay(backend, up),
+        _Relay(backend, up, tee),
         [
             ("content-type", ctype),
             ("cache-control", "no-cache"),
@@ -211,6 +219,31 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
+class _Tee:
+    """Copies a relayed stream, up to a limit, for the response cache."""
+
+    __slots__ = ("limit", "parts", "size", "store")
+
+    def __init__(self, store: Callable[[bytes, bool], None], limit: int) -> None:
+        self.store = store
+        self.limit = limit
+        self.parts: list[bytes] | None = []
+        self.size = 0
+
+    def add(self, chunk: bytes) -> None:
+        if self.parts is None:
+            return
+        self.size += len(chunk)
+        if self.size > self.limit:
+            self.parts = None  # oversized: never stored
+        else:
+            self.parts.append(chunk)
+
+    def complete(self) -> None:
+        if self.parts is not None:
+            self.store(b"".join(self.parts), True)
+
+
 class _Relay:
     """Async iterator over upstream chunks whose cleanup runs exactly once.
 
@@ -219,13 +252,14 @@ class _Relay:
     the client disconnects before the first chunk.
     """
 
-    __slots__ = ("_backend", "_chunks", "_done", "_up")
+    __slots__ = ("_backend", "_chunks", "_done", "_tee", "_up")
 
-    def __init__(self, backend: Backend, up: UpstreamResponse) -> None:
+    def __init__(self, backend: Backend, up: UpstreamResponse, tee: _Tee | None = None) -> None:
         self._backend = backend
         self._up = up
         self._chunks = up.iter_chunks()
         self._done = False
+        self._tee = tee
 
     def __aiter__(self) -> _Relay:
         return self
@@ -234,9 +268,11 @@ class _Relay:
         if self._done:
             raise StopAsyncIteration
         try:
-            return await self._chunks.__anext__()
+            chunk = await self._chunks.__anext__()
         except StopAsyncIteration:
             self._finish(ok=True)
+            if self._tee is not None:
+                self._tee.complete()
             raise
         except UpstreamError as exc:
             # Headers are gone already: tell the client in-band, as OpenAI streams do.
@@ -252,6 +288,9 @@ class _Relay:
         except BaseException:
             self._finish(ok=False)
             raise
+        if self._tee is not None:
+            self._tee.add(chunk)
+        return chunk
 
     async def aclose(self) -> None:
         """The client went away: abort upstream; not the backend's failure."""

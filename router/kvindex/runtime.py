@@ -34,10 +34,12 @@ class KvRuntime:
         self,
         config: RouterConfig,
         on_decision: Callable[[str, str, float | None], None] | None = None,
+        pools: Any = None,
     ) -> None:
         kv = config.kv_cache_index
         self.config = kv
-        self.index = build_kv_index(kv, config.response_cache.redis)
+        # ``pools`` is the router's one RedisPools: the index shares the response cache's pool.
+        self.index = build_kv_index(kv, config.response_cache.redis, pools=pools)
         self.kv_aware = 0
         self.fallback = 0
         self.overlap_scores = 0

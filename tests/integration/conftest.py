@@ -226,6 +226,22 @@ class RouterProc:
         data: dict[str, Any] = r.json()
         return data
 
+    async def stats_of(self, path: str) -> dict[str, Any]:
+        """Any admin GET endpoint's JSON."""
+        r = await http("GET", self.url + path, headers=self.admin_headers)
+        assert r.status == 200, r
+        data: dict[str, Any] = r.json()
+        return data
+
+    async def post_raw(self, path: str, body: Any) -> HttpResult:
+        return await http("POST", self.url + path, json=body, headers=self.admin_headers)
+
+    async def post_json(self, path: str, body: Any) -> dict[str, Any]:
+        r = await self.post_raw(path, body)
+        assert r.status == 200, r
+        data: dict[str, Any] = r.json()
+        return data
+
     async def in_flight(self) -> dict[str, int]:
         dist = (await self.stats())["backend_distribution"]
         return {d["backend"]: d["in_flight_requests"] for d in dist}

@@ -1,0 +1,151 @@
+"""Tier 2/3 through real router processes: X-Cache, hits that never reach a backend,
+streams cached and replayed to the official SDK, tenant isolation, Redis shared by two
+routers."""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+import openai
+import pytest
+
+from tests.redis_fixture import redis_url  # noqa: F401 - fixture
+
+from .conftest import backend, sim_json
+
+
+def cache_config(sims: Any, **rc: Any) -> dict[str, Any]:
+    return {
+        "backends": [backend("sim-1", sims.urls[0])],
+        "response_cache": {"enabled": True, **rc},
+    }
+
+
+def chat(content: str, **extra: Any) -> dict[str, Any]:
+    return {"model": "demo-model", "messages": [{"role": "user", "content": content}], **extra}
+
+
+async def sim_requests(sims: Any) -> int:
+    return (await sim_json(sims.urls[0], "/sim/stats"))["requests"]
+
+
+async def test_miss_then_hit_never_reaches_the_backend(start_router, sims) -> None:
+    router = await start_router(cache_config(sims))
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="tenant-a")
+    q = f"cache me {uuid.uuid4()}"
+    first = await client.chat.completions.with_raw_response.create(
+        model="demo-model", messages=[{"role": "user", "content": q}], temperature=0
+    )
+    assert first.headers["x-cache"] == "MISS"
+    before = await sim_requests(sims)
+    second = await client.chat.completions.with_raw_response.create(
+        model="demo-model", messages=[{"role": "user", "content": q}], temperature=0
+    )
+    assert second.headers["x-cache"] == "HIT"
+    assert second.parse().choices[0].message.content == first.parse().choices[0].message.content
+    assert await sim_requests(sims) == before  # the hit never reached a backend
+    stats = await router.stats_of("/admin/response-cache/stats")
+    assert stats["requests"]["hit"] >= 1 and stats["requests"]["miss"] >= 1
+    metrics = await router.metrics()
+    assert 'continuum_response_cache_requests_total{result="hit"}' in metrics
+
+
+async def test_bypass_for_non_deterministic_or_unkeyed_requests(start_router, sims) -> None:
+    router = await start_router(cache_config(sims))
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="k")
+    for extra in ({"temperature": 0.7}, {"seed": 3}, {"stop": ["x"]}):
+        r = await client.chat.completions.with_raw_response.create(
+            model="demo-model", messages=[{"role": "user", "content": "hi"}], **extra
+        )
+        assert r.headers["x-cache"] == "BYPASS", extra
+
+
+async def test_tenants_never_share_entries(start_router, sims) -> None:
+    router = await start_router(cache_config(sims))
+    q = f"tenant question {uuid.uuid4()}"
+    a = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="tenant-a")
+    b = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="tenant-b")
+    msgs = [{"role": "user", "content": q}]
+    await a.chat.completions.create(model="demo-model", messages=msgs)
+    rb = await b.chat.completions.with_raw_response.create(model="demo-model", messages=msgs)
+    assert rb.headers["x-cache"] == "MISS"
+    ra = await a.chat.completions.with_raw_response.create(model="demo-model", messages=msgs)
+    assert ra.headers["x-cache"] == "HIT"
+
+
+async def test_stream_is_cached_and_replayed_to_the_sdk(start_router, sims) -> None:
+    router = await start_router(cache_config(sims))
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="s")
+    msgs = [{"role": "user", "content": f"stream me {uuid.uuid4()}"}]
+
+    async def collect() -> tuple[str, str]:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="demo-model", messages=msgs, stream=True
+        )
+        text = ""
+        async for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+        return raw.headers["x-cache"], text
+
+    first_state, first_text = await collect()
+    assert first_state == "MISS" and first_text
+    before = await sim_requests(sims)
+
+    async def cached() -> tuple[str, str]:
+        return await collect()
+
+    state, text = await cached()
+    if state != "HIT":  # the write-back is asynchronous: one more try
+        state, text = await cached()
+    assert state == "HIT" and text == first_text
+    assert await sim_requests(sims) == before
+    # a non-streaming request with the same messages is not answered with SSE bytes
+    r = await client.chat.completions.with_raw_response.create(model="demo-model", messages=msgs)
+    assert r.headers["x-cache"] == "MISS"
+
+
+async def test_oversized_response_is_not_stored(start_router, sims) -> None:
+    router = await start_router(cache_config(sims, max_response_size=10))
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="o")
+    msgs = [{"role": "user", "content": f"big {uuid.uuid4()}"}]
+    for _ in range(2):
+        r = await client.chat.completions.with_raw_response.create(
+            model="demo-model", messages=msgs
+        )
+        assert r.headers["x-cache"] == "MISS"
+
+
+async def test_invalidate(start_router, sims) -> None:
+    router = await start_router(cache_config(sims))
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="i")
+    msgs = [{"role": "user", "content": f"inv {uuid.uuid4()}"}]
+    await client.chat.completions.create(model="demo-model", messages=msgs)
+    res = await router.post_json("/admin/response-cache/invalidate", {"clear_all": True})
+    assert res["success"] is True and res["action"] == "clear_all"
+    r = await client.chat.completions.with_raw_response.create(model="demo-model", messages=msgs)
+    assert r.headers["x-cache"] == "MISS"
+    bad = await router.post_raw("/admin/response-cache/invalidate", {"nonsense": 1})
+    assert bad.status == 400
+
+
+@pytest.mark.redis
+async def test_two_routers_share_hits_through_redis(start_router, sims, redis_url) -> None:  # noqa: F811
+    prefix = f"cr:test:{uuid.uuid4().hex[:8]}:"
+    rc = {"backend": "redis", "redis": {"url": redis_url, "key_prefix": prefix}}
+    a = await start_router(cache_config(sims, **rc))
+    b = await start_router(cache_config(sims, **rc))
+    msgs = [{"role": "user", "content": f"shared {uuid.uuid4()}"}]
+    ca = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key="t")
+    cb = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key="t")
+    first = await ca.chat.completions.with_raw_response.create(model="demo-model", messages=msgs)
+    assert first.headers["x-cache"] == "MISS"
+    state = ""
+    for _ in range(20):  # the write-back is asynchronous
+        r = await cb.chat.completions.with_raw_response.create(model="demo-model", messages=msgs)
+        state = r.headers["x-cache"]
+        if state == "HIT":
+            break
+    assert state == "HIT"
+    await b.post_json("/admin/response-cache/invalidate", {"clear_all": True})
