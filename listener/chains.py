@@ -294,9 +294,12 @@ class ChainTracker:
                     if b is not None:
                         self._drop(b)
             elif isinstance(ev, AllBlocksCleared):
+                self._flush()
                 self.reset()
                 self._emit(KvEvent("cache_cleared", self.backend))
-            self._flush()
+        # Once per batch, not per event: a batch is one scheduler step, and subscribers
+        # need its outcome, not every intermediate state (the final state is the same).
+        self._flush()
 
     def reset(self) -> None:
         """Forget everything without per-prefix events (the source sends ``resync``)."""

@@ -134,6 +134,9 @@ def parse_event_id(value: str) -> tuple[str, int] | None:
 
 
 def _record(data: bytes, event: str, id: str) -> HubRecord:
+    # orjson over-allocates its result (~4 KiB for a ~150-byte event) and history rings
+    # keep records for long: keep a right-sized copy.
+    data = bytes(memoryview(data))
     return HubRecord(id, event, data, encode_record(data, event=event, id=id))
 
 

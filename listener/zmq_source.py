@@ -95,6 +95,7 @@ END_SEQ = b"\xff" * SEQ_LEN
 """The replay end marker (-1 as 8 bytes); never a live sequence number."""
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_DOMAIN = b"continuum"
+_DRAIN_BATCH = 64
 _MAX_LOGGED_DENIED = 64
 
 
@@ -415,9 +416,22 @@ class ZmqSource:
                 self._bound_endpoint,
                 cfg.replay_endpoint or "off",
             )
+            # pyzmq's awaitable recv completes at once while messages are queued, so a
+            # busy engine would starve every other task on the loop (SSE writers, /stats,
+            # detokenize jobs). Drain a bounded batch without awaiting, then yield.
+            raw = zmq.Socket.shadow(sock.underlying)
+            again = zmq.Again
+            noblock = zmq.NOBLOCK
             while True:
                 frames = await sock.recv_multipart()
                 await self._on_live(frames)
+                for _ in range(_DRAIN_BATCH):
+                    try:
+                        frames = raw.recv_multipart(noblock)
+                    except again:
+                        break
+                    await self._on_live(frames)
+                await asyncio.sleep(0)
 
     # -- ordering ----------------------------------------------------------------------------
 
