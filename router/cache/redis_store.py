@@ -107,7 +107,7 @@ class RedisCacheStore(CacheStore):
         self._redis = redis
         self.key_prefix = key_prefix
         self._match = glob_escape(key_prefix) + "*"
-        self.default_ttl = check_ttl(default_ttl, 1)
+        self.default_ttl = check_ttl(default_ttl, 0)
         self._observe = observe_latency
         self._count_error = count_error
         self._stats_cache_s = stats_cache_s
