@@ -10,11 +10,11 @@ from __future__ import annotations
 from typing import Literal
 
 from router.config.models import RedisConfig
-from router.kvindex.redis_pool import RedisPools
+from router.kvindex.redis_pool import RedisPools, glob_escape
 
 from .fallback import FallbackCacheStore
 from .memory_store import InMemoryCacheStore
-from .redis_store import DEFAULT_KEY_PREFIX, RedisCacheStore, error_kind, glob_escape
+from .redis_store import DEFAULT_KEY_PREFIX, RedisCacheStore, error_kind
 from .store import (
     ERROR_KINDS,
     OPERATIONS,

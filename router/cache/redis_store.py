@@ -36,7 +36,7 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio import Redis
 
-from router.kvindex.redis_index import UNAVAILABLE_ERRORS
+from router.kvindex.redis_pool import UNAVAILABLE_ERRORS, glob_escape
 
 from .store import (
     ERROR_KINDS,
@@ -56,11 +56,6 @@ _SCAN_COUNT = 500
 _DELETE_CHUNK = 500
 _CAUGHT: tuple[type[BaseException], ...] = (*UNAVAILABLE_ERRORS, rx.RedisError)
 _perf = time.perf_counter
-
-
-def glob_escape(s: str) -> str:
-    """``s`` as a literal in a Redis glob pattern (``*?[]`` and ``\\`` escaped)."""
-    return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
 def error_kind(exc: BaseException) -> str:

@@ -65,6 +65,7 @@ from redis.asyncio import Redis
 
 from .base import EMPTY, IndexEntry, IndexStats, KvIndex, KvIndexError, KvIndexUnavailable, Tier
 from .memory import InMemoryKvIndex
+from .redis_pool import UNAVAILABLE_ERRORS, glob_escape
 
 __all__ = ["DEFAULT_KEY_PREFIX", "UNAVAILABLE_ERRORS", "RedisKvIndex"]
 
@@ -72,15 +73,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_KEY_PREFIX = "cr:kvidx:"
 
-UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
-    rx.ConnectionError,  # refused, reset, loading, pool exhausted, auth
-    rx.TimeoutError,
-    rx.ReadOnlyError,  # a replica after failover
-    rx.OutOfMemoryError,
-    rx.MasterDownError,
-    OSError,  # includes the builtin TimeoutError
-)
-"""Errors that mean "Redis is not usable now": they trigger the fallback. Declared once."""
 
 _TIER_CODE = {Tier.GPU_HOT: b"g", Tier.STORAGE_WARM: b"s"}
 _CODE_TIER = {ord("g"): Tier.GPU_HOT, ord("s"): Tier.STORAGE_WARM}
@@ -112,15 +104,6 @@ for i = 1, #ARGV, 2 do
 end
 return n
 """
-
-
-def _glob_escape(s: bytes) -> bytes:
-    out = bytearray()
-    for c in s:
-        if c in b"*?[]\\":
-            out += b"\\"
-        out.append(c)
-    return bytes(out)
 
 
 def _expiry_ms(value: bytes) -> float:
@@ -172,8 +155,8 @@ class RedisKvIndex(KvIndex):
         self._fallback = fallback
         self.key_prefix = key_prefix
         self._kp = key_prefix.encode()
-        self._zset_match = _glob_escape(self._kp) + b"*"
-        self._hash_match = _glob_escape(self._kp) + b"*:t"
+        self._zset_match = glob_escape(self._kp) + b"*"
+        self._hash_match = glob_escape(self._kp) + b"*:t"
         self.monitor_interval_s = monitor_interval_s
         self.clock = clock
         self._sweep_keys = sweep_keys

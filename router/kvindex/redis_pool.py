@@ -23,6 +23,9 @@ bound to the event loop that first used them.
 
 from __future__ import annotations
 
+from typing import overload
+
+import redis.exceptions
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -89,3 +92,31 @@ class RedisPools:
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
             await client.aclose(close_connection_pool=True)
+
+
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    redis.exceptions.ConnectionError,  # refused, reset, loading, pool exhausted, auth
+    redis.exceptions.TimeoutError,
+    redis.exceptions.ReadOnlyError,  # a replica after failover
+    redis.exceptions.OutOfMemoryError,
+    redis.exceptions.MasterDownError,
+    OSError,  # includes the builtin TimeoutError
+)
+"""Errors that mean "Redis is not usable now": they switch the response cache and the KV
+index to their in-memory fallbacks. Declared once, for both."""
+
+
+@overload
+def glob_escape(s: str) -> str: ...
+@overload
+def glob_escape(s: bytes) -> bytes: ...
+def glob_escape(s: bytes | str) -> bytes | str:
+    """``s`` as a literal in a Redis SCAN MATCH pattern (``*?[]`` and ``\\`` escaped)."""
+    if isinstance(s, str):
+        return "".join("\\" + c if c in "*?[]\\" else c for c in s)
+    out = bytearray()
+    for c in s:
+        if c in b"*?[]\\":
+            out += b"\\"
+        out.append(c)
+    return bytes(out)
