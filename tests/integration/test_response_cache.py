@@ -149,3 +149,54 @@ async def test_two_routers_share_hits_through_redis(start_router, sims, redis_ur
             break
     assert state == "HIT"
     await b.post_json("/admin/response-cache/invalidate", {"clear_all": True})
+
+
+@pytest.mark.redis
+async def test_redis_killed_mid_traffic_never_fails_a_request(start_router, sims, tmp_path) -> None:
+    """Kill Redis under traffic: every request still succeeds, fallback metric goes to 1,
+    and after Redis returns the router switches back within the monitor interval."""
+    from tests.redis_fixture import RedisServer, _executable
+
+    exe = _executable()
+    if exe is None:
+        pytest.skip("redis-server not on PATH")
+    server = RedisServer(exe)
+    server.start()
+    try:
+        rc = {
+            "backend": "redis",
+            "redis": {
+                "url": server.url,
+                "health_check_interval_ms": 200,
+                "command_timeout_ms": 300,
+                "connect_timeout_ms": 300,
+            },
+        }
+        router = await start_router(cache_config(sims, **rc))
+        client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="k", max_retries=0)
+
+        async def fallback_gauge() -> float:
+            for line in (await router.metrics()).splitlines():
+                if line.startswith("continuum_cache_fallback_active "):
+                    return float(line.split()[1])
+            return 0.0
+
+        async def burst(tag: str) -> None:
+            for i in range(10):
+                r = await client.chat.completions.with_raw_response.create(
+                    model="demo-model", messages=[{"role": "user", "content": f"{tag} {i % 3}"}]
+                )
+                assert r.http_response.status_code == 200
+
+        await burst("before")
+        server.kill()
+        await burst("during")  # no request fails while Redis is gone
+        assert await fallback_gauge() == 1.0
+        server.start()
+        for _ in range(100):
+            await burst("after")
+            if await fallback_gauge() == 0.0:
+                break
+        assert await fallback_gauge() == 0.0
+    finally:
+        server.close()
