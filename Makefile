@@ -42,6 +42,9 @@ proto: $(VENV)/.installed-dev
 bench: $(VENV)/.installed-dev
 	$(PY) -m bench.prefix_key_bench
 	$(PY) -m bench.ring_bench
+	$(PY) -m bench.kvindex_bench
+	$(PY) -m bench.response_cache_bench
+	$(PY) -m bench.cache_store_bench
 	$(PY) -m bench.proxy_bench
 
 clean:
