@@ -288,7 +288,7 @@ class Target:
             await proc.wait()
 
 
-def router_yaml(strategy: str, prefix: bool, backend_urls: list[str]) -> str:
+def router_yaml(strategy: str, prefix: bool, backend_urls: list[str], cache: bool = False) -> str:
     lines = [
         'server: {listen: "127.0.0.1:0"}',
         f"selection_strategy: {strategy}",
@@ -297,16 +297,23 @@ def router_yaml(strategy: str, prefix: bool, backend_urls: list[str]) -> str:
         "health_check: {interval_ms: 10000}",
         "backends:",
     ]
+    if cache:
+        lines.insert(0, "response_cache: {enabled: true, capacity: 10000, ttl: 1h}")
     for i, url in enumerate(backend_urls):
         lines.append(f'  - {{name: b{i + 1}, url: "{url}", type: vllm, models: [{MODEL}]}}')
     return "\n".join(lines) + "\n"
 
 
 async def start_continuum(
-    target: Target, strategy: str, prefix: bool, urls: list[str], workdir: Path
+    target: Target,
+    strategy: str,
+    prefix: bool,
+    urls: list[str],
+    workdir: Path,
+    cache: bool = False,
 ) -> Target:
     cfg = workdir / f"{target.key}.yaml"
-    cfg.write_text(router_yaml(strategy, prefix, urls))
+    cfg.write_text(router_yaml(strategy, prefix, urls, cache))
     target.log_path = workdir / f"{target.key}.log"
     with _open_log(target.log_path) as log:
         proc = await asyncio.create_subprocess_exec(
@@ -461,17 +468,31 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 Target("direct", "direct (1 engine)", sim0.url, sim0.proc.pid, None, None)
             )
             variants = [
-                ("bare", "continuum bare (RR, no prefix)", "RoundRobin", False),
-                ("full", "continuum full (PrefixAwareHash)", "PrefixAwareHash", True),
+                ("bare", "continuum bare (RR, no prefix)", "RoundRobin", False, False),
+                ("full", "continuum full (PrefixAwareHash)", "PrefixAwareHash", True, False),
             ]
             if args.decompose:
                 variants += [
-                    ("rr-key", "continuum RR + prefix keys", "RoundRobin", True),
-                    ("pah-nokey", "continuum PrefixAwareHash, no keys", "PrefixAwareHash", False),
+                    ("rr-key", "continuum RR + prefix keys", "RoundRobin", True, False),
+                    (
+                        "pah-nokey",
+                        "continuum PrefixAwareHash, no keys",
+                        "PrefixAwareHash",
+                        False,
+                        False,
+                    ),
                 ]
-            for key, label, strategy, prefix in variants:
+            if args.with_cache:
+                # The workload repeats its deterministic bodies: after the warm-up every
+                # request is a response cache hit that never reaches an engine.
+                variants.append(
+                    ("cached", "continuum + response cache (hits)", "PrefixAwareHash", True, True)
+                )
+            for key, label, strategy, prefix, cache in variants:
                 targets.append(
-                    await start_continuum(Target(key, label), strategy, prefix, urls, workdir)
+                    await start_continuum(
+                        Target(key, label), strategy, prefix, urls, workdir, cache
+                    )
                 )
             if bindir is not None:
                 for kind in ("vllm", "sglang"):
@@ -710,6 +731,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--backends", type=int, default=3, help="engines behind the routers (2-4)")
     p.add_argument("--threads", type=int, default=2, help="wrk threads")
     p.add_argument("--tenants", type=int, default=64, help="distinct system prompts")
+    p.add_argument(
+        "--with-cache",
+        action="store_true",
+        help="add a router with the response cache on (all hits after warm-up)",
+    )
     p.add_argument("--quick", action="store_true", help="2 s runs, 1 round (smoke test)")
     p.add_argument(
         "--rust-routers",
