@@ -372,6 +372,7 @@ async def main(args: argparse.Namespace) -> int:
             [r[0] for r in rows],
         )
         print(f"\n  plot: {svg.relative_to(ROOT)}")
+        await response_cache_demo(base, fleet, Path(tmp), requests[:120], args.concurrency)
         if args.once:
             return 0
         cfg = router_config(base, fleet, "PrefixAwareHash", args.port, listener.url)
@@ -417,6 +418,76 @@ def print_table(rows: list[tuple], names: list[str], total: int) -> None:
         "KV index scorer routed / left to the strategy (+KV rows: Tier 4 fed by the listener);"
         "\n  the right-hand columns are each engine's share of requests."
     )
+
+
+async def x_cache_counts(
+    url: str, requests: list[list[dict]], concurrency: int, extra: dict[str, Any]
+) -> collections.Counter[str]:
+    """Send every request once; count the X-Cache header values."""
+    counts: collections.Counter[str] = collections.Counter()
+    queue: asyncio.Queue[list[dict]] = asyncio.Queue()
+    for r in requests:
+        queue.put_nowait(r)
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while not queue.empty():
+            messages = queue.get_nowait()
+            body = {"model": MODEL, "messages": messages, "max_tokens": 16, **extra}
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                counts[resp.headers.get("x-cache", "none")] += 1
+
+    async with aiohttp.ClientSession(headers={"authorization": "Bearer demo-tenant"}) as s:
+        await asyncio.gather(*(worker(s) for _ in range(concurrency)))
+    return counts
+
+
+async def response_cache_demo(
+    base: dict[str, Any],
+    fleet: SimFleet,
+    tmp: Path,
+    requests: list[list[dict]],
+    concurrency: int,
+) -> None:
+    """Tier 2 (and Tier 3 with REDIS_URL): deterministic requests repeated.
+
+    Without REDIS_URL one router caches in memory; with it, two router processes share
+    one Redis cache, and the second pass goes to the other router.
+    """
+    redis_url = os.environ.get("REDIS_URL")
+    rc: dict[str, Any] = {"enabled": True, "capacity": 10_000, "ttl": "10m"}
+    if redis_url:
+        rc |= {"backend": "redis", "redis": {"url": redis_url, "key_prefix": "cr:demo:"}}
+    cfg = router_config(base, fleet, "PrefixAwareHash", 0)
+    cfg["response_cache"] = rc
+    mode = "Redis shared by two routers" if redis_url else "memory, one router"
+    print(f"\n  Response cache ({mode}): {len(requests)} deterministic requests, twice;")
+    print("  then the same requests at temperature 0.7 (not cacheable).")
+    for sub in ("a", "b"):
+        (tmp / sub).mkdir(exist_ok=True)
+    async with contextlib.AsyncExitStack() as stack:
+        first = await stack.enter_async_context(RouterProcess(cfg, tmp / "a"))
+        second = first
+        if redis_url:
+            second = await stack.enter_async_context(RouterProcess(cfg, tmp / "b"))
+        passes = [
+            ("first pass", first.url, {}),
+            ("second pass" + (" (other router)" if redis_url else ""), second.url, {}),
+            ("temperature 0.7", first.url, {"temperature": 0.7}),
+        ]
+        for i, (label, url, extra) in enumerate(passes):
+            if i == 1:
+                await asyncio.sleep(0.2)  # write-backs are asynchronous
+            c = await x_cache_counts(url, requests, concurrency, extra)
+            print(
+                f"    {label:<28} HIT {c.get('HIT', 0):>4}   MISS {c.get('MISS', 0):>4}   "
+                f"BYPASS {c.get('BYPASS', 0):>4}"
+            )
+        if redis_url:
+            async with aiohttp.ClientSession() as session:
+                await session.post(
+                    first.url + "/admin/response-cache/invalidate", json={"clear_all": True}
+                )
 
 
 def print_listener_table(
