@@ -117,3 +117,58 @@ def test_cli_validate_errors_exit_1(tmp_path: Path) -> None:
     r = _validate(tmp_path, "prefix_routing:\n  load_factor_epsilon: 42\n")
     assert r.returncode == 1
     assert "error: prefix_routing.load_factor_epsilon:" in r.stderr
+
+
+def _kv(**kv: object) -> dict:
+    return {
+        "prefix_routing": {"enabled": True},
+        "backends": [{"name": "a", "url": "http://x", "type": "vllm"}],
+        "kv_cache_index": {"enabled": True, **kv},
+    }
+
+
+def test_kv_scoring_weights_must_sum_to_one() -> None:
+    errs = errors_of(_kv(scoring={"overlap_weight": 0.5, "load_weight": 0.3, "health_weight": 0.1}))
+    assert "sum to 1.0" in errs["kv_cache_index.scoring"]
+    parse_config(_kv(scoring={"overlap_weight": 0.5, "load_weight": 0.4, "health_weight": 0.1}))
+
+
+def test_kv_gpu_tier_weight_below_threshold_warns_on_its_path() -> None:
+    _, warnings = parse_config(_kv(scoring={"gpu_tier_weight": 0.2, "min_overlap_threshold": 0.3}))
+    assert [w.path for w in warnings] == ["kv_cache_index.scoring.gpu_tier_weight"]
+
+
+@pytest.mark.parametrize(
+    ("kv", "path"),
+    [
+        ({"max_entries": 50}, "kv_cache_index.max_entries"),
+        ({"entry_ttl_seconds": 0}, "kv_cache_index.entry_ttl_seconds"),
+        ({"backend": "redis"}, "kv_cache_index.backend"),
+        ({"event_sources": [{"backend_name": "zz", "endpoint": "http://l/e"}]},
+         "kv_cache_index.event_sources[0].backend_name"),
+        ({"event_sources": [{"backend_name": "a", "endpoint": "ftp://l"}]},
+         "kv_cache_index.event_sources[0].endpoint"),
+        ({"event_sources": [{"backend_name": "a"}]}, "kv_cache_index.event_sources[0].endpoint"),
+    ],
+)  # fmt: skip
+def test_kv_errors_name_the_path(kv: dict, path: str) -> None:
+    assert path in errors_of(_kv(**kv))
+
+
+def test_cache_salt_needs_a_secret_and_a_salting_engine() -> None:
+    cfg = _kv()
+    cfg["backends"] = [
+        {"name": "a", "url": "http://x", "type": "vllm", "cache_salt": True},
+        {"name": "b", "url": "http://y", "type": "openai", "cache_salt": True},
+    ]
+    with pytest.raises(ConfigError) as ei:
+        parse_config(cfg)
+    msgs = {(i.path, i.message) for i in ei.value.issues}
+    assert any(p == "backends[0].cache_salt" and "secret" in m for p, m in msgs)
+    assert any(p == "backends[1].cache_salt" and "not openai" in m for p, m in msgs)
+
+
+def test_kv_cache_index_and_cache_backend_are_restart_only() -> None:
+    a, _ = parse_config(_kv())
+    b, _ = parse_config({**_kv(max_entries=500), "response_cache": {"capacity": 5}})
+    assert restart_only_changes(a, b) == ["kv_cache_index.max_entries"]  # capacity hot-reloads
