@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
+
+M = TypeVar("M", bound=BaseModel)
 
 __all__ = [
     "ConfigError",
@@ -22,6 +24,7 @@ __all__ = [
     "clean_message",
     "log_warnings",
     "parse_hostport",
+    "parse_validated",
     "read_yaml",
     "validation_issues",
     "yaml_path",
@@ -96,6 +99,34 @@ def validation_issues(exc: ValidationError) -> list[ConfigIssue]:
             seen.add((path, message))
             issues.append(ConfigIssue("error", path, message))
     return issues
+
+
+def parse_validated(
+    model: type[M],
+    data: Any,
+    source: str,
+    check: Callable[[M], list[ConfigIssue]],
+    to_issues: Callable[[ValidationError], list[ConfigIssue]] = validation_issues,
+) -> tuple[M, list[ConfigIssue]]:
+    """Parsed YAML -> ``model``: field errors, then cross-field ``check``.
+
+    Raises ConfigError with every error; returns the config and its warnings.
+    """
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            [ConfigIssue("error", "(root)", f"{source}: expected a mapping at the top level")]
+        )
+    try:
+        cfg = model.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(to_issues(exc)) from None
+    issues = check(cfg)
+    errors = [i for i in issues if i.severity == "error"]
+    if errors:
+        raise ConfigError(errors)
+    return cfg, issues
 
 
 def read_yaml(path: str | Path) -> Any:

@@ -39,6 +39,7 @@ from bus.config import (
     ConfigIssue,
     clean_message,
     parse_hostport,
+    parse_validated,
     read_yaml,
     yaml_path,
 )
@@ -533,21 +534,7 @@ def parse_listener_config(
     data: Any, source: str = "<config>"
 ) -> tuple[ListenerConfig, list[ConfigIssue]]:
     """Validate already-parsed YAML. Raises ConfigError; returns the config and warnings."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            [ConfigIssue("error", "(root)", f"{source}: expected a mapping at the top level")]
-        )
-    try:
-        cfg = ListenerConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(_validation_issues(exc)) from None
-    issues = check_listener_config(cfg)
-    errors = [i for i in issues if i.severity == "error"]
-    if errors:
-        raise ConfigError(errors)
-    return cfg, issues
+    return parse_validated(ListenerConfig, data, source, check_listener_config, _validation_issues)
 
 
 def load_listener_config(path: str | Path) -> tuple[ListenerConfig, list[ConfigIssue]]:

@@ -161,10 +161,11 @@ class Router:
     # -- dispatch ------------------------------------------------------------------
 
     async def handle(self, req: Request) -> Response | StreamResponse:
+        # Every /admin path, known or not, is behind the token: checked once, here.
+        if req.path.startswith("/admin/") and not self._admin_ok(req):
+            return self._unauthorized()
         handler = self._routes.get((req.method, req.path))
         if handler is None:
-            if req.path.startswith("/admin/") and not self._admin_ok(req):
-                return self._unauthorized()
             if any(path == req.path for _, path in self._routes):
                 return openai_error(405, f"method {req.method} not allowed on {req.path}")
             return openai_error(404, f"no route for {req.method} {req.path}", code="not_found")
@@ -440,36 +441,26 @@ class Router:
         )
 
     async def admin_kv_stats(self, req: Request) -> Response:
-        if not self._admin_ok(req):
-            return self._unauthorized()
         if self.kv is None:
             return _disabled()
         return Response(200, orjson.dumps(await self.kv.admin_stats()), _JSON_HEADERS)
 
     async def admin_kv_backends(self, req: Request) -> Response:
-        if not self._admin_ok(req):
-            return self._unauthorized()
         if self.kv is None:
             return _disabled()
         return Response(200, orjson.dumps(self.kv.admin_backends()), _JSON_HEADERS)
 
     async def admin_kv_clear(self, req: Request) -> Response:
-        if not self._admin_ok(req):
-            return self._unauthorized()
         if self.kv is None:
             return openai_error(409, "the KV cache index is not enabled", code="kv_index_disabled")
         return Response(200, orjson.dumps(await self.kv.clear()), _JSON_HEADERS)
 
     async def admin_cache_stats(self, req: Request) -> Response:
-        if not self._admin_ok(req):
-            return self._unauthorized()
         if self.cache is None:
             return _disabled()
         return Response(200, orjson.dumps(await self.cache.admin_stats()), _JSON_HEADERS)
 
     async def admin_cache_invalidate(self, req: Request) -> Response:
-        if not self._admin_ok(req):
-            return self._unauthorized()
         if self.cache is None:
             return openai_error(409, "the response cache is not enabled", code="cache_disabled")
         body = self._parse(req, _oai_err)
@@ -483,8 +474,6 @@ class Router:
         return Response(200, orjson.dumps(result), _JSON_HEADERS)
 
     async def admin_prefix_stats(self, req: Request) -> Response:
-        if not self._admin_ok(req):
-            return self._unauthorized()
         return Response(200, orjson.dumps(prefix_routing_stats(self)), _JSON_HEADERS)
 
 

@@ -11,9 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
-from bus.config import ConfigError, ConfigIssue, read_yaml, validation_issues
+from bus.config import ConfigError, ConfigIssue, parse_validated, read_yaml
 from bus.config import log_warnings as _log_warnings
 
 from .models import RouterConfig
@@ -189,21 +187,7 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
 
 def parse_config(data: Any, source: str = "<config>") -> tuple[RouterConfig, list[ConfigIssue]]:
     """Validate already-parsed YAML. Raises ConfigError; returns the config and warnings."""
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(
-            [ConfigIssue("error", "(root)", f"{source}: expected a mapping at the top level")]
-        )
-    try:
-        cfg = RouterConfig.model_validate(data)
-    except ValidationError as exc:
-        raise ConfigError(validation_issues(exc)) from None
-    issues = check_config(cfg)
-    errors = [i for i in issues if i.severity == "error"]
-    if errors:
-        raise ConfigError(errors)
-    return cfg, issues
+    return parse_validated(RouterConfig, data, source, check_config)
 
 
 def load_config(path: str | Path) -> tuple[RouterConfig, list[ConfigIssue]]:
