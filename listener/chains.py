@@ -66,7 +66,7 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Literal, Protocol
+from typing import Literal, Protocol, cast
 
 from bus.backoff import Backoff, ExponentialBackoff
 from bus.events import KvEvent
@@ -120,9 +120,17 @@ class TrackedBlock:
         "tokens",
     )
 
-    def __init__(self, key: BlockKey, start: int, depth: int, tier: str) -> None:
+    def __init__(
+        self,
+        key: BlockKey,
+        start: int,
+        depth: int,
+        tier: str,
+        state: int = UNATTRIBUTED,
+        prefix: _Prefix | None = None,
+    ) -> None:
         self.key, self.start, self.depth, self.tier = key, start, depth, tier
-        self.state = UNATTRIBUTED
+        self.state, self.prefix = state, prefix
         self.alive = True
         self.tokens: array[int] | None = None
         self.parent: TrackedBlock | None = None
@@ -131,7 +139,6 @@ class TrackedBlock:
         self.frontier: TrackedBlock | None = None
         self.insufficient = False
         self.dirty: dict[TrackedBlock, None] | None = None
-        self.prefix: _Prefix | None = None
 
 
 class PruningPolicy(Protocol):
@@ -166,16 +173,22 @@ class LruPolicy:
             self._holders[block] = None
 
     def touched(self, block: TrackedBlock) -> None:
-        for order in (self._all, self._holders):
-            if block in order:
-                order.move_to_end(block)
+        # ``_holders`` holds exactly the added blocks whose ``tokens`` are set (``released``
+        # is called when they go), so most calls need one dict operation.
+        try:
+            self._all.move_to_end(block)
+        except KeyError:
+            return
+        if block.tokens is not None and block in self._holders:
+            self._holders.move_to_end(block)
 
     def released(self, block: TrackedBlock) -> None:
         self._holders.pop(block, None)
 
     def removed(self, block: TrackedBlock) -> None:
         self._all.pop(block, None)
-        self._holders.pop(block, None)
+        if block.tokens is not None:
+            self._holders.pop(block, None)
 
     def victim(self, *, holding_tokens: bool = False) -> TrackedBlock | None:
         return next(iter(self._holders if holding_tokens else self._all), None)
@@ -258,11 +271,15 @@ class ChainTracker:
         self.max_tracked_blocks = max_tracked_blocks
         self.max_retained_tokens = max_retained_tokens
         self._policy: PruningPolicy = policy if policy is not None else LruPolicy()
+        self._lru = cast(LruPolicy, self._policy) if type(self._policy) is LruPolicy else None
+        """The default policy, whose bookkeeping ``_extend`` inlines."""
         self._concurrency = concurrency
         self._backoff = backoff if backoff is not None else ExponentialBackoff()
         self._fanout, self._rounds = max(1, probe_fanout), max(0, max_probe_rounds)
         self._nodes: dict[BlockKey, TrackedBlock] = {}
         self._media: dict[tuple[int, int], set[str]] = {}
+        self._mixed_media = False
+        """Some (dp rank, group) has blocks in more than one medium (twins possible)."""
         self._prefixes: dict[bytes, _Prefix] = {}
         self._touched: dict[_Prefix, None] = {}
         self._queue: dict[TrackedBlock, None] = {}
@@ -281,24 +298,36 @@ class ChainTracker:
 
     # -- ingestion ---------------------------------------------------------------------
 
-    def apply(self, batch: EventBatch) -> None:
-        """Apply one decoded engine batch; emits events synchronously. Never blocks."""
+    def apply(self, batch: EventBatch, *, flush: bool = True) -> None:
+        """Apply one decoded engine batch; emits events synchronously. Never blocks.
+
+        ``flush=False`` leaves the prefix events of this batch to the next ``flush`` (or
+        flushing ``apply``): a source draining a backlog of batches that are all already
+        there announces their end state once, not every intermediate one.
+        """
         dp = batch.dp_rank or 0
         for ev in batch.events:
-            if isinstance(ev, BlockStored):
-                self._stored(dp, ev)
-            elif isinstance(ev, BlockRemoved):
+            kind = type(ev)
+            if kind is BlockStored:
+                if not self._extend(dp, ev):  # type: ignore[arg-type]
+                    self._stored(dp, ev)  # type: ignore[arg-type]
+            elif kind is BlockRemoved:
                 medium = (ev.medium or _GPU).upper()
                 for h in ev.block_hashes:
                     b = self._nodes.get((dp, ev.group_idx, medium, h))
                     if b is not None:
                         self._drop(b)
-            elif isinstance(ev, AllBlocksCleared):
+            elif kind is AllBlocksCleared:
                 self._flush()
                 self.reset()
                 self._emit(KvEvent("cache_cleared", self.backend))
         # Once per batch, not per event: a batch is one scheduler step, and subscribers
         # need its outcome, not every intermediate state (the final state is the same).
+        if flush:
+            self._flush()
+
+    def flush(self) -> None:
+        """Announce what changed since the last announcement (see ``apply``)."""
         self._flush()
 
     def reset(self) -> None:
@@ -308,6 +337,7 @@ class ChainTracker:
             b.alive = False  # in-flight jobs hold references: make them see it is gone
         self._nodes.clear()
         self._media.clear()
+        self._mixed_media = False
         self._prefixes.clear()
         self._touched.clear()
         self._queue.clear()
@@ -333,6 +363,72 @@ class ChainTracker:
         total = total or max(bs, 0) * n
         return [(i + 1) * total // n - i * total // n for i in range(n)], False
 
+    def _extend(self, dp: int, ev: BlockStored) -> bool:
+        """The common case on its own short path: one new block under a parent that is
+        already keyed (or unattributed), so it inherits the parent's state and needs no
+        tokens. Returns False, having changed nothing, for anything else (``_stored``).
+
+        Equivalent to ``_stored`` for the cases it takes: no twin can exist (one medium
+        seen for the group), the segment is exactly one ``block_size`` (or no tokens).
+        """
+        hashes = ev.block_hashes
+        parent_hash = ev.parent_block_hash
+        if len(hashes) != 1 or parent_hash is None or ev.block_token_counts is not None:
+            return False
+        bs = ev.block_size
+        total = len(ev.token_ids)
+        if bs <= 0 or (total != bs and total != 0):
+            return False
+        medium = ev.medium
+        if medium is None or medium == _GPU:
+            medium = _GPU
+        else:
+            medium = medium.upper()
+        group = ev.group_idx
+        nodes = self._nodes
+        prev = nodes.get((dp, group, medium, parent_hash))
+        if prev is None:
+            return False
+        state = prev.state
+        if state == PENDING:
+            return False
+        if self._mixed_media:  # a twin may exist
+            return False
+        key: BlockKey = (dp, group, medium, hashes[0])
+        if key in nodes:
+            return False
+        start = prev.depth
+        depth = start + bs
+        tier = "gpu" if medium == _GPU else "storage"
+        p = prev.prefix
+        b = TrackedBlock(key, start, depth, tier, state, p)
+        nodes[key] = b
+        self._counts[state] += 1
+        lru = self._lru
+        if lru is not None:  # LruPolicy.touched(prev) + added(b); neither holds tokens
+            order = lru._all
+            order.move_to_end(prev)
+            order[b] = None
+        else:
+            self._policy.touched(prev)
+            self._policy.added(b)
+        if p is not None:  # KEYED: _account(b, 1), inlined
+            if tier == "gpu":
+                p.gpu_refs += 1
+                if depth > p.gpu_hw:
+                    p.gpu_hw = depth
+            else:
+                p.storage_refs += 1
+                if depth > p.storage_hw:
+                    p.storage_hw = depth
+            self._touched[p] = None
+        if len(nodes) > self.max_tracked_blocks:
+            victim = self._policy.victim()  # one in, one out
+            if victim is not None:
+                self.pruned += 1
+                self._drop(victim)
+        return True
+
     def _stored(self, dp: int, ev: BlockStored) -> None:
         hashes = ev.block_hashes
         if not hashes:
@@ -340,7 +436,12 @@ class ChainTracker:
         medium = (ev.medium or _GPU).upper()
         tier = "gpu" if medium == _GPU else "storage"
         group = ev.group_idx
-        self._media.setdefault((dp, group), set()).add(medium)
+        media = self._media.get((dp, group))
+        if media is None:
+            self._media[(dp, group)] = {medium}
+        elif medium not in media:
+            media.add(medium)
+            self._mixed_media = True
         parent_hash = ev.parent_block_hash
         root_event = parent_hash is None
         prev: TrackedBlock | None = None
@@ -481,12 +582,24 @@ class ChainTracker:
         del self._nodes[b.key]
         b.alive = False
         self._policy.removed(b)
-        self._counts[b.state] -= 1
+        state = b.state
+        self._counts[state] -= 1
+        if state == KEYED:  # no tokens, parent or children (see _settle): only the counts
+            p = b.prefix
+            assert p is not None
+            if b.tier == "gpu":  # _account(b, -1), inlined
+                p.gpu_refs -= 1
+                if not p.gpu_refs:
+                    p.gpu_hw = 0
+            else:
+                p.storage_refs -= 1
+                if not p.storage_refs:
+                    p.storage_hw = 0
+            self._touched[p] = None
+            return
         self._release(b)
         self._detach(b)
-        if b.state == KEYED:
-            self._account(b, -1)
-        elif b.state == PENDING:
+        if state == PENDING:
             for child in list(b.children or ()):
                 self._settle(child, UNATTRIBUTED, None, count=False)
             if b.root is b:

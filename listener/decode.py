@@ -114,7 +114,6 @@ _MAX_BIN_LEN = 1 << 20  # bytes. Hashes and digests are 32 bytes
 _MAX_EXT_LEN = 1 << 10  # bytes. Engines send no ext types, so one is a wrong field type
 
 _U64 = (1 << 64) - 1
-_NIL = [None]
 
 # A typecode whose items are 4 bytes unsigned: ``array(_TOKEN_CODE, tokens)`` checks in C
 # that every token is an int in [0, 2**32).
@@ -350,7 +349,9 @@ def _stored(
     if salt is not None:
         if type(salt) is not str:
             raise _BadEvent("cache_salt is not a str")
-    elif extra_keys is not None and (type(extra_keys) is not list or extra_keys[:1] != _NIL):
+    elif extra_keys is not None and (
+        type(extra_keys) is not list or not extra_keys or extra_keys[0] is not None
+    ):
         # vLLM >=0.17 sends [nil, ...] for blocks without extra keys: no call for those.
         salt = _salt_from_extra_keys(extra_keys, lora_name)
     return BlockStored(hashes, parent, tokens, block_size, medium, lora_id, lora_name, salt, group)
@@ -384,10 +385,8 @@ def _vllm_stored_a(ev: list[Any]) -> BlockStored:
         if n < 5:
             raise _BadEvent("BlockStored array is too short")
         ev = ev + [None] * (10 - n)
-    _, hashes, parent, tokens, block_size, lora_id, medium, lora_name, extra_keys, group = ev[:10]
     return _stored(
-        hashes, parent, tokens, block_size, lora_id, medium, lora_name, None, extra_keys, group,
-        False,
+        ev[1], ev[2], ev[3], ev[4], ev[5], ev[6], ev[7], None, ev[8], ev[9], False
     )  # fmt: skip
 
 

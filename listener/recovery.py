@@ -40,6 +40,9 @@ from bus.prefix_key import DEFAULT_MAX_PREFIX_LENGTH, PrefixKey, compute_prefix_
 from bus.salt import verify_salt
 from listener.templates import NO_ANCHOR, ChatTemplate, locate_anchor
 
+_VERIFIED_SALTS = 4096
+"""Verified salts remembered per source (about 200 B each)."""
+
 __all__ = [
     "NEED_MORE",
     "Attributor",
@@ -304,6 +307,7 @@ class Attributor:
         self.detokenizer = detokenizer
         self.max_prefix_length = max_prefix_length
         self._secret = salt_secret
+        self._verified: OrderedDict[str, PrefixKey | None] = OrderedDict()
 
     @property
     def can_detokenize(self) -> bool:
@@ -316,8 +320,20 @@ class Attributor:
         """
         if self._secret is None:
             return None
+        # A salt is a deterministic function of (secret, backend, prefix, caller salt), and
+        # every request under one system prompt sends the same one: remember the verified
+        # ones (bounded, most recent kept) rather than computing an HMAC per chain. Salts
+        # that fail are not remembered; each one is checked (and counted) again.
+        verified = self._verified
+        if salt in verified:
+            verified.move_to_end(salt)
+            return verified[salt]
         info = verify_salt(self._secret, self.backend, salt)
-        return None if info is None else PrefixKey(info.prefix_key)
+        key = None if info is None else PrefixKey(info.prefix_key)
+        verified[salt] = key
+        if len(verified) > _VERIFIED_SALTS:
+            verified.popitem(last=False)
+        return key
 
     def from_text(self, text: str, *, complete: bool = False) -> Recovered | NeedMore | None:
         """Key of a detokenized chain; NEED_MORE while the anchor is cut; None: no anchor."""

@@ -525,3 +525,105 @@ def test_property_memory_bound_and_router_view(
         await tracker.aclose()
 
     asyncio.run(scenario())
+
+
+@st.composite
+def chain_events(draw: st.DrawFn) -> list[tuple[EngineEvent, int]]:
+    """Chains grown a block at a time (the ``_extend`` shape), with salted, unsalted and
+    badly salted roots, other media, wrong-size blocks and removals mixed in."""
+    salts = [
+        None,
+        encode_salt(SECRET, "b1", b"\x05" * 32),
+        encode_salt(SECRET, "b1", b"\x06" * 32),
+        encode_salt(SECRET, "x", b"\x05" * 32),
+    ]
+    tips: list[tuple[int, int] | None] = []  # per chain: (dp, last hash)
+    out: list[tuple[EngineEvent, int]] = []
+    next_hash = itertools.count(1)
+    for _ in range(draw(st.integers(1, 60))):
+        action = draw(st.sampled_from(["grow"] * 6 + ["root", "remove", "odd"]))
+        live = [i for i, t in enumerate(tips) if t is not None]
+        if action == "root" or not live:
+            dp, h = draw(st.integers(0, 1)), next(next_hash)
+            salt = draw(st.sampled_from(salts))
+            out.append((BlockStored([h], None, [1] * BS, BS, cache_salt=salt), dp))
+            tips.append((dp, h))
+            continue
+        i = draw(st.sampled_from(live))
+        tip = tips[i]
+        assert tip is not None
+        dp, parent = tip
+        if action == "remove":
+            out.append((BlockRemoved([parent], draw(st.sampled_from([None, "CPU"]))), dp))
+            tips[i] = None
+            continue
+        h = next(next_hash)
+        medium = draw(st.sampled_from([None, None, "GPU", "gpu", "CPU"]))
+        size = BS if action == "grow" else draw(st.sampled_from([BS - 1, 2 * BS]))
+        out.append((BlockStored([h], parent, [2] * size, BS, medium=medium), dp))
+        tips[i] = (dp, h)
+    return out
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    events=chain_events() | st.lists(st.tuples(engine_events(), st.integers(0, 1)), max_size=40),
+    max_tracked=st.integers(1, 40),
+    engine=st.sampled_from(["vllm", "sglang"]),
+)
+def test_property_fast_path_changes_nothing_observable(
+    events: list[tuple[EngineEvent, int]], max_tracked: int, engine: str
+) -> None:
+    """``_extend`` (one block under a keyed parent) is only a shortcut: with it switched
+    off the tracker emits the same events and reports the same counters."""
+
+    async def run(fast: bool) -> tuple[list[KvEvent], dict[str, int], list[Any]]:
+        tracker, router, _ = make(engine, max_tracked_blocks=max_tracked, max_prefix_length=3)
+        if not fast:
+            tracker._extend = lambda dp, ev: False  # type: ignore[method-assign]
+        for ev, dp in events:
+            tracker.apply(batch(ev, dp=dp))
+            await tracker.idle()
+        tracker.check_invariants()
+        await tracker.aclose()
+        pruning_order = [b.key for b in tracker._policy._all]  # type: ignore[attr-defined]
+        return router.events, tracker.stats(), pruning_order
+
+    async def scenario() -> None:
+        assert await run(True) == await run(False)
+
+    asyncio.run(scenario())
+
+
+@settings(max_examples=100, deadline=None)
+@given(events=st.lists(st.tuples(engine_events(), st.integers(0, 1)), max_size=40))
+def test_property_deferred_flush_reaches_the_same_state(
+    events: list[tuple[EngineEvent, int]],
+) -> None:
+    """Batches applied with ``flush=False`` and then one ``flush`` leave subscribers with
+    the state a flush per batch gives, in fewer events (never more)."""
+
+    async def scenario() -> None:
+        each, r_each, _ = make(detok=False, max_tracked_blocks=8)
+        deferred, r_deferred, _ = make(detok=False, max_tracked_blocks=8)
+        for ev, dp in events:
+            each.apply(batch(ev, dp=dp))
+            deferred.apply(batch(ev, dp=dp), flush=False)
+        deferred.flush()
+        check(deferred, r_deferred)
+        assert r_deferred.state == r_each.state
+        assert len(r_deferred.events) <= len(r_each.events)
+
+    asyncio.run(scenario())
+
+
+def test_deferred_flush_announces_a_backlog_once() -> None:
+    tracker, router, _ = make(detok=False)
+    salt = encode_salt(SECRET, "b1", b"\x07" * 32)
+    tracker.apply(batch(stored([1] * BS, hashes=[100], salt=salt)), flush=False)
+    for h in range(101, 110):
+        tracker.apply(batch(stored([2] * BS, h - 1, hashes=[h])), flush=False)
+    assert router.events == []
+    tracker.flush()
+    assert [(e.event, e.token_count) for e in router.events] == [("cache_created", 10 * BS)]
+    check(tracker, router)
