@@ -276,6 +276,9 @@ class ZmqSource:
             batch's own ``dp_rank`` when the config has none). Sync or async.
         on_resync: called with ``"gap"`` or ``"restart"`` before the first batch after a loss
             that could not be replayed, or after an engine restart. Sync or async.
+        on_drained: called after each run of batches that were already queued (at most
+            ``_DRAIN_BATCH + 1``), before the loop yields: where a consumer that defers
+            work per batch catches up. Sync or async.
         backoff: reconnect delay strategy (default ``ExponentialBackoff()``).
 
     Callback exceptions are logged (the first) and counted, never propagated.
@@ -288,13 +291,17 @@ class ZmqSource:
         decode: Decoder,
         on_batch: BatchCallback,
         on_resync: ResyncCallback,
+        on_drained: Callable[[], object] | None = None,
         backoff: Backoff | None = None,
     ) -> None:
         self.config = config
         self.stats = ZmqSourceStats()
         self._decode = decode
         self._on_batch = on_batch
+        self._sync_batch = None if inspect.iscoroutinefunction(on_batch) else on_batch
+        """``on_batch`` when it is a plain function: the in-order path calls it directly."""
         self._on_resync = on_resync
+        self._on_drained = on_drained
         self._backoff = backoff if backoff is not None else ExponentialBackoff()
         self._allowlist = PublisherAllowlist(config.allowed_publishers)
         self._name = config.backend or config.endpoint
@@ -422,18 +429,55 @@ class ZmqSource:
             raw = zmq.Socket.shadow(sock.underlying)
             again = zmq.Again
             noblock = zmq.NOBLOCK
+            take = self._take
+            on_drained = self._on_drained
             while True:
-                frames = await sock.recv_multipart()
-                await self._on_live(frames)
+                pending = take(await sock.recv_multipart())
+                if pending is not None:
+                    await pending
                 for _ in range(_DRAIN_BATCH):
                     try:
                         frames = raw.recv_multipart(noblock)
                     except again:
                         break
-                    await self._on_live(frames)
+                    pending = take(frames)
+                    if pending is not None:
+                        await pending
+                if on_drained is not None:
+                    await self._call(on_drained)
                 await asyncio.sleep(0)
 
     # -- ordering ----------------------------------------------------------------------------
+
+    def _take(self, frames: list[bytes]) -> Awaitable[None] | None:
+        """Handle one live message; returns what is left to await, if anything.
+
+        The in-order case (the next seq, a plain callback, no failure to reset) runs here
+        without a coroutine per batch; everything else is ``_on_live``'s.
+        """
+        last = self._last_seq
+        if (
+            last is None
+            or self._sync_batch is None
+            or self._failures
+            or len(frames) != 3
+            or len(seq8 := frames[1]) != SEQ_LEN
+            or int.from_bytes(seq8, "big") != last + 1
+        ):
+            return self._on_live(frames)
+        self.stats.frames += 1
+        self._dup_floor = None
+        decoded = self._decoded(last + 1, frames[2])
+        if decoded is None:
+            return None
+        try:
+            result = self._sync_batch(*decoded)
+        except Exception:
+            self._callback_failed()
+            return None
+        if result is not None and inspect.isawaitable(result):
+            return self._call(lambda: result)
+        return None
 
     async def _on_live(self, frames: list[bytes]) -> None:
         self.stats.frames += 1
@@ -556,12 +600,14 @@ class ZmqSource:
 
     # -- hand-off ----------------------------------------------------------------------------
 
-    async def _deliver(self, seq: int, payload: bytes) -> None:
-        self._last_seq = self.stats.last_seq = seq
+    def _decoded(self, seq: int, payload: bytes) -> tuple[EventBatch, int | None] | None:
+        self._last_seq = stats_seq = seq
+        stats = self.stats
+        stats.last_seq = stats_seq
         try:
             batch = self._decode(payload, self.config.engine)
         except Exception as exc:
-            self.stats.decode_errors += 1
+            stats.decode_errors += 1
             if not self._decode_error_logged:
                 self._decode_error_logged = True
                 logger.warning(
@@ -572,11 +618,16 @@ class ZmqSource:
                     len(payload),
                     type(exc).__name__,
                 )
-            return
-        self.stats.batches += 1
-        self.stats.events += len(batch.events)
-        rank = self.config.dp_rank if self.config.dp_rank is not None else batch.dp_rank
-        await self._call(self._on_batch, batch, rank)
+            return None
+        stats.batches += 1
+        stats.events += len(batch.events)
+        rank = self.config.dp_rank
+        return batch, batch.dp_rank if rank is None else rank
+
+    async def _deliver(self, seq: int, payload: bytes) -> None:
+        decoded = self._decoded(seq, payload)
+        if decoded is not None:
+            await self._call(self._on_batch, *decoded)
 
     async def _resync(self, reason: str) -> None:
         self.stats.resyncs += 1
@@ -588,10 +639,13 @@ class ZmqSource:
             if inspect.isawaitable(result):
                 await result
         except Exception:
-            self.stats.callback_errors += 1
-            if not self._callback_error_logged:
-                self._callback_error_logged = True
-                logger.exception(
-                    "zmq source %s: callback failed; further failures are only counted",
-                    self._name,
-                )
+            self._callback_failed()
+
+    def _callback_failed(self) -> None:
+        self.stats.callback_errors += 1
+        if not self._callback_error_logged:
+            self._callback_error_logged = True
+            logger.exception(
+                "zmq source %s: callback failed; further failures are only counted",
+                self._name,
+            )

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import random
 import socket
@@ -91,7 +92,11 @@ async def eventually(pred: Callable[[], bool]) -> None:
 
 
 class Recorder:
-    """Callbacks: an async ``on_batch`` and a sync ``on_resync``, recorded in call order."""
+    """Callbacks: an async ``on_batch`` and a sync ``on_resync``, recorded in call order.
+
+    ``SyncRecorder`` has a plain ``on_batch`` (the in-order path that calls it directly)
+    and records ``on_drained``.
+    """
 
     def __init__(self) -> None:
         self.items: list[tuple[Any, ...]] = []
@@ -119,6 +124,25 @@ class Recorder:
             on_resync=self.on_resync,
             **kw,
         )
+
+
+class SyncRecorder(Recorder):
+    def __init__(self) -> None:
+        super().__init__()
+        self.drained: list[int] = []
+        """Batches delivered so far, at each ``on_drained`` call."""
+
+    def on_batch(self, batch: EventBatch, dp_rank: int | None) -> None:  # type: ignore[override]
+        self.items.append(("batch", seq_of(batch), dp_rank))
+
+    def on_drained(self) -> None:
+        self.drained.append(len(self.seqs()))
+
+    def source(self, config: ZmqSourceConfig, **kw: Any) -> ZmqSource:
+        return super().source(config, on_drained=self.on_drained, **kw)
+
+
+RECORDERS = pytest.mark.parametrize("recorder", [Recorder, SyncRecorder], ids=["async", "sync"])
 
 
 @contextlib.asynccontextmanager
@@ -251,13 +275,14 @@ def free_port() -> int:
 # Live delivery, both socket modes
 
 
+@RECORDERS
 @pytest.mark.parametrize("topic", ["", "kv@vllm-1"])
 async def test_connect_mode_delivers_batches_in_order(
-    engine_factory: Callable[..., FakeEngine], topic: str
+    engine_factory: Callable[..., FakeEngine], topic: str, recorder: type[Recorder]
 ) -> None:
     engine = engine_factory(topic=topic.encode())
     endpoint = engine.bind()
-    rec = Recorder()
+    rec = recorder()
     cfg = ZmqSourceConfig(endpoint=endpoint, engine="sglang", topic=topic, dp_rank=3)
     source = rec.source(cfg)
     async with running(source):
@@ -299,18 +324,45 @@ async def test_bind_mode_engine_connects(zctx: zmq.asyncio.Context) -> None:
     assert source.stats.connects == 1
 
 
+async def test_a_queued_backlog_is_drained_in_runs_and_on_drained_follows_each_run(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    """Batches already queued are delivered back to back; ``on_drained`` (where the
+    listener flushes its prefix events) comes after each run and after the last batch."""
+    engine = engine_factory()
+    endpoint = engine.bind()
+    rec = SyncRecorder()
+    source = rec.source(ZmqSourceConfig(endpoint=endpoint))
+    async with running(source):
+        await engine.subscribed()
+        await engine.publish()
+        await eventually(lambda: rec.drained == [1])
+        n = 400
+        for _ in range(n):  # queued faster than one loop turn
+            await engine.publish()
+        await eventually(lambda: rec.drained[-1:] == [n + 1])
+    assert rec.seqs() == list(range(n + 1))
+    assert rec.drained == sorted(rec.drained)
+    assert len(rec.drained) < n  # runs of several batches, not one call per batch
+    steps = [b - a for a, b in itertools.pairwise(rec.drained)]
+    assert max(steps) <= 65  # at most _DRAIN_BATCH + 1 per run: other tasks get the loop
+
+
 # --------------------------------------------------------------------------------------------
 # Gaps and replay
 
 
+@RECORDERS
 @pytest.mark.parametrize("layout", ["old", "new"])
 async def test_gap_is_replayed_in_order_without_duplicates(
-    engine_factory: Callable[..., FakeEngine], layout: Literal["old", "new"]
+    engine_factory: Callable[..., FakeEngine],
+    layout: Literal["old", "new"],
+    recorder: type[Recorder],
 ) -> None:
     engine = engine_factory(layout=layout, topic=b"kv")
     endpoint = engine.bind()
     replay = engine.bind_replay()
-    rec = Recorder()
+    rec = recorder()
     cfg = ZmqSourceConfig(
         endpoint=endpoint,
         topic="kv",
