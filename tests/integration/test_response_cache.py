@@ -106,6 +106,51 @@ async def test_stream_is_cached_and_replayed_to_the_sdk(start_router, sims) -> N
     assert r.headers["x-cache"] == "MISS"
 
 
+async def test_a_stream_cut_in_the_middle_is_never_stored(start_router, sims) -> None:
+    """The engine drops the connection after two content chunks: the client sees the
+    stream fail, nothing is stored, and the same request later is a MISS that reaches the
+    engine and completes (then, once stored, a HIT)."""
+    router = await start_router(cache_config(sims))
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="c", max_retries=0)
+    msgs = [{"role": "user", "content": f"cut me {uuid.uuid4()} " + "word " * 40}]
+
+    async def collect(**headers: str) -> tuple[str, str]:
+        raw = await client.chat.completions.with_raw_response.create(
+            model="demo-model", messages=msgs, stream=True, max_tokens=64, extra_headers=headers
+        )
+        text = ""
+        async for chunk in raw.parse():
+            if chunk.choices and chunk.choices[0].delta.content:
+                text += chunk.choices[0].delta.content
+        return raw.headers["x-cache"], text
+
+    with pytest.raises(Exception):  # noqa: B017 - the SDK surfaces the cut as an error
+        await collect(**{"x-sim-stream-abort-after": "2"})
+    before = await sim_requests(sims)
+    state, text = await collect()
+    assert state == "MISS" and text  # not answered from a partial stream
+    assert await sim_requests(sims) == before + 1
+    for _ in range(2):  # the write-back is asynchronous: at most one more try
+        state, again = await collect()
+        if state == "HIT":
+            break
+    assert state == "HIT" and again == text
+
+
+async def test_a_stream_over_the_buffer_limit_is_passed_through_not_stored(
+    start_router, sims
+) -> None:
+    router = await start_router(cache_config(sims, max_stream_buffer_size=64))
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="b")
+    msgs = [{"role": "user", "content": f"long stream {uuid.uuid4()}"}]
+    for _ in range(2):
+        raw = await client.chat.completions.with_raw_response.create(
+            model="demo-model", messages=msgs, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
+        assert raw.headers["x-cache"] == "MISS" and text  # complete, never cached
+
+
 async def test_oversized_response_is_not_stored(start_router, sims) -> None:
     router = await start_router(cache_config(sims, max_response_size=10))
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="o")
