@@ -4,17 +4,29 @@ Stored values carry a one-byte kind, ``J`` (a JSON chat completion) or ``S`` (th
 bytes of a complete stream), so a streaming request is never answered with a JSON body
 or the other way round; a kind mismatch is a miss. Write-backs run as background tasks
 (bounded): the client's response never waits for, or fails because of, the store.
+
+Order: the exact lookup first; when it misses (or cannot key the request) and the
+semantic path is active and the request eligible, the semantic lookup
+(:mod:`.semantic`). A request is counted once, by its final result.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any, Literal
 
 from ..config import ResponseCacheConfig
+from ..config.models import OptimizationPolicyConfig
 from .response import cache_key, ineligible_reason, tenant_of
+from .semantic import (
+    SemanticCache,
+    SemanticLookup,
+    semantic_active,
+    semantic_ineligible_reason,
+    semantic_ttl,
+)
 
 __all__ = ["CacheLookup", "ResponseCacheService"]
 
@@ -24,14 +36,24 @@ _MAX_PENDING_WRITES = 256
 
 
 class CacheLookup:
-    __slots__ = ("body", "key", "result")
+    __slots__ = ("body", "key", "mode", "result", "semantic")
 
     def __init__(
-        self, result: Literal["hit", "miss", "skip"], key: str | None, body: bytes | None
+        self,
+        result: Literal["hit", "miss", "skip"],
+        key: str | None,
+        body: bytes | None,
+        mode: Literal["exact", "semantic"] = "exact",
+        semantic: SemanticLookup | None = None,
     ) -> None:
         self.result = result
         self.key = key
+        """The exact key to store the answer under (None: not exactly cacheable)."""
         self.body = body
+        self.mode = mode
+        """Which path hit (``X-Cache-Mode: semantic`` for the semantic one)."""
+        self.semantic = semantic
+        """On a semantic miss: the vector to index the answer under."""
 
 
 class ResponseCacheService:
@@ -44,6 +66,10 @@ class ResponseCacheService:
         self.config = config
         self.store = store
         self._on_result = on_result
+        self.policy = OptimizationPolicyConfig()
+        """``control_plane.optimization``; replaced whole on reload, read per request."""
+        self.semantic: SemanticCache | None = None
+        """Set by the router (it needs the backend pool and the upstream client)."""
         self.hits = 0
         self.misses = 0
         self.skips = 0
@@ -62,19 +88,38 @@ class ResponseCacheService:
     async def lookup(
         self, body: Mapping[str, Any], headers: Mapping[str, str], stream: bool
     ) -> CacheLookup:
-        if ineligible_reason(body) is not None:
+        cfg, policy = self.config, self.policy
+        if not (policy.cache_enabled and policy.exact_cache):
             self._count("skip")
             return CacheLookup("skip", None, None)
-        key = cache_key(body, tenant_of(headers))
-        try:
-            blob = await self.store.get(key)
-        except Exception:  # a store failure is a miss, never a failed request
-            log.warning("response cache read failed", exc_info=True)
-            blob = None
-        want = b"S" if stream else b"J"
-        if blob is not None and blob[:1] == want:
-            self._count("hit")
-            return CacheLookup("hit", key, blob[1:])
+        tenant = tenant_of(headers)
+        key: str | None = None
+        if ineligible_reason(body) is None:
+            key = cache_key(body, tenant)
+            try:
+                blob = await self.store.get(key)
+            except Exception:  # a store failure is a miss, never a failed request
+                log.warning("response cache read failed", exc_info=True)
+                blob = None
+            want = b"S" if stream else b"J"
+            if blob is not None and blob[:1] == want:
+                self._count("hit")
+                return CacheLookup("hit", key, blob[1:])
+        sem = self.semantic
+        if (
+            sem is not None
+            and semantic_active(cfg, policy)
+            and semantic_ineligible_reason(body, stream, cfg.semantic.max_input_bytes) is None
+        ):
+            found = await sem.lookup(body, tenant, cfg, policy)
+            if found.result == "hit":
+                self._count("hit")
+                return CacheLookup("hit", key, found.body, "semantic")
+            self._count("miss")
+            return CacheLookup("miss", key, None, semantic=found if found.storable else None)
+        if key is None:
+            self._count("skip")
+            return CacheLookup("skip", None, None)
         self._count("miss")
         return CacheLookup("miss", key, None)
 
@@ -82,14 +127,35 @@ class ResponseCacheService:
         """A write-back callback for the proxy (complete 200 bodies only)."""
 
         def store(data: bytes, stream: bool) -> None:
-            if len(self._pending) >= _MAX_PENDING_WRITES:
-                return  # the store is slower than traffic: skip rather than queue forever
             blob = (b"S" if stream else b"J") + data
-            task = asyncio.get_running_loop().create_task(self._write(key, blob))
-            self._pending.add(task)
-            task.add_done_callback(self._pending.discard)
+            self._spawn(self._write(key, blob))
 
         return store
+
+    def writer_for(self, lookup: CacheLookup) -> Callable[[bytes, bool], None] | None:
+        """The write-back of a miss: exact key, semantic vector, or both; None if neither."""
+        exact = self.writer(lookup.key) if lookup.key is not None else None
+        pending = lookup.semantic
+        if pending is None or self.semantic is None:
+            return exact
+        semantic = self.semantic
+        ttl = semantic_ttl(self.config, self.policy)
+
+        def store(data: bytes, stream: bool) -> None:
+            if exact is not None:
+                exact(data, stream)
+            if not stream:
+                self._spawn(semantic.save(pending, data, ttl))
+
+        return store
+
+    def _spawn(self, write: Coroutine[Any, Any, None]) -> None:
+        if len(self._pending) >= _MAX_PENDING_WRITES:
+            write.close()  # the store is slower than traffic: skip rather than queue forever
+            return
+        task = asyncio.get_running_loop().create_task(write)
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
 
     async def _write(self, key: str, blob: bytes) -> None:
         try:
@@ -144,6 +210,8 @@ class ResponseCacheService:
         """``{"clear_all": true}`` or ``{"key": "<64 hex>"}``; None for a bad request."""
         if request.get("clear_all") is True:
             cleared = await self.store.clear()
+            if self.semantic is not None:
+                self.semantic.clear()
             return {"success": True, "action": "clear_all", "cleared_entries": cleared}
         key = request.get("key")
         if isinstance(key, str) and len(key) == 64:

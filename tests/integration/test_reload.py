@@ -25,6 +25,8 @@ from .conftest import (
     http,
     wait_until,
 )
+from .test_semantic_cache import embed_server  # noqa: F401 - fixture
+from .test_semantic_cache import pytestmark as needs_embedding_model
 
 
 def prefix_config(sims: SimFleet, **prefix: Any) -> dict[str, Any]:
@@ -211,3 +213,38 @@ async def test_switch_to_prefix_aware_hash_without_prefixes_warns(
     assert len(landed) == 1, landed
     decisions = (await router.stats())["routing_decisions"]
     assert decisions["fallback"] == 6 and decisions["total"] == 6
+
+
+@needs_embedding_model
+async def test_response_cache_fields_hot_reload_but_backend_is_restart_only(
+    start_router: StartRouter,
+    sims: SimFleet,
+    embed_server: Any,  # noqa: F811 - the fixture imported above
+) -> None:
+    """ttl and every semantic field apply at once; response_cache.backend does not."""
+    from .test_semantic_cache import PARAPHRASE, QUESTION, ask, semantic_config, tenant
+
+    cfg = semantic_config(sims, embed_server.url, semantic={"threshold": 0.99})
+    router = await start_router(cfg)
+    who = tenant()
+    for text in (QUESTION, PARAPHRASE):  # cosine 0.94 < 0.99: both miss and are stored
+        assert (await router.chat(ask(text), headers=who)).headers["x-cache"] == "MISS"
+
+    new = copy.deepcopy(cfg)
+    new["response_cache"]["ttl"] = "10m"
+    new["response_cache"]["semantic"]["threshold"] = 0.9
+    new["response_cache"]["backend"] = "redis"
+    new["response_cache"]["redis"] = {"url": "redis://127.0.0.1:6379"}
+    assert await router.reload(new)
+    log = await router.wait_for_log("response_cache.backend changed")
+    assert "applies only after a restart" in log
+    stats = await router.stats_of("/admin/response-cache/stats")
+    assert (stats["backend_type"], stats["config"]["ttl"]) == ("memory", "10m")
+    hit = await router.chat(ask("Tell me the capital city of France."), headers=who)  # 0.92
+    assert (hit.headers["x-cache"], hit.headers.get("x-cache-mode")) == ("HIT", "semantic")
+
+    off = copy.deepcopy(new)
+    off["response_cache"]["semantic"]["enabled"] = False
+    assert await router.reload(off)
+    again = await router.chat(ask("Which city is France's capital?"), headers=who)  # 0.99
+    assert again.headers["x-cache"] == "MISS"
