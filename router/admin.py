@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .app import Router
 
-__all__ = ["prefix_routing_stats"]
+__all__ = ["gemini_context_cache_stats", "prefix_routing_stats"]
 
 
 def prefix_routing_stats(router: Router) -> dict[str, Any]:
@@ -34,4 +34,22 @@ def prefix_routing_stats(router: Router) -> dict[str, Any]:
             {"backend": b.name, "in_flight_requests": b.in_flight} for b in router.pool.backends
         ],
         "unique_prefixes": counts.unique.count(),
+    }
+
+
+def gemini_context_cache_stats(router: Router) -> dict[str, Any]:
+    """GET /admin/gemini-context-cache/stats: the same shape whether enabled or not."""
+    cache = router.gemini.cache if router.gemini is not None else None
+    if cache is not None:
+        return cache.stats()
+    from .gemini.manager import Counters
+
+    return {
+        "enabled": False,
+        "config": router.config.gemini_context_cache.model_dump(),
+        "entries": 0,
+        "negative_entries": 0,
+        "in_flight": 0,
+        "backends": {},
+        "counters": Counters().as_dict(),
     }

@@ -5,6 +5,8 @@ Invariants:
   when its response has been fully sent, failed, or the client went away.
 * Only a connect failure is retried, once, on the next candidate: then the engine never
   saw the request, so retrying cannot run a generation twice.
+  The one other retry is the adapter's (``ForwardSpec.adapter``): a Gemini request whose
+  cache reference the backend no longer knows was refused before any generation.
 * Streams are relayed chunk by chunk as they arrive, never buffered whole. Closing the
   relay (client disconnect) closes the upstream connection, which aborts the engine's
   generation.
@@ -17,7 +19,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 
@@ -34,11 +36,27 @@ if TYPE_CHECKING:
     from .app import Router
     from .pool import Backend
 
-__all__ = ["ForwardSpec", "forward"]
+__all__ = ["ForwardSpec", "ResponseAdapter", "forward"]
 
 _SSE = "text/event-stream"
 
 ErrorFactory = Callable[[int, str, str | None], Response]
+
+
+class ResponseAdapter(Protocol):
+    """Per-request answer rewriting for dialects the client does not speak (Gemini)."""
+
+    def retry(self, backend: Backend, status: int, data: bytes) -> bool:
+        """Whether a non-200 answer asks for the request to be sent again (once)."""
+        ...
+
+    def transform(self, backend: Backend, status: int, data: bytes) -> bytes:
+        """A whole answer body as the client should see it."""
+        ...
+
+    def stream_chunks(self, backend: Backend, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A 200 stream's bytes as the client should see them."""
+        ...
 
 
 @dataclass(slots=True)
@@ -61,6 +79,8 @@ class ForwardSpec:
     fits the size limit; never for errors, aborted or oversized streams."""
     store_limit: int = 0
     """Largest body (non-streaming) or stream (streaming) that may be stored."""
+    adapter: ResponseAdapter | None = None
+    """Answer rewriting and the one stale-reference retry (Gemini backends)."""
 
 
 async def forward(
@@ -114,7 +134,10 @@ async def forward(
         backend.record_latency(time.perf_counter() - t0)
         if spec.stream and up.status == 200:
             return _relay(router, spec, backend, up, started)
-        return await _whole(router, spec, backend, up, started)
+        resp = await _whole(router, spec, backend, up, started)
+        if resp is not None:
+            return resp
+        # The adapter asked for one more attempt (a Gemini cache reference had expired).
 
 
 def _fail(
@@ -134,8 +157,11 @@ def _fail(
 
 async def _whole(
     router: Router, spec: ForwardSpec, backend: Backend, up: UpstreamResponse, started: float
-) -> Response:
-    """A non-streaming answer (or an error answer to a streaming request)."""
+) -> Response | None:
+    """A non-streaming answer (or an error answer to a streaming request).
+
+    ``None`` when ``spec.adapter`` wants the request sent again.
+    """
     try:
         data = await up.read()
     except UpstreamTimeout as exc:
@@ -148,6 +174,11 @@ async def _whole(
         backend.in_flight -= 1
     status = up.status
     ctype = up.content_type
+    if spec.adapter is not None:
+        if status != 200 and spec.adapter.retry(backend, status, data):
+            backend.record_outcome(True)
+            return None
+        data = spec.adapter.transform(backend, status, data)
     if status == 200 or "json" in ctype:
         try:
             orjson.loads(data)
@@ -204,9 +235,12 @@ def _relay(
         return StreamResponse(resp.status, _once(resp.body), resp.headers)
     router.metrics.observe(spec.endpoint, backend.name, 200, time.perf_counter() - started)
     tee = _Tee(spec.store, spec.store_limit) if spec.store is not None else None
+    chunks = up.iter_chunks()
+    if spec.adapter is not None:
+        chunks = spec.adapter.stream_chunks(backend, chunks)
     return StreamResponse(
         200,
-        _Relay(backend, up, tee),
+        _Relay(backend, up, tee, chunks),
         [
             ("content-type", ctype),
             ("cache-control", "no-cache"),
@@ -254,10 +288,16 @@ class _Relay:
 
     __slots__ = ("_backend", "_chunks", "_done", "_tee", "_up")
 
-    def __init__(self, backend: Backend, up: UpstreamResponse, tee: _Tee | None = None) -> None:
+    def __init__(
+        self,
+        backend: Backend,
+        up: UpstreamResponse,
+        tee: _Tee | None = None,
+        chunks: AsyncIterator[bytes] | None = None,
+    ) -> None:
         self._backend = backend
         self._up = up
-        self._chunks = up.iter_chunks()
+        self._chunks = chunks if chunks is not None else up.iter_chunks()
         self._done = False
         self._tee = tee
 
