@@ -23,12 +23,30 @@ __all__ = [
     "ConfigIssue",
     "clean_message",
     "log_warnings",
+    "parse_duration",
     "parse_hostport",
     "parse_validated",
     "read_yaml",
     "validation_issues",
     "yaml_path",
 ]
+
+_DURATION_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, "d": 86400.0, None: 1.0}
+
+
+def parse_duration(value: str | int | float) -> float:
+    """``"250ms"``, ``"30s"``, ``"5m"``, ``"1h"``, ``"1d"`` or a number of seconds, in seconds.
+
+    The one duration syntax of both configs (router and listener).
+    """
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    m = _DURATION_RE.match(str(value))
+    if not m:
+        raise ValueError(f'expected a duration like "500ms", "30s", "5m" or "1h", got {value!r}')
+    return float(m.group(1)) * _UNIT_S[m.group(2)]
+
 
 _HOSTPORT_RE = re.compile(
     r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^:\[\]\s]+)):(?P<port>\d{1,5})$"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import sys
 from collections.abc import Sequence
@@ -64,12 +65,23 @@ CONFIGURATION
                              model, chat_template, default_system_prompt,
                              allowed_publishers, max_chain_tokens,
                              max_tracked_blocks, max_retained_tokens
-    Every error names its YAML path (e.g. sources[1].zmq_endpoint). The event_bus
-    section (push mode) is not implemented in this version and is rejected.
+      event_bus              push mode: url (https), ca_file, tls_server_name,
+                             client_id, credential_file|credential_env,
+                             client_cert_file + client_key_file (mTLS),
+                             reconnect_backoff, drain_deadline, connect_timeout,
+                             batch_max_bytes, batch_linger_ms
+    Every error names its YAML path (e.g. sources[1].zmq_endpoint).
+
+PUSH MODE
+    With event_bus set, the listener also dials the router's gRPC EventBus over TLS,
+    announces its sources (Hello) and serves every Subscribe with the same bytes as
+    GET /events/{{backend}} for that Last-Event-ID; it reconnects with backoff.
 
 SIGNALS
     SIGTERM, SIGINT
-        Stop the sources, end every SSE and gRPC stream (consumers resume from their
+        In push mode first send Draining and close the bus streams within
+        drain_deadline (the router moves the sources to another listener). Stop the
+        sources, end every SSE and gRPC stream (consumers resume from their
         last event id elsewhere or after restart) and exit with status 0.
     SIGHUP
         Not used in this version: the configuration is read once at start.
@@ -143,6 +155,22 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _tune_gc() -> None:
+    """Fewer cyclic-GC passes on the ingestion path.
+
+    Every engine event allocates a few dozen short-lived containers, and the tracker keeps
+    up to ``max_tracked_blocks`` long-lived ones; with the default thresholds the
+    collector runs every ~700 allocations and walks them. Objects from startup (modules,
+    config) are frozen out of the collector's reach, and the youngest generation is
+    collected every 20,000 allocations instead. The tracker breaks its own reference
+    cycles when it drops a block, so this only delays reclaiming rare cyclic garbage.
+    """
+    gc.collect()
+    gc.freeze()
+    _, g1, g2 = gc.get_threshold()
+    gc.set_threshold(20_000, g1, g2)
+
+
 def _run(config: ListenerConfig) -> int:
     try:
         from .app import run
@@ -151,6 +179,7 @@ def _run(config: ListenerConfig) -> int:
             raise
         print(f"{PROG}: this build has no listener.app; only --check works", file=sys.stderr)
         return 1
+    _tune_gc()
     try:
         try:
             import uvloop

@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import orjson
@@ -34,7 +34,7 @@ from bus.sse import encode_comment
 
 from .stream import EventHub, StatsProvider, Subscription
 
-__all__ = ["METRICS_CONTENT_TYPE", "ListenerMetrics", "SseServer", "numeric_leaves"]
+__all__ = ["METRICS_CONTENT_TYPE", "ListenerMetrics", "SseServer", "numeric_leaves", "sse_chunks"]
 
 log = logging.getLogger("continuum.listener.sse")
 
@@ -51,6 +51,29 @@ _STAT_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
 def _error(status: int, message: str, type_: str) -> web.Response:
     body = {"error": {"message": message, "type": type_, "param": None, "code": status}}
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+async def sse_chunks(
+    sub: Subscription, heartbeat_interval: float, batch_limit: int = 256
+) -> AsyncIterator[bytes]:
+    """The bytes of one subscription exactly as ``GET /events/{backend}`` sends them.
+
+    Each chunk is the SSE records available at once (up to ``batch_limit``), or a
+    heartbeat comment after ``heartbeat_interval`` seconds of idleness; it ends after the
+    subscription ends (the ``buffer_overflow`` error record included). The event bus
+    (``listener/push``) sends the same chunks as ``StreamData``, so both transports
+    carry the same bytes from one code path.
+    """
+    while True:
+        try:
+            async with asyncio.timeout(heartbeat_interval):
+                batch = await sub.batch(batch_limit)
+        except TimeoutError:
+            yield _HEARTBEAT
+            continue
+        if not batch:
+            return
+        yield b"".join(r.sse for r in batch)
 
 
 def numeric_leaves(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
@@ -209,16 +232,8 @@ class SseServer:
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         try:
             await resp.prepare(request)
-            while True:
-                try:
-                    async with asyncio.timeout(self.heartbeat_interval):
-                        batch = await sub.batch(self._batch_limit)
-                except TimeoutError:
-                    await resp.write(_HEARTBEAT)
-                    continue
-                if not batch:
-                    break
-                await resp.write(b"".join(r.sse for r in batch))
+            async for chunk in sse_chunks(sub, self.heartbeat_interval, self._batch_limit):
+                await resp.write(chunk)
             if sub.close_reason == "buffer_overflow":
                 log.warning("closed a slow subscriber of %s: buffer_overflow", backend)
             with contextlib.suppress(ConnectionError):

@@ -154,6 +154,45 @@ class _KvCollector(Collector):
             "1 while the Redis KV index serves from its in-memory fallback.",
             1.0 if index.get("fallback_active") else 0.0,
         )
+        bus = snap.get("event_bus")
+        if bus is not None:
+            yield from _event_bus_metrics(bus)
+
+
+def _event_bus_metrics(bus: dict[str, Any]) -> Iterator[Any]:
+    """Push mode (``dynamo.event_bus``): sessions and streams, from the hub's counters."""
+    yield GaugeMetricFamily(
+        "continuum_event_bus_open_sessions",
+        "Listener sessions open on the event bus.",
+        bus["sessions"],
+    )
+    sessions = CounterMetricFamily(
+        "continuum_event_bus_sessions",
+        "Event bus sessions by outcome: opened, rejected (authentication or authorisation), "
+        "forbidden (ended by a hot reload).",
+        labels=["outcome"],
+    )
+    for outcome in ("opened", "rejected", "forbidden"):
+        sessions.add_metric([outcome], bus.get(f"sessions_{outcome}", 0))
+    yield sessions
+    yield CounterMetricFamily(
+        "continuum_event_bus_subscribes",
+        "Streams the router asked a listener for.",
+        bus.get("subscribes", 0),
+    )
+    yield CounterMetricFamily(
+        "continuum_event_bus_no_session",
+        "Source requests no live listener session announced (retried at a flat interval).",
+        bus.get("no_session", 0),
+    )
+    closes = CounterMetricFamily(
+        "continuum_event_bus_stream_closes",
+        "Event bus streams ended, by reason (buffer_overflow, draining, unsubscribed, ...).",
+        labels=["reason"],
+    )
+    for reason, n in sorted(bus.get("stream_closes", {}).items()):
+        closes.add_metric([reason], n)
+    yield closes
 
 
 class RouterMetrics:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .app import Router
-from .config import ConfigError, load_config, log_warnings, restart_only_changes
+from .config import ConfigError, RouterConfig, load_config, log_warnings, restart_only_changes
 from .config.loader import keep_restart_only
 
 __all__ = ["ConfigReloader"]
@@ -23,10 +24,20 @@ log = logging.getLogger("continuum.reload")
 
 
 class ConfigReloader:
-    def __init__(self, path: str | Path, router: Router, poll_interval_s: float = 1.0) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        router: Router,
+        poll_interval_s: float = 1.0,
+        *,
+        on_apply: Sequence[Callable[[RouterConfig], None]] = (),
+    ) -> None:
         self.path = Path(path)
         self.router = router
         self.poll_interval_s = poll_interval_s
+        self.on_apply = list(on_apply)
+        """Called with each applied config, after the router (e.g. the event bus's
+        credentials, which live beside the router rather than in it)."""
         self._digest = self._file_digest()
 
     def _file_digest(self) -> bytes | None:
@@ -53,6 +64,8 @@ class ConfigReloader:
             new = keep_restart_only(old, new)
         log_warnings(issues)
         self.router.apply_config(new)
+        for hook in self.on_apply:
+            hook(new)
         log.info("config reloaded (%s)", reason)
         return True
 

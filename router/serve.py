@@ -10,12 +10,16 @@ import signal
 import socket
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .app import Router
 from .config import RouterConfig, log_warnings, parse_hostport
 from .config.loader import ConfigIssue
 from .http.rsgi import EmbeddedServer, RSGIApp
 from .reload import ConfigReloader
+
+if TYPE_CHECKING:
+    from .eventbus.server import EventBusServer
 
 __all__ = ["run"]
 
@@ -78,6 +82,24 @@ async def _start_grpc(router: Router, config: RouterConfig) -> tuple[object, int
     return server, port
 
 
+async def _start_event_bus(router: Router, config: RouterConfig) -> EventBusServer | None:
+    """The TLS-only EventBus server; None (logged) when it cannot start."""
+    from .eventbus.hub import EventBusHub
+    from .eventbus.server import EventBusConfigError, EventBusServer
+
+    bus = config.dynamo.event_bus
+    hub = router.kv.event_bus if router.kv is not None else None
+    if hub is None:  # no KV index: sessions are accepted, nothing is subscribed
+        hub = EventBusHub(bus.brokers, (), certificates=bool(bus.tls.client_ca))
+    server = EventBusServer(bus, hub)
+    try:
+        await server.start()
+    except (EventBusConfigError, RuntimeError) as exc:
+        log.error("event bus: cannot start on %s: %s", bus.listen, exc)
+        return None
+    return server
+
+
 async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIssue]) -> int:
     log_warnings(warnings)
     router = Router(config)
@@ -91,7 +113,20 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
     if config.server.grpc_listen:
         grpc_server, gport = await _start_grpc(router, config)
         announce += f" grpc={parse_hostport(config.server.grpc_listen)[0]}:{gport}"
-    reloader = ConfigReloader(config_path, router)
+    bus_server = None
+    hooks = []
+    if config.dynamo.event_bus.enabled:
+        bus_server = await _start_event_bus(router, config)
+        if bus_server is None:
+            await http.stop()
+            if grpc_server is not None:
+                await grpc_server.stop(grace=0)  # type: ignore[attr-defined]
+            await router.stop()
+            return 1
+        hub = bus_server.hub
+        announce += f" bus={parse_hostport(config.dynamo.event_bus.listen)[0]}:{bus_server.port}"
+        hooks.append(lambda new: hub.update_brokers(new.dynamo.event_bus.brokers))
+    reloader = ConfigReloader(config_path, router, on_apply=hooks)
     watcher = asyncio.get_running_loop().create_task(reloader.watch())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -111,7 +146,9 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
     await http.stop()
     if grpc_server is not None:
         await grpc_server.stop(grace=2)  # type: ignore[attr-defined]
-    await router.stop()
+    await router.stop()  # the KV consumers first: their bus streams end as unsubscribed
+    if bus_server is not None:
+        await bus_server.stop(grace=1)
     return 0
 
 

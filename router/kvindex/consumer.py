@@ -86,6 +86,7 @@ __all__ = [
     "EventApplyError",
     "KvEventConsumer",
     "KvEventConsumerManager",
+    "SourceUnavailable",
     "StreamClosedByPeer",
     "StreamOpener",
     "StreamRejected",
@@ -147,6 +148,15 @@ class StreamClosedByPeer(ConsumerError):
     def __init__(self, reason: str) -> None:
         super().__init__(f"listener closed the stream: {reason}")
         self.reason = reason
+
+
+class SourceUnavailable(ConsumerError):
+    """Nobody offers the source yet (push mode: no live listener session announces it).
+
+    Not a failure of a peer: the supervisor retries after the first backoff step
+    (``reconnect_interval_ms``) every time, without doubling, so a stream opens soon after
+    a listener connects.
+    """
 
 
 class EventApplyError(ConsumerError):
@@ -211,9 +221,20 @@ def _header_safe(event_id: str | None) -> str | None:
 
 @contextlib.asynccontextmanager
 async def _closing(stream: AsyncIterator[bytes]) -> AsyncIterator[AsyncIterator[bytes]]:
-    """Like ``contextlib.aclosing`` but also for iterators without ``aclose``."""
+    """Like ``contextlib.aclosing`` but also for iterators without ``aclose``.
+
+    An error that ends the connection on the consumer's side (an oversized record, a
+    failed apply) is thrown into an async-generator opener at its ``yield`` first, so an
+    opener with a peer of its own (the event bus) can tell that peer why the stream ends.
+    """
     try:
         yield stream
+    except Exception as exc:
+        athrow = getattr(stream, "athrow", None)
+        if athrow is not None:
+            with contextlib.suppress(Exception, StopAsyncIteration):
+                await athrow(exc)
+        raise
     finally:
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
@@ -314,6 +335,12 @@ class KvEventConsumer:
             self._drop_logged = False
             try:
                 await self._run_once()
+            except SourceUnavailable as exc:
+                # Flat retry, no doubling and no warning per attempt (module docstring).
+                self.stats.last_error = str(exc)
+                log.debug("event source %s: %s", self.backend, exc)
+                await self._sleep(self._backoff.compute(1))
+                continue
             except SseOverflow as exc:
                 self.stats.overflows += 1
                 self.stats.dropped += 1

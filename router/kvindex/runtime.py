@@ -13,16 +13,20 @@ import dataclasses
 import datetime as dt
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bus.events import KvEvent
 from bus.salt import encode_salt, load_secret
 
 from ..config import RouterConfig
+from ..config.models import EventSourceConfig
 from . import build_kv_index
 from .apply import apply_event
-from .consumer import KvEventConsumerManager
+from .consumer import KvEventConsumerManager, StreamOpener
 from .scorer import KvOverlapScorer
+
+if TYPE_CHECKING:
+    from ..eventbus.hub import EventBusHub
 
 __all__ = ["KvRuntime"]
 
@@ -46,7 +50,21 @@ class KvRuntime:
         self.queries = 0
         self._on_decision = on_decision
         self.scorer = KvOverlapScorer(self.index, kv.scoring, on_decision=self._decision)
-        self.consumers = KvEventConsumerManager(kv.event_sources, self._apply)
+        # Push mode: the event bus's session registry opens the streams of
+        # ``transport: event_bus`` sources (serve.py runs its TLS server).
+        self.event_bus: EventBusHub | None = None
+        bus = config.dynamo.event_bus
+        if bus.enabled:
+            from ..eventbus.hub import EventBusHub
+
+            self.event_bus = EventBusHub(
+                bus.brokers,
+                [s.backend_name for s in kv.event_sources if s.transport == "event_bus"],
+                certificates=bool(bus.tls.client_ca),
+            )
+        self.consumers = KvEventConsumerManager(
+            kv.event_sources, self._apply, stream_opener_factory=self._stream_opener
+        )
         self.salt_secret: bytes | None = None
         if kv.salt_secret_file or kv.salt_secret_env:
             self.salt_secret = load_secret(kv.salt_secret_file, kv.salt_secret_env)
@@ -63,6 +81,11 @@ class KvRuntime:
             sc.gpu_tier_weight,
             sc.storage_tier_weight,
         )
+
+    def _stream_opener(self, source: EventSourceConfig) -> StreamOpener | None:
+        if source.transport == "event_bus" and self.event_bus is not None:
+            return self.event_bus.opener(source.backend_name)
+        return None
 
     # -- lifecycle -----------------------------------------------------------------
 
@@ -129,7 +152,15 @@ class KvRuntime:
 
     def metrics_snapshot(self) -> dict[str, Any]:
         """Sync view for the Prometheus collector (index figures refreshed by the sweep)."""
-        return {"consumers": self._consumer_stats(), "index": self._index_snapshot}
+        snap: dict[str, Any] = {"consumers": self._consumer_stats(), "index": self._index_snapshot}
+        if self.event_bus is not None:
+            bus = self.event_bus
+            snap["event_bus"] = {
+                **bus.counters,
+                "stream_closes": dict(bus.stream_closes),
+                "sessions": len(bus.sessions),
+            }
+        return snap
 
     def _consumer_stats(self) -> dict[str, dict[str, Any]]:
         out: dict[str, dict[str, Any]] = {}
@@ -184,6 +215,7 @@ class KvRuntime:
             },
             "query_latency_count": self.queries,
             "overlap_score_count": self.overlap_scores,
+            **({"event_bus": self.event_bus.stats()} if self.event_bus is not None else {}),
         }
 
     def admin_backends(self) -> dict[str, Any]:

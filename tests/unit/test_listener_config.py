@@ -315,10 +315,10 @@ def test_dp_ranks_errors() -> None:
     assert "also the zmq_endpoint of dp rank 1" in errs["sources[0].replay_endpoint"]
 
 
-def test_event_bus_is_rejected_as_not_implemented() -> None:
+def test_event_bus_section_is_validated() -> None:
+    # Push mode's own rules are in tests/unit/test_eventbus_config.py.
     errs = errors({"event_bus": {"url": "https://router:9443"}, "sources": [vllm()]})
-    assert set(errs) == {"event_bus"}
-    assert "push mode (event_bus) is not implemented in this version" in errs["event_bus"]
+    assert errs == {"event_bus.client_id": "Field required"}
 
 
 def test_grpc_rules(tmp_path: Path) -> None:

@@ -1,0 +1,747 @@
+"""Event bus benchmark: KV events per second into the router's index, push vs pull.
+
+Real processes on this machine, TLS with mTLS on every event bus connection:
+
+* **e2e** (engine -> listener -> transport -> router index): ``bench.ingest_bench``'s
+  salted publisher (the simulator's vLLM encoder and ZMQ PUB, a router-issued cache salt on
+  every chain's first block, so every block event becomes one ``cache_created``) -> the
+  real ``continuum-kv-listener`` -> the real router, either over the event bus
+  (``push``: the listener dials the router's EventBus, mTLS client certificate) or over
+  SSE pull (``pull``: the router reads ``GET /events/{backend}``).
+* **transport** (listener output stage -> router index): this module's ``feeder`` role
+  runs the listener's own output components (``EventHub``, ``SseServer``,
+  ``EventBusClient``) and publishes synthetic ``cache_created`` events into the hub as
+  fast as it can; the router consumes them by push or pull. This isolates what the bus
+  adds from the listener's engine ingestion, which caps the e2e figure (see
+  ``ingest_bench``).
+* **ceiling**: a bare grpc.aio TLS (mTLS) client-streaming loop, 64 SSE records per
+  message (the bus's batching at full load), into a server that only counts records.
+
+Events/s = events / (time from the trigger to the first poll of the router's
+``/admin/kv-index/backends`` (every 20 ms) showing them all processed). Rounds interleave the
+variants (fresh processes per run); the table shows medians and paired ratios.
+
+**Lag**: the engine side publishes at a paced 10,000 events/s (batches of 8 every
+0.8 ms, each batch a whole salted 8-block chain) for a few seconds; the bench polls the
+router's applied-event count every 5 ms and takes, per event, (first poll at which the
+router has applied its record) - (its batch's send time), on the shared monotonic clock.
+Reported p50/p99/max, push and pull.
+
+Run: ``.venv/bin/python -m bench.bus_bench [--events 100000] [--repeats 3] [--json F]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import http.client
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from bench._table import median, paired_ratio, render_table, verdict
+from bench.ingest_bench import (
+    SALT_ENV,
+    SALT_SECRET,
+    Child,
+    Listener,
+    Publisher,
+    _py,
+    cpu_seconds,
+    free_port,
+    warm_up,
+)
+
+__all__ = ["main"]
+
+BACKEND = "sim"  # ingest_bench's publisher salts for this backend
+CLIENT_ID = "bench-listener"
+RECORDS_PER_MESSAGE = 64
+
+
+# ---------------------------------------------------------------------------------------------
+# router and polling
+
+
+def router_yaml(pki: dict[str, Any], bus_port: int, *, push: bool, sse_url: str = "") -> str:
+    source: dict[str, Any] = {"backend_name": BACKEND, "reconnect_interval_ms": 50}
+    if push:
+        source["transport"] = "event_bus"
+    else:
+        source["endpoint"] = sse_url
+    cfg: dict[str, Any] = {
+        "server": {"listen": "127.0.0.1:0", "grpc_listen": "127.0.0.1:0"},
+        "backends": [{"name": BACKEND, "url": "http://127.0.0.1:9", "type": "vllm"}],
+        "health_check": {"enabled": False},
+        "prefix_routing": {"enabled": True},
+        "kv_cache_index": {
+            "enabled": True,
+            "max_entries": 2_000_000,
+            "entry_ttl_seconds": 3600,
+            "event_sources": [source],
+        },
+    }
+    if push:
+        cfg["dynamo"] = {
+            "event_bus": {
+                "enabled": True,
+                "listen": f"127.0.0.1:{bus_port}",
+                "tls": {
+                    "cert": str(pki["server"].cert),
+                    "key": str(pki["server"].key),
+                    "client_ca": str(pki["ca"].cert),
+                },
+                "brokers": [{"id": CLIENT_ID, "role": "kv_listener", "backends": [BACKEND]}],
+            }
+        }
+    return yaml.safe_dump(cfg)
+
+
+def bus_section(pki: dict[str, Any], bus_port: int) -> dict[str, Any]:
+    return {
+        "url": f"https://localhost:{bus_port}",
+        "ca_file": str(pki["ca"].cert),
+        "client_id": CLIENT_ID,
+        "client_cert_file": str(pki[CLIENT_ID].cert),
+        "client_key_file": str(pki[CLIENT_ID].key),
+        "reconnect_backoff": "50ms",
+    }
+
+
+class Router:
+    def __init__(self, config: str, workdir: Path, tag: str) -> None:
+        path = workdir / f"{tag}-router.yaml"
+        path.write_text(config)
+        cmd = _py("-m", "router", "--log-level", "WARNING", "serve", "--config", str(path))
+        self.child = Child(f"{tag}-router", cmd, log_dir=workdir)
+        host_port = self.child.expect(r"READY http=(\S+)").group(1)
+        host, _, port = host_port.rpartition(":")
+        # The consumer counters come from /admin/kv-index/backends: cheap to read (the
+        # gRPC Backends call counts the index's entries, which would perturb the run).
+        self.http = http.client.HTTPConnection(host, int(port), timeout=10)
+
+    def processed(self) -> int:
+        """Events the consumer of BACKEND has applied (0 until it connected)."""
+        self.http.request("GET", "/admin/kv-index/backends")
+        body = json.loads(self.http.getresponse().read())
+        for b in body["backends"]:
+            if b["backend_name"] == BACKEND and b["connection"]["connected"]:
+                return int(b["events"]["processed"])
+        return 0
+
+    def wait_connected(self, limit: float = 20.0) -> int:
+        deadline = time.monotonic() + limit
+        while time.monotonic() < deadline:
+            n = self.processed()
+            if n >= 1:
+                return n
+            time.sleep(0.02)
+        raise TimeoutError(f"router never connected; log:\n{self.child.tail()}")
+
+    def stop(self) -> None:
+        self.http.close()
+        self.child.stop()
+
+
+def wait_processed(router: Router, target: int, limit: float = 120.0, poll: float = 0.02) -> float:
+    """Monotonic time of the first poll showing ``processed >= target``."""
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
+        if router.processed() >= target:
+            return time.monotonic()
+        time.sleep(poll)
+    return float("nan")
+
+
+# ---------------------------------------------------------------------------------------------
+# hidden roles
+
+
+def feeder_role(args: argparse.Namespace) -> int:
+    """The listener's output stage: hub + SSE server + event bus client; stdin ``burst N``."""
+    from bus.events import KvEvent
+    from listener.push.client import EventBusClient
+    from listener.push.config import EventBusClientConfig
+    from listener.sse_server import SseServer
+    from listener.stream import EventHub
+
+    async def main() -> None:
+        hub = EventHub(history_size=args.history, queue_size=args.queue)
+        hub.add_backend(BACKEND)
+        sse = SseServer(hub)
+        port = await sse.start("127.0.0.1", 0)
+        client = None
+        task = None
+        if args.bus:
+            client = EventBusClient(EventBusClientConfig(**json.loads(args.bus)), hub, [BACKEND])
+            task = asyncio.ensure_future(client.run())
+        print(f"READY http=127.0.0.1:{port}", flush=True)
+        loop = asyncio.get_running_loop()
+        n = 0
+        try:
+            while True:
+                line = await loop.run_in_executor(None, sys.stdin.readline)
+                if not line:
+                    return
+                parts = line.split()
+                if parts[:1] == ["burst"]:
+                    count = int(parts[1])
+                    for i in range(count):
+                        n += 1
+                        ev = KvEvent(
+                            "cache_created", BACKEND, f"{n:064x}", 16 * (1 + i % 64), "gpu"
+                        )
+                        hub.publish(BACKEND, ev)
+                        if i % 256 == 255:
+                            await asyncio.sleep(0)  # as the listener's ingestion yields
+                    print(
+                        json.dumps(
+                            {"published": count, "seq": hub.stats()["backends"][BACKEND]["seq"]}
+                        ),
+                        flush=True,
+                    )
+        finally:
+            if client is not None:
+                await client.drain(task)
+            await sse.stop()
+
+    asyncio.run(main())
+    return 0
+
+
+class _Capture:
+    """Stands in for the PUB socket while the burst code encodes a run's batches."""
+
+    is_open = True
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.payloads: list[bytes] = []
+
+    def publish(self, payload: bytes) -> int:
+        self.payloads.append(payload)
+        self.seq += 1
+        return self.seq - 1
+
+
+def paced_role(args: argparse.Namespace) -> int:
+    """Salted engine events at a fixed rate; ``warm`` = one event, ``go`` = the paced run,
+    which prints the monotonic send time of each batch."""
+    from bench.ingest_bench import _SaltingEncoder
+    from bench.sim.kv_events import KvEventHub, ZmqPublisher
+    from bench.sim.kv_wire import get_format
+    from bench.sim.tokenizer import SimpleTokenizer
+
+    async def main() -> None:
+        fmt = get_format("vllm-0.33")
+        pub = ZmqPublisher(args.endpoint, hwm=100_000)
+        hub = KvEventHub(
+            block_size=16, fmt=fmt, publisher=pub, sample_ids=SimpleTokenizer().sample_ids
+        )
+        hub.encoder = _SaltingEncoder(hub.encoder, SALT_SECRET, BACKEND, 0, 1)
+        hub.start()
+        print("READY", flush=True)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                line = await loop.run_in_executor(None, sys.stdin.readline)
+                if not line:
+                    return
+                if line.startswith("warm"):
+                    await hub.burst(1, 1, chain_blocks=64)
+                    print("{}", flush=True)
+                elif line.startswith("go"):
+                    per = args.events_per_batch
+                    interval = per / args.rate
+                    batches = int(args.rate * args.seconds / per)
+                    # Encode every batch first (the burst code, into a list), then send
+                    # them on a fixed schedule through the real PUB socket.
+                    capture = _Capture()
+                    hub.publisher = capture  # type: ignore[assignment]
+                    await hub.burst(batches, per, chain_blocks=per)  # a chain per batch
+                    hub.publisher = pub
+                    times: list[float] = []
+                    t0 = time.monotonic()
+                    for b, payload in enumerate(capture.payloads):
+                        delay = t0 + b * interval - time.monotonic()
+                        if delay > 0:
+                            await asyncio.sleep(delay)
+                        times.append(time.monotonic())
+                        pub.publish(payload)
+                    print(json.dumps({"times": times, "events_per_batch": per}), flush=True)
+        finally:
+            hub.close()
+
+    asyncio.run(main())
+    return 0
+
+
+def bare_server_role(args: argparse.Namespace) -> int:
+    """The ceiling's receiver: EventBus.Stream that only counts records (mTLS)."""
+    from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+    from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+
+    class Counter(pb_grpc.EventBusServicer):
+        async def Stream(self, request_iterator: Any, context: Any) -> Any:
+            records = 0
+            received = 0
+            async for req in request_iterator:
+                if req.WhichOneof("kind") == "data":
+                    data = req.data.data
+                    received += len(data)
+                    records += data.count(b"\n\n")
+            return pb.StreamResponse(bytes_received=received, records_parsed=records)
+
+    creds = grpc.ssl_server_credentials(
+        [(Path(args.key).read_bytes(), Path(args.cert).read_bytes())],
+        root_certificates=Path(args.ca).read_bytes(),
+        require_client_auth=True,
+    )
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4 << 20)])
+        pb_grpc.add_EventBusServicer_to_server(Counter(), server)
+        port = server.add_secure_port("127.0.0.1:0", creds)
+        await server.start()
+        print(f"READY {port}", flush=True)
+        await server.wait_for_termination()
+
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(main())
+    return 0
+
+
+def bare_client_role(args: argparse.Namespace) -> int:
+    from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+    from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+    from bus.events import KvEvent
+    from bus.sse import encode_record
+
+    creds = grpc.ssl_channel_credentials(
+        Path(args.ca).read_bytes(),
+        Path(args.client_key).read_bytes(),
+        Path(args.client_cert).read_bytes(),
+    )
+
+    async def main() -> dict[str, Any]:
+        n = args.events
+        recs = [
+            encode_record(
+                KvEvent("cache_created", BACKEND, f"{i:064x}", 16 * (1 + i % 64), "gpu").to_json(),
+                event="cache_created",
+                id=f"bench-{i + 1}",
+            )
+            for i in range(n)
+        ]
+        msgs = [
+            pb.StreamRequest(data=pb.StreamData(data=b"".join(recs[i : i + RECORDS_PER_MESSAGE])))
+            for i in range(0, n, RECORDS_PER_MESSAGE)
+        ]
+        async with grpc.aio.secure_channel(f"localhost:{args.port}", creds) as ch:
+            stub = pb_grpc.EventBusStub(ch)
+            call = stub.Stream()
+            t0 = time.monotonic()
+            await call.write(pb.StreamRequest(open=pb.StreamOpen(stream_id="bare")))
+            for m in msgs:
+                await call.write(m)
+            await call.done_writing()
+            resp = await call
+            seconds = time.monotonic() - t0
+        return {"events": resp.records_parsed, "seconds": seconds}
+
+    print(json.dumps(asyncio.run(main())), flush=True)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# runs
+
+
+def run_transport(
+    args: argparse.Namespace, pki: dict[str, Any], workdir: Path, push: bool, tag: str
+) -> dict[str, Any]:
+    bus_port = free_port()
+    bus = json.dumps(bus_section(pki, bus_port)) if push else ""
+    cmd = _py(
+        "-m",
+        "bench.bus_bench",
+        "--role",
+        "feeder",
+        "--history",
+        str(args.events + 1000),
+        "--queue",
+        "1000000",
+    )
+    if bus:
+        cmd += ["--bus", bus]
+    feeder = Child(f"{tag}-feeder", cmd, log_dir=workdir, stdin=True)
+    router: Router | None = None
+    try:
+        url = "http://" + feeder.expect(r"READY http=(\S+)").group(1)
+        cfg = router_yaml(pki, bus_port, push=push, sse_url=f"{url}/events/{BACKEND}")
+        router = Router(cfg, workdir, tag)
+        n0 = router.wait_connected()
+        cpu0 = cpu_seconds(router.child.pid)
+        t0 = time.monotonic()
+        feeder.send(f"burst {args.events}")
+        t_done = wait_processed(router, n0 + args.events)
+        cpu = cpu_seconds(router.child.pid) - cpu0
+        return {
+            "events": args.events,
+            "events_per_s": args.events / (t_done - t0),
+            "router_us_per_event": cpu / args.events * 1e6,
+        }
+    finally:
+        if router is not None:
+            router.stop()
+        feeder.stop()
+
+
+def listener_yaml(pki: dict[str, Any], zmq_endpoint: str, bus_port: int | None) -> str:
+    cfg: dict[str, Any] = {
+        "listen": "127.0.0.1:0",
+        "salt_secret_env": SALT_ENV,
+        "subscriber_queue_size": 1_000_000,
+        "history_size": 1_000_000,
+        "sources": [
+            {
+                "backend_name": BACKEND,
+                "engine": "vllm",
+                "zmq_endpoint": zmq_endpoint,
+                "zmq_mode": "connect",
+            }
+        ],
+    }
+    if bus_port is not None:
+        cfg["event_bus"] = bus_section(pki, bus_port)
+    return yaml.safe_dump(cfg)
+
+
+def _e2e_stack(
+    pki: dict[str, Any],
+    workdir: Path,
+    push: bool,
+    tag: str,
+    paced: argparse.Namespace | None = None,
+) -> tuple[Any, Listener, Router]:
+    bus_port = free_port()
+    if paced is None:
+        pub: Any = Publisher("salted", "vllm-0.33", workdir, 100_000, tag)
+        endpoint = pub.connect_endpoint
+        trigger = lambda: pub.burst(1, 1)  # noqa: E731
+    else:
+        port = free_port()
+        cmd = _py(
+            "-m", "bench.bus_bench", "--role", "paced", "--endpoint", f"tcp://*:{port}",
+            "--rate", str(paced.rate), "--seconds", str(paced.seconds),
+        )  # fmt: skip
+        pub = Child(
+            f"{tag}-paced", cmd, log_dir=workdir, stdin=True, env={SALT_ENV: SALT_SECRET.decode()}
+        )
+        pub.expect("^READY")
+        endpoint = f"tcp://127.0.0.1:{port}"
+
+        def trigger() -> None:
+            pub.send("warm")
+            pub.expect(r"^\{\}")
+
+    lst = Listener(listener_yaml(pki, endpoint, bus_port if push else None), workdir, tag)
+    warm_up(trigger, lambda: lst.source()["frames"] > 0)
+    cfg = router_yaml(pki, bus_port, push=push, sse_url=f"{lst.url}/events/{BACKEND}")
+    router = Router(cfg, workdir, tag)
+    router.wait_connected()
+    return pub, lst, router
+
+
+def _caught_up(lst: Listener, router: Router) -> tuple[int, int]:
+    """(router processed, listener seq) once the router applied every record so far: from
+    here on, each new listener record is one more processed event at the router."""
+    deadline = time.monotonic() + 30
+    seq = lst.stats()["hub"]["backends"][BACKEND]["seq"]
+    n = router.processed()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        seq2, n2 = lst.stats()["hub"]["backends"][BACKEND]["seq"], router.processed()
+        if (seq2, n2) == (seq, n):
+            return n, seq
+        seq, n = seq2, n2
+    raise TimeoutError("the router did not settle")
+
+
+def run_e2e(
+    args: argparse.Namespace, pki: dict[str, Any], workdir: Path, push: bool, tag: str
+) -> dict[str, Any]:
+    """Engine block events/s until the router applied the last resulting record (the
+    listener coalesces one ZMQ batch of a chain into one ``cache_created``)."""
+    pub, lst, router = _e2e_stack(pki, workdir, push, tag)
+    try:
+        n0, seq0 = _caught_up(lst, router)
+        ev0 = lst.source()["events"]
+        n = args.e2e_batches * 8
+        cpu0 = cpu_seconds(lst.pid)
+        t0 = time.monotonic()
+        pub.burst(args.e2e_batches, 8)
+        deadline = time.monotonic() + 120
+        while lst.source()["events"] - ev0 < n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        seq = lst.stats()["hub"]["backends"][BACKEND]["seq"]
+        t_done = wait_processed(router, n0 + seq - seq0)
+        cpu = cpu_seconds(lst.pid) - cpu0
+        return {
+            "events": n,
+            "events_per_s": n / (t_done - t0),
+            "listener_us_per_event": cpu / n * 1e6,
+        }
+    finally:
+        router.stop()
+        lst.stop()
+        pub.stop()
+
+
+def run_ceiling(
+    args: argparse.Namespace, pki: dict[str, Any], workdir: Path, tag: str
+) -> dict[str, Any]:
+    srv = Child(
+        f"{tag}-bare-server",
+        _py("-m", "bench.bus_bench", "--role", "bare-server", "--cert", str(pki["server"].cert),
+            "--key", str(pki["server"].key), "--ca", str(pki["ca"].cert)),
+        log_dir=workdir,
+    )  # fmt: skip
+    try:
+        port = srv.expect(r"^READY (\d+)").group(1)
+        cli = Child(
+            f"{tag}-bare-client",
+            _py("-m", "bench.bus_bench", "--role", "bare-client", "--port", port,
+                "--events", str(args.events),
+                "--ca", str(pki["ca"].cert), "--client-cert", str(pki[CLIENT_ID].cert),
+                "--client-key", str(pki[CLIENT_ID].key)),
+            log_dir=workdir,
+        )  # fmt: skip
+        res = json.loads(cli.expect(r"^\{", timeout=120).string)
+        cli.stop()
+        return {"events": res["events"], "events_per_s": res["events"] / res["seconds"]}
+    finally:
+        srv.stop()
+
+
+def run_lag(
+    args: argparse.Namespace, pki: dict[str, Any], workdir: Path, push: bool, tag: str
+) -> dict[str, Any]:
+    """Per engine batch: (first 5 ms poll where the router applied its record) - (send time).
+
+    Each paced batch is a whole 8-block chain with its own salted prefix, which the
+    listener announces as one ``cache_created``; so batch ``b`` of the run is the router's
+    ``b + 1``-th applied event after the start. The run is only valid when the listener's
+    seq moved by exactly the batch count.
+    """
+    pub, lst, router = _e2e_stack(pki, workdir, push, tag, paced=args)
+    try:
+        n0, seq0 = _caught_up(lst, router)
+        batches = int(args.rate * args.seconds / 8)
+        polls: list[tuple[float, int]] = []
+        pub.send("go")
+        deadline = time.monotonic() + args.seconds + 60
+        while time.monotonic() < deadline:
+            polls.append((time.monotonic(), router.processed() - n0 + seq0))
+            if polls[-1][1] >= seq0 + batches:
+                break
+            time.sleep(0.005)
+        done = json.loads(pub.expect(r"^\{", timeout=60).string)
+        seq1 = lst.stats()["hub"]["backends"][BACKEND]["seq"]
+        per = done["events_per_batch"]
+        lags: list[float] = []
+        j = 0
+        for b, t_send in enumerate(done["times"]):
+            while j < len(polls) and polls[j][1] < seq0 + b + 1:
+                j += 1
+            lags.append(polls[j][0] - t_send if j < len(polls) else float("inf"))
+        lags.sort()
+
+        def q(p: float) -> float:
+            return lags[min(len(lags) - 1, int(p * len(lags)))] * 1000
+
+        return {
+            "events": len(lags) * per,
+            "valid": seq1 - seq0 == len(done["times"]),
+            "p50_ms": q(0.50),
+            "p99_ms": q(0.99),
+            "max_ms": lags[-1] * 1000,
+        }
+    finally:
+        router.stop()
+        lst.stop()
+        pub.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def make_pki(workdir: Path) -> dict[str, Any]:
+    from certs import dev_bundle
+
+    return dev_bundle(workdir / "pki", clients=[CLIENT_ID])
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(tempfile.mkdtemp(prefix="bus-bench-"))
+    pki = make_pki(workdir)
+    cpu: dict[str, list[float]] = {k: [] for k in ("t-push", "t-pull", "e-push", "e-pull")}
+    cells: dict[str, list[float]] = {
+        k: [] for k in ("t-push", "t-pull", "e-push", "e-pull", "ceiling")
+    }
+    for r in range(args.repeats):
+        order = [("t-push", True), ("t-pull", False)]
+        e_order = [("e-push", True), ("e-pull", False)]
+        if r % 2:
+            order.reverse()
+            e_order.reverse()
+        for name, push in order:
+            res = run_transport(args, pki, workdir, push, f"r{r}-{name}")
+            cells[name].append(res["events_per_s"])
+            cpu[name].append(res["router_us_per_event"])
+            if args.verbose:
+                print(name, res, flush=True)
+        cells["ceiling"].append(run_ceiling(args, pki, workdir, f"r{r}-ceil")["events_per_s"])
+        if args.e2e_batches:
+            for name, push in e_order:
+                res = run_e2e(args, pki, workdir, push, f"r{r}-{name}")
+                cells[name].append(res["events_per_s"])
+                cpu[name].append(res["listener_us_per_event"])
+                if args.verbose:
+                    print(name, res, flush=True)
+    lag: dict[str, dict[str, Any]] = {}
+    if args.seconds > 0:
+        for name, push in (("push", True), ("pull", False)):
+            lag[name] = run_lag(args, pki, workdir, push, f"lag-{name}")
+    return {"cells": cells, "cpu": cpu, "lag": lag}
+
+
+def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    c = res["cells"]
+    ceiling = median(c["ceiling"])
+    rows = []
+    for label, key, base in (
+        ("transport: hub -> event bus (mTLS) -> router index", "t-push", "t-pull"),
+        ("transport: hub -> SSE pull -> router index", "t-pull", None),
+        ("e2e: engine -> listener -> event bus (mTLS) -> index", "e-push", "e-pull"),
+        ("e2e: engine -> listener -> SSE pull -> index", "e-pull", None),
+        (f"ceiling: bare grpc.aio mTLS stream, {RECORDS_PER_MESSAGE} ev/msg", "ceiling", None),
+    ):
+        vals = c[key]
+        if not vals:
+            continue
+        m = median(vals)
+        vs_pull = paired_ratio(vals, c[base]) if base and c[base] else float("nan")
+        ok = None
+        if key in ("t-push", "e-push"):
+            ok = vs_pull >= 1.0
+        rows.append(
+            [
+                label,
+                f"{m:,.0f}",
+                f"{vs_pull:.2f}" if vs_pull == vs_pull else "-",
+                f"{m / ceiling:.0%}" if ceiling == ceiling else "-",
+                verdict(ok),
+                verdict(m >= 50_000) if key in ("t-push", "e-push") else "-",
+                f"{median(res['cpu'][key]):.1f}" if res["cpu"].get(key) else "-",
+            ]
+        )
+    print(
+        f"Event bus: {args.events} events per transport run, {args.e2e_batches * 8} per e2e run; "
+        f"medians of {args.repeats} interleaved rounds (fresh processes per run); "
+        "targets: push >= pull (paired), push >= 50k events/s. CPU us/ev: the router "
+        "process's CPU per event (transport rows) or the listener's (e2e rows), which noise "
+        "from other jobs on the machine affects far less than events/s"
+    )
+    print()
+    print(
+        render_table(
+            [
+                "path",
+                "events/s",
+                "push/pull",
+                "of ceiling",
+                ">= pull",
+                ">= 50k/s",
+                "CPU us/ev",
+            ],
+            rows,
+        )
+    )
+    if res["lag"]:
+        print()
+        print(
+            f"Lag engine event -> router index at {args.rate:,.0f} events/s for "
+            f"{args.seconds:g}s (target p99 < 50 ms)"
+        )
+        print()
+        lrows = [
+            [
+                name + ("" if v["valid"] else " (invalid: seq != batches)"),
+                v["events"],
+                f"{v['p50_ms']:.1f}",
+                f"{v['p99_ms']:.1f}",
+                f"{v['max_ms']:.1f}",
+                verdict(v["p99_ms"] < 50),
+            ]
+            for name, v in res["lag"].items()
+        ]
+        print(
+            render_table(["transport", "events", "p50 ms", "p99 ms", "max ms", "p99 < 50"], lrows)
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--events", type=int, default=100_000, help="events per transport run")
+    p.add_argument(
+        "--e2e-batches", type=int, default=5_000, help="batches of 8 per e2e run (0: skip)"
+    )
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rate", type=float, default=10_000, help="lag run: engine events per second")
+    p.add_argument("--seconds", type=float, default=3.0, help="lag run length (0: skip)")
+    p.add_argument("--json", metavar="FILE")
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument(
+        "--role", choices=("feeder", "paced", "bare-server", "bare-client"), help=argparse.SUPPRESS
+    )
+    p.add_argument("--bus", default="", help=argparse.SUPPRESS)
+    p.add_argument("--history", type=int, default=200_000, help=argparse.SUPPRESS)
+    p.add_argument("--queue", type=int, default=1_000_000, help=argparse.SUPPRESS)
+    p.add_argument("--endpoint", help=argparse.SUPPRESS)
+    p.add_argument("--events-per-batch", type=int, default=8, help=argparse.SUPPRESS)
+    p.add_argument("--port", help=argparse.SUPPRESS)
+    p.add_argument("--cert", help=argparse.SUPPRESS)
+    p.add_argument("--key", help=argparse.SUPPRESS)
+    p.add_argument("--ca", help=argparse.SUPPRESS)
+    p.add_argument("--client-cert", help=argparse.SUPPRESS)
+    p.add_argument("--client-key", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    roles = {
+        "feeder": feeder_role,
+        "paced": paced_role,
+        "bare-server": bare_server_role,
+        "bare-client": bare_client_role,
+    }
+    if args.role:
+        return roles[args.role](args)
+    os.environ.setdefault(SALT_ENV, SALT_SECRET.decode())
+    res = bench(args)
+    report(args, res)
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

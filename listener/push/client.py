@@ -1,0 +1,304 @@
+"""The listener's session with the router's event bus: a supervisor over one connection.
+
+:meth:`EventBusClient.run` loops: :meth:`_run_once` holds one channel and one Session call
+(Hello -> Welcome -> the router's Subscribe / Unsubscribe / Forbidden), one
+:class:`StreamWriter` task per Subscribe; when the call ends for any reason the writers
+are stopped and, unless the listener is draining, the supervisor waits
+``reconnect_backoff`` doubling per failure up to max(reconnect_backoff, 60 s) and dials
+again (a session that got its Welcome resets the count). ``CancelledError`` always
+propagates.
+
+Drain (SIGTERM, :meth:`drain`): send ``Draining``, close every open stream with
+``CLOSE_REASON_DRAINING`` after its in-flight write, half-close the session and wait for
+the router to end it, all within ``drain_deadline``; whatever is left is then cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import grpc
+
+from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+from bus.backoff import Backoff, ExponentialBackoff
+
+from ..stream import EventHub
+from .config import EventBusClientConfig
+from .writer import StreamWriter
+
+__all__ = ["EventBusClient", "SessionEnded", "SessionRefused"]
+
+log = logging.getLogger("continuum.listener.push")
+
+MAX_BACKOFF_S = 60.0
+
+_KEEPALIVE = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+class SessionRefused(Exception):
+    """The router answered the Hello with something other than a Welcome."""
+
+
+class SessionEnded(Exception):
+    """The router ended the session with a status other than OK."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+
+
+async def _raise_status(call: grpc.aio.StreamStreamCall) -> None:
+    """Raise SessionEnded unless the finished call's status is OK."""
+    code = await call.code()
+    if code != grpc.StatusCode.OK:
+        raise SessionEnded(code, await call.details() or "")
+
+
+def _read_text(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+class EventBusClient:
+    """Runs push mode for one listener process (module docstring).
+
+    Args:
+        cfg: The ``event_bus`` section.
+        hub: The listener's event hub (the same one the SSE server reads).
+        sources: Source ids announced in the Hello (the hub's backends).
+        heartbeat_interval: SSE heartbeat interval of streams.
+        backoff: Reconnect strategy (tests inject one that does not sleep).
+    """
+
+    def __init__(
+        self,
+        cfg: EventBusClientConfig,
+        hub: EventHub,
+        sources: Sequence[str],
+        *,
+        heartbeat_interval: float = 15.0,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.hub = hub
+        self.sources = list(sources)
+        self.heartbeat_interval = heartbeat_interval
+        base = cfg.reconnect_backoff_s
+        self._backoff = backoff or ExponentialBackoff(base, max(base, MAX_BACKOFF_S), 0.2)
+        self._draining = False
+        self._call: grpc.aio.StreamStreamCall | None = None
+        self._writers: dict[str, tuple[StreamWriter, asyncio.Task[None]]] = {}
+        self._done_draining = asyncio.Event()
+        self._welcomed = False
+        self.session_id: str | None = None
+        self.stats: dict[str, int | str | None] = {
+            "connected": 0,
+            "sessions": 0,
+            "subscribes": 0,
+            "last_error": None,
+        }
+
+    # -- credentials ---------------------------------------------------------------------
+
+    async def _credentials(self) -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]]:
+        cfg = self.cfg
+        # Re-read per connection, so a rotated token or certificate is picked up.
+        ca = await asyncio.to_thread(_read_text, cfg.ca_file) if cfg.ca_file else None
+        key = cert = None
+        if cfg.client_cert_file and cfg.client_key_file:
+            cert = await asyncio.to_thread(_read_text, cfg.client_cert_file)
+            key = await asyncio.to_thread(_read_text, cfg.client_key_file)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=ca, private_key=key, certificate_chain=cert
+        )
+        token = None
+        if cfg.credential_file:
+            token = (await asyncio.to_thread(_read_text, cfg.credential_file)).decode().strip()
+        elif cfg.credential_env:
+            token = os.environ.get(cfg.credential_env, "").strip() or None
+            if token is None:
+                log.warning("event bus: environment variable %s is empty", cfg.credential_env)
+        metadata = [("authorization", f"Bearer {token}")] if token else []
+        return creds, metadata
+
+    # -- supervisor ----------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Keep a session up until drained or cancelled."""
+        failures = 0
+        while not self._draining:
+            self._welcomed = False
+            try:
+                await self._run_once()
+                why = "session ended"
+            except grpc.aio.AioRpcError as exc:
+                why = f"{exc.code().name}: {exc.details()}"
+            except SessionEnded as exc:
+                why = str(exc)
+            except (SessionRefused, TimeoutError, OSError, grpc.RpcError) as exc:
+                why = f"{type(exc).__name__}: {exc}"
+            except Exception as exc:  # keep the listener alive whatever happened
+                log.exception("event bus: unexpected error")
+                why = f"{type(exc).__name__}: {exc}"
+            finally:
+                self.stats["connected"] = 0
+                self._stop_writers(pb.CLOSE_REASON_ERROR)
+            if self._draining:
+                break
+            self.stats["last_error"] = why
+            if self._welcomed:
+                failures = 0
+                self._backoff.reset()
+            failures += 1
+            delay = self._backoff.compute(failures)
+            # The first failure of an outage is a warning, then every tenth (the delay
+            # doubles, so that is rarely); the others are routine.
+            level = logging.WARNING if failures == 1 or failures % 10 == 0 else logging.INFO
+            if self._welcomed and why.startswith("UNAVAILABLE"):
+                level = logging.INFO  # the router went away (restart): routine, retrying
+            log.log(
+                level,
+                "event bus: %s (%s); reconnecting in %.2fs (failure %d)",
+                why,
+                self.cfg.url,
+                delay,
+                failures,
+            )
+            await asyncio.sleep(delay)
+        self._done_draining.set()
+
+    async def _run_once(self) -> None:
+        """One channel, one Session call; sets ``_welcomed`` once the router accepts."""
+        cfg = self.cfg
+        creds, metadata = await self._credentials()
+        options: list[tuple[str, int | str]] = list(_KEEPALIVE)
+        if cfg.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
+        async with grpc.aio.secure_channel(cfg.target, creds, options=options) as channel:
+            stub = pb_grpc.EventBusStub(channel)
+            call = stub.Session(metadata=metadata)
+            self._call = call
+            try:
+                hello = pb.Hello(
+                    client_id=cfg.client_id, role=pb.ROLE_KV_LISTENER, sources=self.sources
+                )
+                async with asyncio.timeout(cfg.connect_timeout_s):
+                    await call.write(pb.SessionRequest(hello=hello))
+                    first = await call.read()
+                if first is grpc.aio.EOF:
+                    await _raise_status(call)
+                    raise SessionRefused("the router ended the session before its Welcome")
+                if first.WhichOneof("kind") != "welcome":
+                    raise SessionRefused(f"expected a Welcome, got {first.WhichOneof('kind')}")
+                self._welcomed = True
+                self.session_id = first.welcome.session_id
+                self.stats["connected"] = 1
+                self.stats["sessions"] = int(self.stats["sessions"] or 0) + 1
+                log.info(
+                    "event bus: session %s with %s; the router consumes %s",
+                    self.session_id,
+                    cfg.url,
+                    ", ".join(first.welcome.accepted_sources) or "nothing yet",
+                )
+                await self._serve(stub, call, metadata)
+                await _raise_status(call)
+            finally:
+                self._call = None
+                if not call.done():
+                    call.cancel()
+
+    async def _serve(
+        self,
+        stub: pb_grpc.EventBusStub,
+        call: grpc.aio.StreamStreamCall,
+        metadata: list[tuple[str, str]],
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            msg = await call.read()
+            if msg is grpc.aio.EOF:
+                return
+            kind = msg.WhichOneof("kind")
+            if kind == "subscribe":
+                sub = msg.subscribe
+                self.stats["subscribes"] = int(self.stats["subscribes"] or 0) + 1
+                if self._draining:
+                    continue  # the router stops asking once it saw Draining
+                writer = StreamWriter(
+                    stub,
+                    metadata,
+                    self.hub,
+                    sub,
+                    heartbeat_interval=self.heartbeat_interval,
+                    batch_max_bytes=self.cfg.batch_max_bytes,
+                    linger_s=self.cfg.batch_linger_ms / 1000,
+                )
+                task = loop.create_task(writer.run(), name=f"bus-stream:{sub.source}")
+                self._writers[sub.stream_id] = (writer, task)
+                task.add_done_callback(lambda _t, sid=sub.stream_id: self._writers.pop(sid, None))
+                log.info(
+                    "event bus: streaming %s (stream %s) from %s",
+                    sub.source,
+                    sub.stream_id,
+                    sub.last_event_id or "the start",
+                )
+            elif kind == "unsubscribe":
+                entry = self._writers.get(msg.unsubscribe.stream_id)
+                log.info(
+                    "event bus: the router unsubscribed stream %s: %s",
+                    msg.unsubscribe.stream_id,
+                    msg.unsubscribe.reason or "no reason given",
+                )
+                if entry is not None:
+                    entry[0].stop(pb.CLOSE_REASON_UNSUBSCRIBED)
+            elif kind == "forbidden":
+                log.error(
+                    "event bus: the router ended the session: forbidden: %s",
+                    msg.forbidden.reason,
+                )
+
+    def _stop_writers(self, reason: int) -> None:
+        for writer, _task in list(self._writers.values()):
+            writer.stop(reason)
+
+    # -- shutdown ------------------------------------------------------------------------
+
+    async def drain(self, run_task: asyncio.Task[None] | None = None) -> None:
+        """SIGTERM: Draining, close streams, end the session, within ``drain_deadline``."""
+        self._draining = True
+        deadline = time.monotonic() + self.cfg.drain_deadline_s
+        call = self._call
+        if call is not None and not call.done():
+            with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError, ConnectionError):
+                await call.write(pb.SessionRequest(draining=pb.Draining(reason="SIGTERM")))
+        self._stop_writers(pb.CLOSE_REASON_DRAINING)
+        tasks = [t for _w, t in self._writers.values()]
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
+        if call is not None and not call.done():
+            with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError, ConnectionError):
+                await call.done_writing()
+        if run_task is not None and not run_task.done():
+            if call is not None:  # wait for the router to end the session (OK)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(
+                        asyncio.shield(self._done_draining.wait()),
+                        max(0.0, deadline - time.monotonic()),
+                    )
+            run_task.cancel()  # not connected (e.g. waiting to reconnect): nothing to drain
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await run_task
+        for _w, t in list(self._writers.values()):
+            t.cancel()
+        log.info("event bus: drained")

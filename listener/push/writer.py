@@ -1,0 +1,162 @@
+"""One ``Subscribe`` served as one ``Stream`` call: StreamOpen, StreamData..., StreamClose.
+
+The bytes are ``sse_chunks`` of an ``EventHub`` subscription: the same records, ids,
+heartbeats and ``buffer_overflow`` error record as ``GET /events/{backend}`` with the
+same ``Last-Event-ID``. Batching: each StreamData carries every record available when it
+is sent; after a message smaller than ``batch_max_bytes`` the writer waits
+``batch_linger_ms`` before the next, so under load messages carry hundreds of records
+(one gRPC message per event caps near 6k messages/s) while an idle stream adds at most
+the linger to an event's latency. Larger chunks are split at ``batch_max_bytes`` (chunk
+boundaries carry no meaning).
+
+Close reasons: the subscription overflowed -> ``BUFFER_OVERFLOW``; the router sent
+Unsubscribe -> ``UNSUBSCRIBED``; the listener is draining or shutting down -> ``DRAINING``;
+anything else -> ``ERROR``. HTTP/2 flow control makes ``write`` wait while the router
+reads slowly, so a slow consumer fills the bounded subscriber queue and gets
+``buffer_overflow`` rather than unbounded buffering here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+import grpc
+
+from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+
+from ..sse_server import sse_chunks
+from ..stream import EventHub, UnknownBackendError
+
+__all__ = ["StreamWriter"]
+
+log = logging.getLogger("continuum.listener.push")
+
+_CLOSE_OF_SUB = {
+    "buffer_overflow": pb.CLOSE_REASON_BUFFER_OVERFLOW,
+    "shutdown": pb.CLOSE_REASON_DRAINING,
+}
+
+
+class StreamWriter:
+    """Serves one Subscribe until it ends; :meth:`stop` ends it with a reason.
+
+    Args:
+        stub: EventBus stub on the session's channel.
+        metadata: Call metadata (the bearer token, if any).
+        hub: The listener's event hub.
+        subscribe: The router's request.
+        heartbeat_interval: Seconds of idleness before a heartbeat comment.
+        batch_max_bytes: Largest StreamData payload.
+        linger_s: Wait after a small message before the next.
+    """
+
+    def __init__(
+        self,
+        stub: pb_grpc.EventBusStub,
+        metadata: Sequence[tuple[str, str]],
+        hub: EventHub,
+        subscribe: pb.Subscribe,
+        *,
+        heartbeat_interval: float,
+        batch_max_bytes: int,
+        linger_s: float,
+    ) -> None:
+        self.stub = stub
+        self.metadata = tuple(metadata)
+        self.hub = hub
+        self.stream_id = subscribe.stream_id
+        self.source = subscribe.source
+        self.last_event_id = subscribe.last_event_id or None
+        self.heartbeat_interval = heartbeat_interval
+        self.batch_max_bytes = batch_max_bytes
+        self.linger_s = linger_s
+        self._stop_reason: int | None = None
+        self._sub = None
+        self.bytes_sent = 0
+        self.messages_sent = 0
+
+    def stop(self, reason: int) -> None:
+        """End the stream with ``reason`` (a CloseReason) after the write in flight."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        if self._sub is not None:
+            self._sub.close("closed")
+
+    async def run(self) -> None:
+        """Open the Stream call, send until the subscription ends, close it. Never raises
+        for transport errors (logged); CancelledError propagates."""
+        call = self.stub.Stream(metadata=self.metadata)
+        reason = pb.CLOSE_REASON_ERROR
+        detail = ""
+        try:
+            await call.write(pb.StreamRequest(open=pb.StreamOpen(stream_id=self.stream_id)))
+            if self._stop_reason is not None:
+                reason = self._stop_reason
+            else:
+                try:
+                    self._sub = sub = self.hub.subscribe(self.source, self.last_event_id)
+                except UnknownBackendError as exc:
+                    detail = str(exc)
+                else:
+                    await self._pump(call, sub)
+                    if self._stop_reason is not None:
+                        reason = self._stop_reason
+                    else:
+                        reason = _CLOSE_OF_SUB.get(sub.close_reason or "", pb.CLOSE_REASON_ERROR)
+                    if reason == pb.CLOSE_REASON_BUFFER_OVERFLOW:
+                        detail = f"subscriber queue full ({self.hub.queue_size} events)"
+                        log.warning(
+                            "event bus: stream %s of %s closed: buffer_overflow",
+                            self.stream_id,
+                            self.source,
+                        )
+            await call.write(pb.StreamRequest(close=pb.StreamClose(reason=reason, detail=detail)))
+            await call.done_writing()
+            resp = await call
+            log.debug(
+                "event bus: stream %s of %s done (%s, router got %d bytes)",
+                self.stream_id,
+                self.source,
+                pb.CloseReason.Name(reason),
+                resp.bytes_received,
+            )
+        except grpc.aio.AioRpcError as exc:
+            log.info(
+                "event bus: stream %s of %s ended by the router: %s: %s",
+                self.stream_id,
+                self.source,
+                exc.code().name,
+                exc.details(),
+            )
+        except (
+            grpc.aio.UsageError,
+            grpc.RpcError,
+            ConnectionError,
+            asyncio.InvalidStateError,
+        ) as exc:
+            log.info("event bus: stream %s of %s failed: %s", self.stream_id, self.source, exc)
+        finally:
+            if self._sub is not None:
+                self._sub.close("closed")
+            if not call.done():
+                call.cancel()
+
+    async def _pump(self, call: grpc.aio.StreamUnaryCall, sub: object) -> None:
+        max_bytes = self.batch_max_bytes
+        linger = self.linger_s
+        batch_limit = max(16, max_bytes // 96)
+        async with contextlib.aclosing(
+            sse_chunks(sub, self.heartbeat_interval, batch_limit)  # type: ignore[arg-type]
+        ) as chunks:
+            async for chunk in chunks:
+                for i in range(0, len(chunk), max_bytes):
+                    part = chunk[i : i + max_bytes]
+                    await call.write(pb.StreamRequest(data=pb.StreamData(data=part)))
+                    self.bytes_sent += len(part)
+                    self.messages_sent += 1
+                if len(chunk) < max_bytes and linger > 0 and self._stop_reason is None:
+                    await asyncio.sleep(linger)

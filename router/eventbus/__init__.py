@@ -1,0 +1,22 @@
+"""The router's side of push mode: the TLS-only gRPC ``continuum.bus.v1.EventBus``.
+
+Listeners dial in, authenticate per ``dynamo.event_bus.brokers[]`` entry (``auth``),
+announce their sources on a ``Session``; the KV event consumers of ``transport:
+event_bus`` sources ask the session registry (``hub``) for a stream, which sends a
+``Subscribe`` down a session and hands the ``StreamData`` bytes of the matching
+``Stream`` call to the consumer's SSE parser (``service``). ``server`` runs it.
+"""
+
+from .auth import Authenticator, AuthError, Principal, hash_token
+from .hub import EventBusHub, NoSession
+from .server import EventBusServer
+
+__all__ = [
+    "AuthError",
+    "Authenticator",
+    "EventBusHub",
+    "EventBusServer",
+    "NoSession",
+    "Principal",
+    "hash_token",
+]

@@ -1,0 +1,92 @@
+"""The TLS-only grpc.aio server of ``dynamo.event_bus``, on the router's event loop."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+
+from ..config.models import EventBusConfig
+from .hub import EventBusHub
+from .service import EventBusServicer
+
+__all__ = ["EventBusConfigError", "EventBusServer"]
+
+log = logging.getLogger("continuum.eventbus")
+
+# HTTP/2 keepalive: a listener that vanished without a FIN (host down, partition) is
+# noticed within about half a minute, and its sources move to another session.
+_KEEPALIVE = (
+    ("grpc.keepalive_time_ms", 20_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+)
+
+
+class EventBusConfigError(RuntimeError):
+    """The server cannot start: TLS material missing or unreadable."""
+
+
+class EventBusServer:
+    """Owns the grpc.aio server; ``start`` returns the bound port."""
+
+    def __init__(self, config: EventBusConfig, hub: EventBusHub) -> None:
+        self.config = config
+        self.hub = hub
+        self._server: Any = None
+        self.port: int | None = None
+
+    def _credentials(self) -> grpc.ServerCredentials:
+        tls = self.config.tls
+        if not tls.cert or not tls.key:
+            raise EventBusConfigError(
+                "dynamo.event_bus requires tls.cert and tls.key: the event bus is TLS only"
+            )
+        try:
+            cert = Path(tls.cert).read_bytes()
+            key = Path(tls.key).read_bytes()
+            ca = Path(tls.client_ca).read_bytes() if tls.client_ca else None
+        except OSError as exc:
+            raise EventBusConfigError(f"dynamo.event_bus.tls: {exc}") from exc
+        # With client_ca, every client must present a certificate signed by it (gRPC has
+        # no "request and verify if presented" mode); the entry is still chosen by the
+        # bearer token when one is sent, else by the certificate's DNS SAN.
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
+        )
+
+    async def start(self) -> int:
+        """Bind and serve. Raises EventBusConfigError, or RuntimeError if the port is taken."""
+        creds = self._credentials()
+        limit = self.config.max_message_bytes
+        server = grpc.aio.server(
+            options=[
+                ("grpc.max_receive_message_length", limit),
+                ("grpc.max_send_message_length", limit),
+                *_KEEPALIVE,
+            ]
+        )
+        pb_grpc.add_EventBusServicer_to_server(EventBusServicer(self.hub), server)
+        port = server.add_secure_port(self.config.listen, creds)
+        await server.start()
+        self._server = server
+        self.port = port
+        log.info(
+            "event bus listening on %s (TLS%s)",
+            self.config.listen,
+            ", client certificates" if self.config.tls.client_ca else "",
+        )
+        return port
+
+    async def stop(self, grace: float = 2.0) -> None:
+        """End every session (UNAVAILABLE), then stop the server. Idempotent."""
+        self.hub.close()
+        if self._server is not None:
+            server, self._server = self._server, None
+            await server.stop(grace)

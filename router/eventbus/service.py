@@ -1,0 +1,200 @@
+"""The ``continuum.bus.v1.EventBus`` servicer: Session and Stream calls onto the hub.
+
+Every call is authenticated first (``auth``); every refusal ends the call with a status
+code and a detail an operator can act on (the codes are listed in ``bus.proto``). A
+malformed call never affects other calls: each is its own task, and a failure in one
+ends only that one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any, NoReturn
+
+import grpc
+
+from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+
+from .auth import AuthError, Principal
+from .hub import CLOSE_REASONS, BusSession, ChannelClosed, EventBusHub, SessionEnd
+
+__all__ = ["EventBusServicer"]
+
+log = logging.getLogger("continuum.eventbus")
+
+_FIRST_TIMEOUT_S = 10.0
+"""How long a new call may take to send its first message (Hello, StreamOpen)."""
+
+
+async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: AuthError) -> NoReturn:
+    await context.abort(err.code, err.detail)
+    raise AssertionError("unreachable")  # abort raises
+
+
+class EventBusServicer(pb_grpc.EventBusServicer):
+    def __init__(self, hub: EventBusHub) -> None:
+        self.hub = hub
+
+    async def _principal(self, context: grpc.aio.ServicerContext[Any, Any]) -> Principal:
+        try:
+            return self.hub.auth.authenticate(
+                context.invocation_metadata() or (), context.auth_context()
+            )
+        except AuthError as err:
+            self.hub.counters["sessions_rejected"] += 1
+            log.warning("event bus: refused a call from %s: %s", context.peer(), err.detail)
+            await _abort(context, err)
+
+    async def _first(self, requests: AsyncIterator[Any], context: Any) -> Any:
+        """The call's first message, read *before* the credentials are judged.
+
+        A peer writes its first message (Hello, StreamOpen) right after opening the call.
+        Ending the call while that write is in flight makes the peer's gRPC core report
+        the write as INTERNAL ("Internal error from Core") instead of our status, so an
+        operator would never see "UNAUTHENTICATED: no credential". Reading it first costs
+        one bounded message (the server's max message size) within ``_FIRST_TIMEOUT_S``.
+        """
+        try:
+            async with asyncio.timeout(_FIRST_TIMEOUT_S):
+                return await anext(requests, None)
+        except TimeoutError:
+            await _abort(
+                context,
+                AuthError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    f"no first message within {_FIRST_TIMEOUT_S:g} s",
+                ),
+            )
+
+    # -- Session -------------------------------------------------------------------------
+
+    async def Session(
+        self,
+        request_iterator: AsyncIterator[pb.SessionRequest],
+        context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+    ) -> None:
+        requests = aiter(request_iterator)
+        first = await self._first(requests, context)
+        principal = await self._principal(context)
+        if first is None or first.WhichOneof("kind") != "hello":
+            await _abort(
+                context,
+                AuthError(
+                    grpc.StatusCode.INVALID_ARGUMENT, "the first Session message must be a Hello"
+                ),
+            )
+        try:
+            session = self.hub.register(principal, first.hello)
+        except AuthError as err:
+            self.hub.counters["sessions_rejected"] += 1
+            log.warning("event bus: refused a Hello from %s: %s", context.peer(), err.detail)
+            await _abort(context, err)
+        reader = asyncio.get_running_loop().create_task(self._read(session, requests))
+        try:
+            await context.write(
+                pb.SessionResponse(
+                    welcome=pb.Welcome(session_id=session.id, accepted_sources=session.accepted)
+                )
+            )
+            while True:
+                msg = await session.outbox.get()
+                if isinstance(msg, SessionEnd):
+                    if msg.forbidden is not None:
+                        await context.write(pb.SessionResponse(forbidden=msg.forbidden))
+                    if msg.code != grpc.StatusCode.OK:
+                        await context.abort(msg.code, msg.detail)
+                    return
+                await context.write(msg)
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader
+            self.hub.unregister(session)
+
+    async def _read(self, session: BusSession, requests: AsyncIterator[pb.SessionRequest]) -> None:
+        """The listener's side of a session: Draining, then half-close."""
+        end = SessionEnd(grpc.StatusCode.OK, "the listener closed the session")
+        try:
+            async for req in requests:
+                kind = req.WhichOneof("kind")
+                if kind == "draining":
+                    self.hub.draining(session)
+                    # Its streams end with CLOSE_REASON_DRAINING; consumers move elsewhere.
+                else:
+                    end = SessionEnd(
+                        grpc.StatusCode.INVALID_ARGUMENT,
+                        "only Draining may follow the Hello"
+                        if kind == "hello"
+                        else "empty SessionRequest",
+                    )
+                    break
+        except Exception as exc:  # the transport failed: the session is over
+            end = SessionEnd(grpc.StatusCode.UNAVAILABLE, f"session read failed: {exc}")
+        session.send(end)
+
+    # -- Stream --------------------------------------------------------------------------
+
+    async def Stream(
+        self,
+        request_iterator: AsyncIterator[pb.StreamRequest],
+        context: grpc.aio.ServicerContext[pb.StreamRequest, pb.StreamResponse],
+    ) -> pb.StreamResponse:
+        requests = aiter(request_iterator)
+        first = await self._first(requests, context)
+        principal = await self._principal(context)
+        if first is None or first.WhichOneof("kind") != "open":
+            await _abort(
+                context,
+                AuthError(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "the first Stream message must be a StreamOpen",
+                ),
+            )
+        try:
+            slot = self.hub.claim(principal, first.open.stream_id)
+        except AuthError as err:
+            log.warning("event bus: refused a Stream from %s: %s", context.peer(), err.detail)
+            await _abort(context, err)
+        channel = slot.channel
+        detail = ""
+        reason = "error"
+        try:
+            async for req in requests:
+                kind = req.WhichOneof("kind")
+                if kind == "data":
+                    data = req.data.data
+                    slot.bytes_received += len(data)
+                    if data:
+                        await channel.put(data)
+                elif kind == "close":
+                    reason = CLOSE_REASONS.get(req.close.reason, "error")
+                    detail = req.close.detail[:500]
+                    break
+                else:
+                    channel.close("protocol error")
+                    await _abort(
+                        context,
+                        AuthError(
+                            grpc.StatusCode.INVALID_ARGUMENT,
+                            "a second StreamOpen" if kind == "open" else "empty StreamRequest",
+                        ),
+                    )
+            else:
+                detail = "the listener half-closed without StreamClose"
+        except ChannelClosed as closed:
+            log.info(
+                "event bus: stream %s of %s ended by the router: %s",
+                slot.stream_id,
+                slot.source,
+                closed,
+            )
+            await context.abort(
+                grpc.StatusCode.ABORTED, f"the router ended stream {slot.stream_id}: {closed}"
+            )
+        finally:
+            channel.end(reason, detail)
+        return pb.StreamResponse(stream_id=slot.stream_id, bytes_received=slot.bytes_received)

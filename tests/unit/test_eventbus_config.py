@@ -1,0 +1,191 @@
+"""Push-mode configuration on both sides: every error names its YAML path.
+
+Router: ``dynamo.event_bus`` (TLS required, token_hash form, unique ids, a way to
+authenticate each entry), ``transport: event_bus`` sources, and which fields a reload
+applies (brokers) or keeps (listen, tls). Listener: ``event_bus`` (https only, host[:port],
+a credential from a file or the environment but never inline, cert and key together).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bus.config import parse_duration
+from listener.config import parse_listener_config
+from listener.push.config import EventBusClientConfig
+from router.config.loader import (
+    ConfigError,
+    keep_restart_only,
+    parse_config,
+    restart_only_changes,
+)
+
+HASH = "sha256:" + "a" * 64
+
+
+def router(
+    bus: dict[str, Any] | None = None, sources: list[dict[str, Any]] | None = None
+) -> dict[str, Any]:
+    return {
+        "backends": [{"name": "vllm-1", "url": "http://e:8000", "type": "vllm"}],
+        "prefix_routing": {"enabled": True},
+        **({"dynamo": {"event_bus": bus}} if bus is not None else {}),
+        "kv_cache_index": {"enabled": True, "event_sources": sources or []},
+    }
+
+
+def router_errors(data: dict[str, Any]) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data)
+    return {i.path: i.message for i in info.value.issues if i.severity == "error"}
+
+
+@pytest.fixture
+def tls(tmp_path: Path) -> dict[str, str]:
+    for name in ("c.pem", "k.pem", "ca.pem"):
+        (tmp_path / name).write_text("x")
+    return {"cert": str(tmp_path / "c.pem"), "key": str(tmp_path / "k.pem")}
+
+
+def test_a_complete_router_section_is_valid(tls: dict[str, str]) -> None:
+    bus = {
+        "enabled": True,
+        "listen": "0.0.0.0:9443",
+        "tls": tls,
+        "brokers": [
+            {"id": "kv-a", "role": "kv_listener", "token_hash": HASH, "backends": ["vllm-1"]}
+        ],
+    }
+    src = [{"backend_name": "vllm-1", "transport": "event_bus", "reconnect_interval_ms": 5000}]
+    cfg, warnings = parse_config(router(bus, src))
+    assert cfg.dynamo.event_bus.brokers[0].backends == ["vllm-1"]
+    assert warnings == []
+
+
+def test_the_bus_is_tls_only_and_entries_need_a_credential(tmp_path: Path) -> None:
+    bus = {"enabled": True, "brokers": [{"id": "kv-a", "role": "kv_listener"}]}
+    errs = router_errors(router(bus))
+    assert errs["dynamo.event_bus.tls.cert"].startswith("the event bus is TLS only")
+    assert "dynamo.event_bus.tls.key" in errs
+    assert "no way to authenticate" in errs["dynamo.event_bus.brokers[0].token_hash"]
+    bus["tls"] = {"cert": str(tmp_path / "none"), "key": str(tmp_path / "none")}
+    assert "does not exist" in router_errors(router(bus))["dynamo.event_bus.tls.cert"]
+
+
+@pytest.mark.parametrize(
+    ("broker", "path", "text"),
+    [
+        ({"token_hash": "a" * 64}, "token_hash", 'must be "sha256:"'),
+        ({"token_hash": "sha256:" + "A" * 64}, "token_hash", "lowercase hex"),
+        ({"role": "admin"}, "role", "'kv_listener' or 'broker'"),
+        ({"id": "has space"}, "id", "DNS label-like"),
+        ({"backends": ["bad/name"]}, "backends", "not a source id"),
+    ],
+)
+def test_broker_fields(tls: dict[str, str], broker: dict[str, Any], path: str, text: str) -> None:
+    entry = {"id": "kv-a", "role": "kv_listener", "token_hash": HASH, **broker}
+    errs = router_errors(router({"enabled": True, "tls": tls, "brokers": [entry]}))
+    assert text in errs[f"dynamo.event_bus.brokers[0].{path}"]
+
+
+def test_duplicate_ids_and_event_bus_sources(tls: dict[str, str]) -> None:
+    entry = {"id": "kv-a", "role": "kv_listener", "token_hash": HASH}
+    errs = router_errors(router({"enabled": True, "tls": tls, "brokers": [entry, entry]}))
+    assert "duplicate broker id 'kv-a'" in errs["dynamo.event_bus.brokers[1].id"]
+    src = [{"backend_name": "vllm-1", "transport": "event_bus", "endpoint": "http://l:7817/e"}]
+    errs = router_errors(router(None, src))
+    assert errs["kv_cache_index.event_sources[0].endpoint"].startswith("transport event_bus takes")
+    assert errs["kv_cache_index.event_sources[0].transport"] == (
+        "transport event_bus requires dynamo.event_bus.enabled: true"
+    )
+
+
+def test_an_unannounceable_source_is_a_warning(tls: dict[str, str]) -> None:
+    bus = {"enabled": True, "tls": tls, "brokers": []}
+    _, warnings = parse_config(router(bus, [{"backend_name": "vllm-1", "transport": "event_bus"}]))
+    assert [w.path for w in warnings] == ["kv_cache_index.event_sources[0].backend_name"]
+
+
+def test_reload_applies_brokers_and_keeps_listen_and_tls(tls: dict[str, str]) -> None:
+    entry = {"id": "kv-a", "role": "kv_listener", "token_hash": HASH, "backends": ["vllm-1"]}
+    old, _ = parse_config(router({"enabled": True, "tls": tls, "brokers": [entry]}))
+    moved = {
+        "enabled": True,
+        "tls": tls,
+        "listen": "0.0.0.0:9444",
+        "brokers": [{**entry, "backends": []}],
+    }
+    new, _ = parse_config(router(moved))
+    assert "dynamo.event_bus.listen" in restart_only_changes(old, new)
+    kept = keep_restart_only(old, new)
+    assert kept.dynamo.event_bus.listen == "0.0.0.0:9443"
+    assert kept.dynamo.event_bus.brokers[0].backends == []
+
+
+# -- listener ------------------------------------------------------------------------------
+
+
+def listener(bus: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "salt_secret_env": "S",
+        "event_bus": bus,
+        "sources": [{"backend_name": "vllm-1", "engine": "vllm", "zmq_endpoint": "tcp://e:5557"}],
+    }
+
+
+def listener_errors(bus: dict[str, Any]) -> dict[str, str]:
+    with pytest.raises(ConfigError) as info:
+        parse_listener_config(listener(bus))
+    return {i.path: i.message for i in info.value.issues if i.severity == "error"}
+
+
+def test_listener_section(tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("t\n")
+    cfg, _ = parse_listener_config(
+        listener(
+            {
+                "url": "https://router.example.com",
+                "client_id": "kv-a",
+                "credential_file": str(token),
+            }
+        )
+    )
+    bus = cfg.event_bus
+    assert bus is not None and bus.target == "router.example.com:443"
+    assert bus.reconnect_backoff_s == 1.0 and bus.drain_deadline_s == 5.0
+    v6 = EventBusClientConfig(url="https://[::1]:9443", client_id="a", credential_env="X")
+    assert v6.target == "[::1]:9443"
+
+
+@pytest.mark.parametrize(
+    ("bus", "path", "text"),
+    [
+        ({"url": "http://r:9443"}, "event_bus.url", "https://"),
+        ({"url": "https://r:9443/bus"}, "event_bus.url", "no path"),
+        ({"url": "https://r:99999"}, "event_bus.url", "bad port"),
+        ({"credential": "s3cret"}, "event_bus.credential", "inline credentials are not allowed"),
+        ({"credential_file": "/nonexistent"}, "event_bus.credential_file", "does not exist"),
+        ({"client_cert_file": "/etc/hostname"}, "event_bus.client_key_file", "go together"),
+        ({"credential_env": None}, "event_bus", "no credential"),
+        ({"drain_deadline": "soon"}, "event_bus.drain_deadline", "duration"),
+        ({"client_id": "a b"}, "event_bus.client_id", "DNS label-like"),
+    ],
+)
+def test_listener_errors(bus: dict[str, Any], path: str, text: str) -> None:
+    base = {"url": "https://r:9443", "client_id": "kv-a", "credential_env": "T"}
+    errs = listener_errors({**base, **bus})
+    assert text in errs[path], errs
+
+
+def test_durations() -> None:
+    assert parse_duration("250ms") == 0.25
+    assert parse_duration("2s") == 2.0 and parse_duration("1m") == 60.0
+    assert parse_duration("1.5s") == 1.5 and parse_duration("1h") == 3600.0
+    assert parse_duration(3) == 3.0
+    for bad in ("1 week", "-1s", "s", "", "1e3s"):
+        with pytest.raises(ValueError):
+            parse_duration(bad)
