@@ -9,7 +9,7 @@ same records with the same ids and the same resync rules; the per-RPC contract i
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -172,8 +172,15 @@ class GrpcServer:
     """A grpc.aio server with Listener, health (``""`` and the Listener service) and
     reflection. ``start`` may be called once; ``stop`` is idempotent."""
 
-    def __init__(self, servicer: ListenerServicer, tls: GrpcTlsConfig | None = None) -> None:
+    def __init__(
+        self,
+        servicer: ListenerServicer,
+        tls: GrpcTlsConfig | None = None,
+        extra: Sequence[Callable[[grpc.aio.Server], str]] = (),
+    ) -> None:
+        """``extra``: registrars of further services (each returns its service name)."""
         self.servicer = servicer
+        self._extra = tuple(extra)
         self._tls = tls
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -189,9 +196,11 @@ class GrpcServer:
         server = grpc.aio.server()
         listener_pb2_grpc.add_ListenerServicer_to_server(self.servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        extra_names = [register(server) for register in self._extra]
         reflection.enable_server_reflection(
             [
                 SERVICE_NAME,
+                *extra_names,
                 health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                 reflection.SERVICE_NAME,
             ],

@@ -110,6 +110,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--trtllm-poll-block-ms", type=int, default=0, metavar="MS")
     tr.add_argument("--trtllm-window-size", type=int, default=4096)
     tr.add_argument("--trtllm-max-events", type=int, default=10_000, metavar="N")
+    p.add_argument(
+        "--eviction-advisor",
+        metavar="HOST:PORT",
+        help="evict in the order of a listener's gRPC EvictionAdvisor (SAECache) instead of LRU",
+    )
     return p
 
 
@@ -143,6 +148,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         trtllm_poll_block_ms=args.trtllm_poll_block_ms,
         trtllm_window_size=args.trtllm_window_size,
         trtllm_max_events=args.trtllm_max_events,
+        eviction_advisor=args.eviction_advisor,
     )
 
 

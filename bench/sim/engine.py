@@ -138,6 +138,8 @@ class SimConfig:
     trtllm_poll_block_ms: int = 0
     trtllm_window_size: int = 4096
     trtllm_max_events: int = 10_000
+    #: gRPC ``host:port`` of a listener's EvictionAdvisor: evict in its order, not LRU's.
+    eviction_advisor: str | None = None
 
 
 class ApiError(Exception):
@@ -247,7 +249,12 @@ class SimEngine:
         self.kv = self._build_kv_hub()
         self._salt: str | None = None
         self._clearing: list[Any] | None = None
-        hooked = self.on_kv_event is not None or self.kv is not None
+        self.advisor: Any = None
+        if cfg.eviction_advisor:
+            from bench.saecache.advisor_client import AdvisedEviction
+
+            self.advisor = AdvisedEviction(cfg.eviction_advisor, cfg.name)
+        hooked = self.on_kv_event is not None or self.kv is not None or self.advisor is not None
         self.cache = PrefixCache(
             block_size=cfg.block_size,
             capacity_blocks=cfg.capacity_blocks,
@@ -256,6 +263,8 @@ class SimEngine:
             on_change=self._on_cache_change if hooked else None,
             hasher=self.kv.hasher if self.kv is not None else None,
         )
+        if self.advisor is not None:
+            self.advisor.attach(self.cache)
         self.requests = 0
         self.errors = 0
         self.in_flight = 0
@@ -337,10 +346,14 @@ class SimEngine:
     def close(self) -> None:
         if self.kv is not None:
             self.kv.close()
+        if self.advisor is not None:
+            self.advisor.close()
 
     def _on_cache_change(self, stored: list[StoredBlock], removed: list[Any]) -> None:
         if self.on_kv_event is not None:
             self.on_kv_event(stored, removed)
+        if self.advisor is not None:
+            self.advisor.changed(stored, removed)
         if self._clearing is not None:
             self._clearing.extend(removed)
         elif self.kv is not None:
@@ -462,13 +475,18 @@ class SimEngine:
         filler = itertools.islice(itertools.cycle(_FILLER), target - len(words))
         return _Answer(words + list(filler), truncated)
 
-    def _prefill(self, prompt: str, salt: str | None = None) -> tuple[int, int, int]:
+    def _prefill(
+        self, prompt: str, salt: str | None = None, session: str | None = None
+    ) -> tuple[int, int, int]:
         """Run the cache model; returns (cached, total, newly stored tokens)."""
         self._salt = salt
+        tokens = self.tokenizer.encode(prompt)
         try:
-            cached, total = self.cache.lookup_and_insert(self.tokenizer.encode(prompt), salt)
+            cached, total = self.cache.lookup_and_insert(tokens, salt)
         finally:
             self._salt = None
+        if self.advisor is not None:
+            self.advisor.prefilled(tokens, salt, cached, session)
         return cached, total, self.cache.last_stored_tokens
 
     async def _model_latency(self, uncached: int) -> None:
@@ -526,7 +544,9 @@ class SimEngine:
         max_tokens = self._max_tokens(body, "max_completion_tokens", "max_tokens")
         salt = _cache_salt(body)
         prompt = self.tokenizer.render_chat(messages, body.get("tools"))
-        cached, total, _ = self._prefill(prompt, salt)
+        session = req.headers.get("x-session-id") or body.get("user")
+        session = session if isinstance(session, str) else None
+        cached, total, _ = self._prefill(prompt, salt, session)
         await self._model_latency(total - cached)
         answer = self._answer(_last_user_text(messages), max_tokens)
         finish = "length" if answer.truncated else "stop"

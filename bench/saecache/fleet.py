@@ -1,0 +1,192 @@
+"""Fleet benchmark: an engine evicting through the listener's EvictionAdvisor vs its own LRU.
+
+Real processes: one ``continuum-kv-listener`` (gRPC on a free port; its ``sources`` name
+the engines, which is all the advisor needs) and two simulated engines with the same
+capacity, ``sim-lru`` (its own LRU order) and ``sim-sae`` (``--eviction-advisor``). Every
+request of the workload goes to both, in the same order, so the two caches see exactly
+the same traffic; the table compares their token hit rates and modelled prefill time.
+
+Workload (seeded): ShareGPT conversations as multi-turn chat sessions under four shared
+system prompts (the whole history re-sent every turn), interleaved with single-turn
+requests that share one of eight long instructions and carry a unique query. Requests
+are sent back to back, so the timing the advisor learns is compressed.
+
+``python -m bench.saecache.fleet [--sessions 300] [--capacity-blocks 1500]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import signal
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from bench._table import fmt_float, render_table
+from bench.sim.fleet import SimFleet
+
+from .trace import read_sharegpt
+
+__all__ = ["main"]
+
+_SYSTEMS = [
+    "You are a helpful assistant. Answer precisely and briefly. " * 4,
+    "You are a senior engineer. Give working code with short explanations. " * 6,
+    "You are a writing tutor. Improve clarity and tone, keep the author's voice. " * 5,
+    "You are a careful analyst. State assumptions, then reason step by step. " * 6,
+]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def workload(sessions: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
+    """``(session id, chat body)`` in send order."""
+    rng = random.Random(seed)
+    convs = read_sharegpt(sessions)
+    instructions = [
+        f"Instruction {k}: " + " ".join(rng.choice(_SYSTEMS).split()[:40]) * 3 for k in range(8)
+    ]
+    timeline: list[tuple[float, int, str, dict[str, Any]]] = []
+    t = 0.0
+    for sid, conv in enumerate(convs):
+        t += rng.expovariate(1.0)
+        if rng.random() < 0.3:
+            query = conv[0][1][:2000]
+            body = {
+                "model": "demo-model",
+                "messages": [{"role": "user", "content": rng.choice(instructions) + "\n" + query}],
+            }
+            timeline.append((t, sid, f"s{sid}", body))
+            continue
+        system = rng.choice(_SYSTEMS)
+        msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
+        tt = t
+        for i in range(0, len(conv) - 1, 2):
+            msgs = [*msgs, {"role": "user", "content": conv[i][1][:4000]}]
+            timeline.append((tt, sid, f"s{sid}", {"model": "demo-model", "messages": msgs}))
+            msgs = [*msgs, {"role": "assistant", "content": conv[i + 1][1][:4000]}]
+            tt += rng.lognormvariate(3.0, 1.0)
+    timeline.sort(key=lambda x: (x[0], x[1]))
+    return [(s, b) for _, _, s, b in timeline]
+
+
+class _Listener:
+    def __init__(self, config: dict[str, Any], tmp: Path) -> None:
+        self.path = tmp / "listener.yaml"
+        self.path.write_text(yaml.safe_dump(config))
+        self.log = tmp / "listener.log"
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        with self.log.open("ab") as log:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "listener",
+                "--config",
+                str(self.path),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=log,
+            )
+        assert self.proc.stdout is not None
+        line = await asyncio.wait_for(self.proc.stdout.readline(), 20)
+        if not line.startswith(b"READY"):
+            raise RuntimeError(f"listener did not start: {self.log.read_text()}")
+
+    async def stop(self) -> None:
+        if self.proc is not None and self.proc.returncode is None:
+            self.proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(self.proc.wait(), 10)
+
+
+async def run(args: argparse.Namespace) -> int:
+    work = workload(args.sessions, args.seed)
+    grpc_port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="saecache-fleet-") as tmp:
+        listener = _Listener(
+            {
+                "listen": "127.0.0.1:0",
+                "grpc_listen": f"127.0.0.1:{grpc_port}",
+                "sources": [
+                    {
+                        "backend_name": name,
+                        "engine": "vllm",
+                        "zmq_endpoint": f"tcp://127.0.0.1:{_free_port()}",
+                    }
+                    for name in ("sim-lru", "sim-sae")
+                ],
+            },
+            Path(tmp),
+        )
+        await listener.start()
+        try:
+            async with SimFleet(
+                2,
+                names=["sim-lru", "sim-sae"],
+                capacity_blocks=args.capacity_blocks,
+                overrides={1: {"eviction_advisor": f"127.0.0.1:{grpc_port}"}},
+            ) as fleet:
+                urls = [s.url for s in fleet.sims]
+                async with aiohttp.ClientSession() as http:
+                    for i, (sid, body) in enumerate(work):
+                        for url in urls:
+                            async with http.post(
+                                url + "/v1/chat/completions",
+                                json={**body, "user": sid, "max_tokens": 8},
+                            ) as r:
+                                r.raise_for_status()
+                                await r.read()
+                        if i % 50 == 0:
+                            sys.stderr.write(f"\r{i + 1}/{len(work)} requests")
+                            sys.stderr.flush()
+                    sys.stderr.write("\n")
+                    stats = []
+                    for url in urls:
+                        async with http.get(url + "/sim/stats") as r:
+                            stats.append(await r.json())
+        finally:
+            await listener.stop()
+    rows = [
+        [
+            s["name"],
+            "advisor (SAECache)" if s["name"] == "sim-sae" else "own LRU",
+            s["requests"],
+            fmt_float(100 * s["hit_rate"], 1),
+            fmt_float(s["prefill_seconds_modelled"], 2),
+        ]
+        for s in stats
+    ]
+    print(f"\n{len(work)} requests, capacity {args.capacity_blocks} blocks per engine")
+    print(
+        render_table(
+            ["engine", "eviction", "requests", "hit %", "prefill s (modelled)"], rows, left=2
+        )
+    )
+    lru, sae = stats[0]["hit_rate"], stats[1]["hit_rate"]
+    print(f"advisor - LRU: {100 * (sae - lru):+.1f} points of token hit rate")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.saecache.fleet", description=__doc__)
+    ap.add_argument("--sessions", type=int, default=300)
+    ap.add_argument("--capacity-blocks", type=int, default=1500)
+    ap.add_argument("--seed", type=int, default=1)
+    return asyncio.run(run(ap.parse_args(argv)))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,229 @@
+"""gRPC ``continuum.listener.v1.EvictionAdvisor``: SAECache advice for engines.
+
+One :class:`~listener.saecache.policy.SaeCache` per backend, fed by ``Observe`` and
+queried by ``RankVictims``; the wire contract (kinds, limits, status codes) is in
+``proto/continuum/listener/v1/eviction_advisor.proto``.
+
+Memory per backend is bounded: at most ``max_blocks`` blocks (beyond it the lowest-ranked
+evictable blocks are forgotten, as if the engine had evicted them; when none is evictable
+the backend's state is reset, which only costs advice quality), ``max_sessions``
+sessions and ``ghost_capacity`` recently evicted hashes (``SaeConfig``).
+
+A batch is validated whole before any of it is applied, so a bad event never leaves a
+half-applied batch behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator, Iterable
+
+import grpc
+
+from bus._gen.continuum.listener.v1 import eviction_advisor_pb2 as pb
+from bus._gen.continuum.listener.v1 import eviction_advisor_pb2_grpc as pb_grpc
+
+from .policy import SaeCache, SaeConfig
+from .types import SessionClass, TokenType
+
+__all__ = [
+    "MAX_CANDIDATES",
+    "MAX_EVENTS",
+    "MAX_HASH_BYTES",
+    "SERVICE_NAME",
+    "EvictionAdvisor",
+    "add_to_server",
+]
+
+log = logging.getLogger("continuum.listener.saecache.advisor")
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["EvictionAdvisor"].full_name
+MAX_CANDIDATES = 65_536
+MAX_EVENTS = 65_536
+MAX_HASH_BYTES = 64
+
+_TYPES = {
+    pb.TOKEN_TYPE_UNSPECIFIED: TokenType.USER,
+    pb.TOKEN_TYPE_SYSTEM: TokenType.SYSTEM,
+    pb.TOKEN_TYPE_USER: TokenType.USER,
+    pb.TOKEN_TYPE_ASSISTANT: TokenType.ASSISTANT,
+    pb.TOKEN_TYPE_REASONING: TokenType.REASONING,
+    pb.TOKEN_TYPE_TOOL_DEFINITION: TokenType.TOOL_DEF,
+    pb.TOKEN_TYPE_TOOL_IO: TokenType.TOOL_IO,
+}
+_CLASSES = {
+    pb.SESSION_CLASS_UNSPECIFIED: SessionClass.UNKNOWN,
+    pb.SESSION_CLASS_CHAT: SessionClass.CHAT,
+    pb.SESSION_CLASS_AGENT: SessionClass.AGENT,
+    pb.SESSION_CLASS_SINGLE: SessionClass.SINGLE,
+}
+_KINDS = frozenset(range(1, 6))
+
+
+class _InvalidArgument(ValueError):
+    pass
+
+
+class _Backend:
+    __slots__ = ("cache", "forgotten", "now")
+
+    def __init__(self, cfg: SaeConfig) -> None:
+        self.cache = SaeCache(cfg)
+        self.now = 0.0
+        self.forgotten = 0
+
+
+class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
+    """SAECache state per backend behind the EvictionAdvisor RPCs.
+
+    Args:
+        backends: the valid backend names (the listener's sources).
+        max_blocks: blocks kept per backend.
+        config: the SAECache configuration of every backend's state.
+    """
+
+    def __init__(
+        self,
+        backends: Iterable[str],
+        *,
+        max_blocks: int = 1_000_000,
+        config: SaeConfig | None = None,
+    ) -> None:
+        if max_blocks < 1:
+            raise ValueError("max_blocks must be positive")
+        self._cfg = config if config is not None else SaeConfig()
+        self._names = tuple(backends)
+        self._backends: dict[str, _Backend] = {}
+        self.max_blocks = max_blocks
+
+    def cache(self, backend: str) -> SaeCache | None:
+        """The backend's state (None before its first event)."""
+        b = self._backends.get(backend)
+        return None if b is None else b.cache
+
+    def _backend(self, name: str) -> _Backend | None:
+        b = self._backends.get(name)
+        if b is None and name in self._names:
+            b = self._backends[name] = _Backend(self._cfg)
+        return b
+
+    def _unknown(self, name: str) -> str:
+        known = ", ".join(self._names) or "none"
+        return f'unknown backend "{name}" (configured: {known})'
+
+    # -- Observe --------------------------------------------------------------------------
+
+    async def Observe(
+        self,
+        request_iterator: AsyncIterator[pb.ObserveRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> pb.ObserveResponse:
+        applied = forgotten = 0
+        async for req in request_iterator:
+            b = self._backend(req.backend)
+            if b is None:
+                await context.abort(grpc.StatusCode.NOT_FOUND, self._unknown(req.backend))
+            assert b is not None
+            try:
+                _validate(req.events)
+            except _InvalidArgument as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            before = b.forgotten
+            self.apply(b, req.events)
+            applied += len(req.events)
+            forgotten += b.forgotten - before
+        return pb.ObserveResponse(events_applied=applied, blocks_forgotten=forgotten)
+
+    def apply(self, b: _Backend, events: Iterable[pb.BlockEvent]) -> None:
+        """Apply validated events to one backend's state, then enforce its bound."""
+        c = b.cache
+        for ev in events:
+            now = ev.timestamp if ev.timestamp > 0 else b.now
+            if now > b.now:
+                b.now = now
+            kind = ev.kind
+            if kind == pb.BLOCK_EVENT_KIND_REQUEST_STARTED:
+                c.begin_request(ev.session_id, now, _CLASSES.get(ev.session_class, 0))
+            elif kind == pb.BLOCK_EVENT_KIND_INSERTED:
+                c.insert(
+                    ev.block_hash,
+                    ev.parent_hash or None,
+                    ttype=_TYPES.get(ev.token_type, TokenType.USER),
+                    offset=ev.offset,
+                    now=now,
+                    session=ev.session_id,
+                )
+            elif kind == pb.BLOCK_EVENT_KIND_HIT:
+                c.hit(ev.block_hash, now=now, session=ev.session_id)
+            elif kind == pb.BLOCK_EVENT_KIND_RELEASED:
+                c.release(ev.block_hash)
+            else:
+                c.remove(ev.block_hash)
+        while len(c) > self.max_blocks:
+            if c.evict(b.now) is None:
+                log.warning(
+                    "eviction advisor: %d blocks all in use (over max_blocks %d): reset",
+                    len(c),
+                    self.max_blocks,
+                )
+                b.forgotten += len(c)
+                c.clear()
+                break
+            b.forgotten += 1
+
+    # -- RankVictims ----------------------------------------------------------------------
+
+    async def RankVictims(
+        self, request: pb.RankVictimsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RankVictimsResponse:
+        b = self._backend(request.backend)
+        if b is None:
+            await context.abort(grpc.StatusCode.NOT_FOUND, self._unknown(request.backend))
+        assert b is not None
+        cands = request.candidate_hashes
+        if not cands:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "candidate_hashes is empty")
+        if len(cands) > MAX_CANDIDATES:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{len(cands)} candidate_hashes: at most {MAX_CANDIDATES} per request",
+            )
+        if request.n < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "n must be at least 1")
+        for i, h in enumerate(cands):
+            if not 0 < len(h) <= MAX_HASH_BYTES:
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    f"candidate_hashes[{i}] has {len(h)} bytes: 1 to {MAX_HASH_BYTES} allowed",
+                )
+        now = request.timestamp if request.timestamp > 0 else b.now
+        order = b.cache.rank(cands, request.n, now)
+        return pb.RankVictimsResponse(block_hashes=order)  # type: ignore[arg-type]
+
+
+def _validate(events: Iterable[pb.BlockEvent]) -> None:
+    n = 0
+    for i, ev in enumerate(events):
+        n += 1
+        if n > MAX_EVENTS:
+            raise _InvalidArgument(f"more than {MAX_EVENTS} events in one ObserveRequest")
+        if ev.kind not in _KINDS:
+            raise _InvalidArgument(f"events[{i}]: kind is unspecified or unknown ({ev.kind})")
+        if ev.kind != pb.BLOCK_EVENT_KIND_REQUEST_STARTED and not (
+            0 < len(ev.block_hash) <= MAX_HASH_BYTES
+        ):
+            raise _InvalidArgument(
+                f"events[{i}]: block_hash has {len(ev.block_hash)} bytes: "
+                f"1 to {MAX_HASH_BYTES} allowed"
+            )
+        if len(ev.parent_hash) > MAX_HASH_BYTES:
+            raise _InvalidArgument(f"events[{i}]: parent_hash longer than {MAX_HASH_BYTES} bytes")
+        if not math.isfinite(ev.timestamp) or ev.timestamp < 0:
+            raise _InvalidArgument(f"events[{i}]: timestamp must be a non-negative number")
+
+
+def add_to_server(advisor: EvictionAdvisor, server: grpc.aio.Server) -> str:
+    """Register ``advisor`` on ``server``; returns the service name (for reflection)."""
+    pb_grpc.add_EvictionAdvisorServicer_to_server(advisor, server)
+    return SERVICE_NAME
