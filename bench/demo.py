@@ -11,6 +11,12 @@ scatters a tenant over the fleet makes every engine thrash, while prefix-aware r
 keeps each tenant's prefix warm on one engine. After each run the listener's view of
 the fleet (prefix keys recovered from the engines' KV events) is printed too.
 
+The listener reaches the routers in push mode by default, the way a cross-network
+deployment runs: it dials each router's event bus over TLS with an mTLS client
+certificate (a CA, server and client certificates are made on the fly into the temporary
+folder with ``certs``), and the routers' KV index sources use ``transport: event_bus``.
+``--transport pull`` makes the routers pull ``GET /events/{backend}`` instead.
+
 Afterwards the PrefixAwareHash router keeps serving on http://127.0.0.1:8080 until Ctrl-C
 (``--once`` exits instead).
 """
@@ -159,9 +165,50 @@ def ListenerProcess(config: dict[str, Any], workdir: Path) -> ServiceProcess:
     return ServiceProcess(config, workdir, ["-m", "listener", "--log-level", "WARNING"], "listener")
 
 
-def listener_config(fleet: SimFleet, zmq_ports: list[int]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class PushMode:
+    """The event bus every router of the demo serves on one port, and the listener dials."""
+
+    bus_port: int
+    pki: dict[str, Any]
+    client_id: str = "demo-listener"
+
+    @classmethod
+    def make(cls, workdir: Path) -> PushMode:
+        from certs import dev_bundle
+
+        return cls(free_port(), dev_bundle(workdir / "pki", clients=["demo-listener"]))
+
+    def router_section(self, names: list[str]) -> dict[str, Any]:
+        return {
+            "enabled": True,
+            "listen": f"127.0.0.1:{self.bus_port}",
+            "tls": {
+                "cert": str(self.pki["server"].cert),
+                "key": str(self.pki["server"].key),
+                "client_ca": str(self.pki["ca"].cert),  # mTLS: client certificates required
+            },
+            "brokers": [{"id": self.client_id, "role": "kv_listener", "backends": names}],
+        }
+
+    def listener_section(self) -> dict[str, Any]:
+        cert = self.pki[self.client_id]
+        return {
+            "url": f"https://localhost:{self.bus_port}",
+            "ca_file": str(self.pki["ca"].cert),
+            "client_id": self.client_id,
+            "client_cert_file": str(cert.cert),
+            "client_key_file": str(cert.key),
+            "reconnect_backoff": "100ms",
+        }
+
+
+def listener_config(
+    fleet: SimFleet, zmq_ports: list[int], push: PushMode | None = None
+) -> dict[str, Any]:
     """One source per engine: SUB connects to the engine's bound PUB (vLLM's default)."""
     return {
+        **({"event_bus": push.listener_section()} if push is not None else {}),
         "listen": "127.0.0.1:0",
         "sources": [
             {
@@ -266,6 +313,7 @@ def router_config(
     strategy: str,
     port: int,
     listener_url: str | None = None,
+    push: PushMode | None = None,
 ) -> dict:
     cfg = dict(base)
     cfg["server"] = {**base.get("server", {}), "listen": f"127.0.0.1:{port}"}
@@ -274,11 +322,17 @@ def router_config(
         {"name": name, "url": url, "type": "vllm", "models": [MODEL]}
         for name, url in zip(fleet.names, fleet.urls, strict=True)
     ]
+    if push is not None:
+        # Every router serves the bus (so the listener stays connected between runs).
+        cfg["dynamo"] = {"event_bus": push.router_section(list(fleet.names))}
     if listener_url is not None:
         cfg["kv_cache_index"] = {
             "enabled": True,
             "event_sources": [
-                {"backend_name": n, "endpoint": f"{listener_url}/events/{n}"} for n in fleet.names
+                {"backend_name": n, "transport": "event_bus", "reconnect_interval_ms": 100}
+                if push is not None
+                else {"backend_name": n, "endpoint": f"{listener_url}/events/{n}"}
+                for n in fleet.names
             ],
         }
     return cfg
@@ -333,14 +387,23 @@ async def main(args: argparse.Namespace) -> int:
         contextlib.AsyncExitStack() as stack,
     ):
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="continuum-demo-"))
+        push = PushMode.make(Path(tmp)) if args.transport == "push" else None
+        print(
+            "  KV events: listener -> router "
+            + (
+                f"push over the event bus (TLS + mTLS, port {push.bus_port})\n"
+                if push is not None
+                else "pull (SSE GET /events/{backend})\n"
+            )
+        )
         listener = await stack.enter_async_context(
-            ListenerProcess(listener_config(fleet, zmq_ports), Path(tmp))
+            ListenerProcess(listener_config(fleet, zmq_ports, push), Path(tmp))
         )
         await listener_connected(listener, fleet)
         for label, strategy, kv in STRATEGIES:
             await fleet.reset()
             print(f"  {label:<16} ", end="", flush=True)
-            cfg = router_config(base, fleet, strategy, 0, listener.url if kv else None)
+            cfg = router_config(base, fleet, strategy, 0, listener.url if kv else None, push)
             t0 = time.perf_counter()
             async with RouterProcess(cfg, Path(tmp)) as router:
                 if kv:
@@ -373,9 +436,10 @@ async def main(args: argparse.Namespace) -> int:
         )
         print(f"\n  plot: {svg.relative_to(ROOT)}")
         await response_cache_demo(base, fleet, Path(tmp), requests[:120], args.concurrency)
+        await gemini_cache_demo(Path(tmp), args.concurrency)
         if args.once:
             return 0
-        cfg = router_config(base, fleet, "PrefixAwareHash", args.port, listener.url)
+        cfg = router_config(base, fleet, "PrefixAwareHash", args.port, listener.url, push)
         async with RouterProcess(cfg, Path(tmp)) as router:
             print(
                 f"\nThe router is serving on {router.url} (PrefixAwareHash + KV index, "
@@ -490,6 +554,88 @@ async def response_cache_demo(
                 )
 
 
+GEMINI = "gemini-2.5-flash"
+
+
+async def gemini_cache_demo(tmp: Path, concurrency: int) -> None:
+    """Gemini context cache against the API simulator: large system prompts reused.
+
+    The same 60 chat completions (3 system prompts of about 32 KiB, 20 questions each)
+    through a router with the cache off, then on: what is sent upstream, and how the
+    prompt tokens split into fresh and cached input. Cached tokens are billed as storage
+    per token-hour instead; the last column is the most the created resources can hold.
+    """
+    import orjson
+
+    from bench.gemini_sim import GeminiSim
+
+    prompts = [
+        f"You are the {topic} desk of a large company. " + f"Policy clause on {topic}. " * 1200
+        for topic in ("billing", "travel", "security")
+    ]
+    work = [(prompts[i % 3], f"question {i}") for i in range(60)]
+    print(f"\n  Gemini context cache (API simulator): {len(work)} requests, 3 system prompts")
+    print(
+        f"    {'':<10} {'hits':>5} {'creates':>8} {'upstream MiB':>13} {'prompt tok':>11} "
+        f"{'cached tok':>11} {'fresh input':>12} {'token-hours':>12}"
+    )
+    async with GeminiSim(min_cache_tokens=2048) as sim:
+        for label, enabled in (("cache off", False), ("cache on", True)):
+            sim.log.clear()
+            backend = {"name": "gemini", "url": sim.url, "type": "gemini", "models": [GEMINI]}
+            cfg = {
+                "server": {"listen": "127.0.0.1:0"},
+                "backends": [backend],
+                "gemini_context_cache": {"enabled": enabled, "ttl": "5m"},
+            }
+            workdir = tmp / f"gemini-{enabled}"
+            workdir.mkdir(exist_ok=True)
+            async with RouterProcess(cfg, workdir) as router:
+                prompt, cached = await _gemini_pass(router.url, work, concurrency)
+                async with (
+                    aiohttp.ClientSession() as s,
+                    s.get(router.url + "/admin/gemini-context-cache/stats") as resp,
+                ):
+                    counters = (await resp.json())["counters"]
+            sent = sum(
+                len(orjson.dumps(r["body"]))
+                for r in sim.log
+                if r["path"].startswith("/v1beta/openai/")
+            )
+            held = sum(res.tokens for res in sim.resources.values()) * 300 / 3600
+            print(
+                f"    {label:<10} {counters['hit']:>5} {counters['creates']:>8} "
+                f"{sent / 2**20:>13.2f} {prompt:>11} {cached:>11} {prompt - cached:>12} "
+                f"{held:>12.0f}"
+            )
+            sim.resources.clear()
+
+
+async def _gemini_pass(url: str, work: list[tuple[str, str]], concurrency: int) -> tuple[int, int]:
+    """Send every (system, question) once; sum the prompt and cached tokens of the usage."""
+    queue = list(work)
+    totals = [0, 0]
+
+    async def worker(session: aiohttp.ClientSession) -> None:
+        while queue:
+            system, question = queue.pop(0)
+            body = {
+                "model": GEMINI,
+                "messages": [
+                    {"role": "system", "content": system},
+                    {"role": "user", "content": question},
+                ],
+            }
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                usage = (await resp.json())["usage"]
+            totals[0] += usage["prompt_tokens"]
+            totals[1] += (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
+
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(worker(session) for _ in range(concurrency)))
+    return totals[0], totals[1]
+
+
 def print_listener_table(
     views: list[tuple[str, dict[str, set[str]]]], names: list[str], tenants: int
 ) -> None:
@@ -526,6 +672,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--port", type=int, default=int(os.environ.get("CONTINUUM_DEMO_PORT", "8080")))
     p.add_argument("--once", action="store_true", help="exit after the comparison")
+    p.add_argument(
+        "--transport",
+        choices=("push", "pull"),
+        default="push",
+        help="listener -> router: push over the TLS+mTLS event bus (default) or SSE pull",
+    )
     return p.parse_args(argv)
 
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import signal
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bus.config import parse_hostport
 from bus.events import KvEvent
@@ -30,11 +31,17 @@ from .decode import decode_batch
 from .engine_events import EventBatch
 from .grpc_service import GrpcServer, ListenerServicer
 from .recovery import Attributor, Detokenizer
+from .saecache.advisor import EvictionAdvisor
+from .saecache.advisor import add_to_server as advisor_to_server
+from .saecache.pruning import SaePruningPolicy
 from .sse_server import SseServer
 from .stream import EventHub
 from .templates import CHATML, LLAMA3, ChatTemplate, get_template, marker_template
 from .trtllm_source import TrtllmPoller, TrtllmPollerConfig
 from .zmq_source import ZmqSource, ZmqSourceConfig
+
+if TYPE_CHECKING:
+    from .push.client import EventBusClient
 
 __all__ = ["ListenerApp", "SourceRuntime", "run"]
 
@@ -87,6 +94,7 @@ class SourceRuntime:
             max_chain_tokens=src.max_chain_tokens,
             max_tracked_blocks=src.max_tracked_blocks,
             max_retained_tokens=src.max_retained_tokens,
+            policy=SaePruningPolicy() if src.pruning_policy == "saecache" else None,
         )
         hub.add_backend(self.name, self.tracker.snapshot)
         self.transports: list[ZmqSource | TrtllmPoller] = []
@@ -120,8 +128,9 @@ class SourceRuntime:
                             backend=self.name,
                         ),
                         decode=decode_batch,
-                        on_batch=self._on_batch,
+                        on_batch=self._on_zmq_batch,
                         on_resync=self._on_resync,
+                        on_drained=self.tracker.flush,
                     )
                 )
 
@@ -132,6 +141,12 @@ class SourceRuntime:
         if batch.dp_rank is None and dp_rank is not None:
             batch.dp_rank = dp_rank
         self.tracker.apply(batch)
+
+    def _on_zmq_batch(self, batch: EventBatch, dp_rank: int | None) -> None:
+        """As ``_on_batch``; prefix events are flushed once per drained backlog."""
+        if batch.dp_rank is None and dp_rank is not None:
+            batch.dp_rank = dp_rank
+        self.tracker.apply(batch, flush=False)
 
     def _on_resync(self, reason: str) -> None:
         """The engine restarted or events were lost: forget, then tell subscribers."""
@@ -168,6 +183,18 @@ class ListenerApp:
             stats_provider=self.stats,
         )
         self.grpc: GrpcServer | None = None
+        self.advisor: EvictionAdvisor | None = None
+        self.push: EventBusClient | None = None
+        self._push_task: asyncio.Task[None] | None = None
+        if cfg.event_bus is not None:
+            from .push.client import EventBusClient
+
+            self.push = EventBusClient(
+                cfg.event_bus,
+                self.hub,
+                list(self.sources),
+                heartbeat_interval=cfg.heartbeat_interval_ms / 1000,
+            )
         self._tasks: list[asyncio.Task[None]] = []
         self.http_port: int | None = None
         self.grpc_port: int | None = None
@@ -180,14 +207,26 @@ class ListenerApp:
         self.http_port = await self.sse.start(host, port)
         if self.cfg.grpc_listen:
             servicer = ListenerServicer(self.hub, self.cfg.sources, self.stats)
-            self.grpc = GrpcServer(servicer, self.cfg.grpc_tls)
+            extra = []
+            if self.cfg.eviction_advisor:
+                self.advisor = EvictionAdvisor(
+                    self.sources, max_blocks=self.cfg.eviction_advisor_max_blocks
+                )
+                extra.append(functools.partial(advisor_to_server, self.advisor))
+            self.grpc = GrpcServer(servicer, self.cfg.grpc_tls, extra)
             self.grpc_port = await self.grpc.start(self.cfg.grpc_listen)
         loop = asyncio.get_running_loop()
         for rt in self.sources.values():
             for t in rt.transports:
                 self._tasks.append(loop.create_task(t.run(), name=f"source-{rt.name}"))
+        if self.push is not None:
+            self._push_task = loop.create_task(self.push.run(), name="event-bus")
 
     async def stop(self) -> None:
+        if self.push is not None:
+            # Push mode first: Draining, close streams within drain_deadline (the router
+            # moves the sources to another listener), while the sources still run.
+            await self.push.drain(self._push_task)
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:

@@ -16,7 +16,8 @@ cross-field rules that field types cannot express (``check_listener_config``):
 * The host of ``trtllm_endpoint`` must be listed in ``allowed_publishers``.
 * ``backend_name`` is unique; ZMQ endpoints the listener binds are unique after the
   ``dp_ranks`` expansion (``tcp://h:5557`` -> ``tcp://h:5557+rank``).
-* An ``event_bus`` section (push mode) is rejected: not implemented in this version.
+* ``event_bus`` (push mode, ``listener.push.config``): https URL, a credential from a file
+  or an environment variable (never inline) or an mTLS client certificate, existing files.
 
 ``load_listener_config`` is what ``continuum-kv-listener --check`` and the process itself
 use, so the two always agree on what a file means.
@@ -45,6 +46,7 @@ from bus.config import (
 )
 from bus.config import log_warnings as _log_warnings
 from listener.endpoints import offset_endpoint
+from listener.push.config import EventBusClientConfig
 
 __all__ = [
     "BACKEND_NAME_RE",
@@ -205,6 +207,10 @@ class SourceConfig(_Section):
     max_retained_tokens: Annotated[int, Field(ge=1, le=1 << 32)] = 16_777_216
     """Token ids kept across all blocks (4 bytes each: 64 MiB by default); pruned like
     ``max_tracked_blocks``, never a whole backend at once."""
+    pruning_policy: Literal["lru", "saecache"] = "lru"
+    """Which entries go first when a bound above is reached: ``lru`` (oldest first) or
+    ``saecache`` (lowest SAECache priority first: blocks nobody reused go before shared
+    system-prompt chains; see ``listener/saecache/pruning.py``)."""
 
     @field_validator("backend_name")
     @classmethod
@@ -318,8 +324,15 @@ class ListenerConfig(_Section):
     """Environment variable holding that secret; the file wins when both are set."""
     sources: list[SourceConfig] = Field(default_factory=list)
     """The engines to listen to, one backend each."""
-    event_bus: Any = None
-    """Push mode (listener dials the router). Not implemented in this version: rejected."""
+    event_bus: EventBusClientConfig | None = None
+    """Push mode: dial the router's event bus over TLS and stream every source to it (the
+    local SSE server keeps running). Unset = pull only."""
+    eviction_advisor: bool = True
+    """Serve ``continuum.listener.v1.EvictionAdvisor`` (SAECache advice for the engines) on
+    ``grpc_listen``, for the backends of ``sources``."""
+    eviction_advisor_max_blocks: Annotated[int, Field(ge=1, le=100_000_000)] = 1_000_000
+    """Blocks the eviction advisor keeps per backend; past it the lowest-ranked are
+    forgotten."""
 
     @field_validator("listen", "grpc_listen")
     @classmethod
@@ -461,14 +474,8 @@ def check_listener_config(cfg: ListenerConfig) -> list[ConfigIssue]:
     """Cross-field rules: errors the field types cannot express, and warnings."""
     issues: list[ConfigIssue] = []
     if cfg.event_bus is not None:
-        issues.append(
-            ConfigIssue(
-                "error",
-                "event_bus",
-                "push mode (event_bus) is not implemented in this version; remove the section "
-                "and let the router pull GET /events/{backend} from `listen`",
-            )
-        )
+        for path, message in cfg.event_bus.issues("event_bus"):
+            issues.append(ConfigIssue("error", path, message))
     if cfg.grpc_tls is not None and cfg.grpc_listen is None:
         issues.append(ConfigIssue("error", "grpc_tls", "grpc_tls requires grpc_listen"))
     if cfg.grpc_tls is not None:

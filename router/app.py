@@ -13,15 +13,16 @@ import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import orjson
 
 from bus.prefix_key import extract_prefix_key
 
-from .admin import prefix_routing_stats
+from .admin import gemini_context_cache_stats, prefix_routing_stats
 from .anthropic_cache import inject_cache_control, should_inject
 from .cache.response import replay_sse
+from .cache.semantic import SemanticCache
 from .cache.service import CacheLookup, ResponseCacheService
 from .config import RouterConfig
 from .errors import anthropic_error, openai_error
@@ -33,6 +34,7 @@ from .selection import SelectionContext, Selector
 from .upstream import UpstreamClient
 
 if TYPE_CHECKING:
+    from .gemini import GeminiService
     from .kvindex.runtime import KvRuntime
 
 __all__ = ["Router"]
@@ -56,6 +58,7 @@ _NOT_FORWARDED = frozenset(
         "proxy-connection",
         "authorization",
         "x-api-key",
+        "x-goog-api-key",
         "accept-encoding",
         "content-type",
         "expect",
@@ -109,6 +112,10 @@ class Router:
         self.cache: ResponseCacheService | None = None
         if config.response_cache.enabled:
             self.cache = _build_response_cache(config, self.redis_pools, self.metrics)
+            self.cache.policy = config.control_plane.optimization
+            self.cache.semantic = SemanticCache(
+                self.cache.store, self.pool, self.client, config.response_cache.semantic.max_entries
+            )
         self.kv: KvRuntime | None = None
         if config.prefix_routing.enabled and config.kv_cache_index.enabled:
             from .kvindex.runtime import KvRuntime  # Tier 4 only costs when configured
@@ -116,6 +123,16 @@ class Router:
             self.kv = KvRuntime(config, self.metrics.kv_decision, pools=self.redis_pools)
             self.selector.scorer = self.kv.scorer
             self.metrics.attach_kv(self.kv.metrics_snapshot)
+        self.gemini: GeminiService | None = None
+        gcc = config.gemini_context_cache
+        if gcc.enabled or gcc.prefer_native_api:
+            from .gemini import GeminiService  # only costs when configured
+            from .gemini.metrics import GeminiCollector, UsageTotals
+
+            usage = UsageTotals()
+            self.gemini = GeminiService(gcc, self.client, usage.add)
+            gemini = self.gemini
+            self.metrics.registry.register(GeminiCollector(lambda: gemini.cache, usage))
         self._routes = {
             ("POST", "/v1/chat/completions"): self.chat_completions,
             ("POST", "/anthropic/v1/messages"): self.anthropic_messages,
@@ -129,6 +146,8 @@ class Router:
             ("POST", "/admin/kv-index/clear"): self.admin_kv_clear,
             ("GET", "/admin/response-cache/stats"): self.admin_cache_stats,
             ("POST", "/admin/response-cache/invalidate"): self.admin_cache_invalidate,
+            ("GET", "/admin/gemini-context-cache/stats"): self.admin_gemini_stats,
+            ("POST", "/admin/gemini-context-cache/clear"): self.admin_gemini_clear,
         }
 
     # -- lifecycle -----------------------------------------------------------------
@@ -144,6 +163,8 @@ class Router:
             await self.kv.stop()
         if self.cache is not None:
             await self.cache.close()
+        if self.gemini is not None:
+            await self.gemini.close()
         await self.pool.stop()
         await self.client.close()
 
@@ -153,6 +174,9 @@ class Router:
         self.selector.configure(config)
         if self.cache is not None:
             self.cache.config = config.response_cache  # ttl, sizes, enabled: per request
+            self.cache.policy = config.control_plane.optimization
+            if self.cache.semantic is not None:
+                self.cache.semantic.index.resize(config.response_cache.semantic.max_entries)
             resize = getattr(self.cache.store, "resize", None)
             if resize is not None:
                 resize(config.response_cache.capacity)
@@ -242,13 +266,15 @@ class Router:
         if cache is not None:
             lookup = await cache.lookup(body, req.headers, stream)
             if lookup.result == "hit":
-                return self._cache_hit(lookup.body or b"", stream, started)
+                return self._cache_hit(lookup.body or b"", stream, started, lookup.mode)
         resp = await self._route_chat(req, body, model, stream, lookup, started)
         if lookup is not None and lookup.result == "miss":
             resp.headers.append(("x-cache", "MISS"))
         return resp
 
-    def _cache_hit(self, data: bytes, stream: bool, started: float) -> Response | StreamResponse:
+    def _cache_hit(
+        self, data: bytes, stream: bool, started: float, mode: str = "exact"
+    ) -> Response | StreamResponse:
         """A hit never reaches a backend: the stored JSON, or the stored stream replayed."""
         self.metrics.observe("chat", None, 200, time.perf_counter() - started)
         if stream:
@@ -261,7 +287,10 @@ class Router:
                     ("x-cache", "HIT"),
                 ],
             )
-        return Response(200, data, [("content-type", "application/json"), ("x-cache", "HIT")])
+        headers = [("content-type", "application/json"), ("x-cache", "HIT")]
+        if mode == "semantic":
+            headers.append(("x-cache-mode", "semantic"))
+        return Response(200, data, headers)
 
     async def _route_chat(
         self,
@@ -293,11 +322,45 @@ class Router:
             _oai_err,
             self._salt_rewriter(ctx.prefix_key),
         )
-        if lookup is not None and lookup.result == "miss" and lookup.key is not None:
-            assert self.cache is not None
-            spec.store = self.cache.writer(lookup.key)
+        if lookup is not None and lookup.result == "miss" and self.cache is not None:
+            spec.store = self.cache.writer_for(lookup)
             spec.store_limit = self.cache.limit(stream)
+        if self.gemini is not None and any(b.type == "gemini" for b in candidates):
+            err = self._gemini_hooks(spec, body, model, stream)
+            if err is not None:
+                return err
         return await forward(self, spec, candidates, mask, started)
+
+    def _gemini_hooks(
+        self,
+        spec: ForwardSpec,
+        body: dict[str, Any],
+        model: str,
+        stream: bool,
+        dialect: Literal["openai", "anthropic"] = "openai",
+    ) -> Response | None:
+        """Context cache references and the native API for gemini candidates."""
+        from .gemini import TranslationError
+
+        assert self.gemini is not None
+        try:
+            chat = self.gemini.chat(body, model, stream, dialect)
+        except TranslationError as exc:
+            if dialect == "anthropic":
+                return anthropic_error(400, str(exc))
+            return openai_error(400, str(exc), param=exc.param)
+        path_for, headers_for, inner = spec.path_for, spec.headers_for, spec.rewrite
+
+        def rewrite(b: Backend, parsed: dict[str, Any], raw: bytes) -> bytes:
+            if b.type == "gemini":
+                return chat.rewrite(b, parsed, raw)
+            return inner(b, parsed, raw) if inner is not None else raw
+
+        spec.path_for = lambda b: chat.path(b, path_for)
+        spec.headers_for = lambda b: chat.headers(b, headers_for(b))
+        spec.rewrite = rewrite
+        spec.adapter = chat
+        return None
 
     def _salt_rewriter(
         self, key: bytes | None
@@ -382,6 +445,10 @@ class Router:
         if not isinstance(stream, bool):
             return anthropic_error(400, "'stream' must be a boolean")
         candidates, mask = self.pool.candidates(model, "anthropic")
+        via_gemini = False
+        if not candidates and self.gemini is not None:
+            candidates, mask = self._gemini_candidates(model)
+            via_gemini = bool(candidates)
         if not candidates:
             return self._no_candidates(model, "anthropic", _anth_err)
         pr = self.config.prefix_routing
@@ -400,7 +467,19 @@ class Router:
             _anth_err,
             self._anthropic_rewrite,
         )
+        if via_gemini:
+            err = self._gemini_hooks(spec, body, model, stream, "anthropic")
+            if err is not None:
+                return err
         return await forward(self, spec, candidates, mask, started)
+
+    def _gemini_candidates(self, model: str) -> tuple[tuple[Backend, ...], int]:
+        """Gemini backends of ``model``: they answer Anthropic Messages over the native API."""
+        found = tuple(b for b in self.pool.candidates(model, "chat")[0] if b.type == "gemini")
+        mask = 0
+        for b in found:
+            mask |= 1 << b.index
+        return found, mask
 
     # -- plain endpoints -----------------------------------------------------------
 
@@ -472,6 +551,20 @@ class Router:
                 400, 'expected {"clear_all": true} or {"key": "<64 hex cache key>"}'
             )
         return Response(200, orjson.dumps(result), _JSON_HEADERS)
+
+    async def admin_gemini_stats(self, req: Request) -> Response:
+        return Response(200, orjson.dumps(gemini_context_cache_stats(self)), _JSON_HEADERS)
+
+    async def admin_gemini_clear(self, req: Request) -> Response:
+        cache = self.gemini.cache if self.gemini is not None else None
+        if cache is None:
+            body: dict[str, Any] = {
+                "success": False,
+                "error": "Gemini context cache is not enabled",
+            }
+        else:
+            body = {"success": True, "cleared_entries": await cache.clear()}
+        return Response(200, orjson.dumps(body), _JSON_HEADERS)
 
     async def admin_prefix_stats(self, req: Request) -> Response:
         return Response(200, orjson.dumps(prefix_routing_stats(self)), _JSON_HEADERS)

@@ -35,6 +35,11 @@ RESTART_ONLY: tuple[str, ...] = (
     "kv_cache_index",
     "response_cache.backend",
     "response_cache.redis",
+    "gemini_context_cache",
+    "dynamo.event_bus.enabled",
+    "dynamo.event_bus.listen",
+    "dynamo.event_bus.tls",
+    "dynamo.event_bus.max_message_bytes",
 )
 """Sections (or single fields) a reload cannot apply: they own sockets, pools, tasks."""
 """Top-level sections a reload cannot apply (they own sockets and credentials)."""
@@ -119,6 +124,7 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
                 "error", "response_cache.redis", "backend redis requires response_cache.redis"
             )
         )
+    issues.extend(_semantic_cache_issues(cfg))
     if kv.backend == "redis" and cfg.response_cache.redis is None:
         issues.append(
             ConfigIssue(
@@ -170,18 +176,147 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
             issues.append(
                 ConfigIssue("error", f"{path}.endpoint", "transport sse requires endpoint")
             )
-        if src.transport == "event_bus":
+        if src.transport == "event_bus" and src.endpoint is not None:
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    f"{path}.endpoint",
+                    "transport event_bus takes no endpoint (the listener dials the router)",
+                )
+            )
+        if src.transport == "event_bus" and not cfg.dynamo.event_bus.enabled:
             issues.append(
                 ConfigIssue(
                     "error",
                     f"{path}.transport",
-                    "event_bus (push mode) is not implemented in this version; use sse",
+                    "transport event_bus requires dynamo.event_bus.enabled: true",
                 )
             )
+    issues.extend(_event_bus_issues(cfg))
     if not any(b.enabled and not b.internal for b in cfg.backends):
         issues.append(
             ConfigIssue("warning", "backends", "no enabled backend: every request will get 503")
         )
+    return issues
+
+
+_EMBEDDING_TYPES = ("openai", "vllm", "sglang", "gemini")
+
+
+def _semantic_cache_issues(cfg: RouterConfig) -> list[ConfigIssue]:
+    """``response_cache.semantic``: required fields, and a backend that may embed."""
+    sem = cfg.response_cache.semantic
+    path = "response_cache.semantic"
+    issues: list[ConfigIssue] = []
+    if sem.enabled:
+        for field in ("backend", "embedding_model"):
+            if not getattr(sem, field):
+                issues.append(
+                    ConfigIssue(
+                        "error", f"{path}.{field}", f"semantic.enabled requires {path}.{field}"
+                    )
+                )
+    if sem.backend:
+        target = next((b for b in cfg.backends if b.name == sem.backend), None)
+        if target is None:
+            issues.append(
+                ConfigIssue(
+                    "error", f"{path}.backend", f"no backend named {sem.backend!r} in backends"
+                )
+            )
+        elif sem.enabled and not target.enabled:
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    f"{path}.backend",
+                    f"backend {sem.backend!r} has enabled: false; the embeddings backend must "
+                    "be enabled (internal: true is allowed)",
+                )
+            )
+        elif sem.enabled and target.type not in _EMBEDDING_TYPES:
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    f"{path}.backend",
+                    f"backend {sem.backend!r} is of type {target.type}, which serves no "
+                    f"/v1/embeddings (use one of {', '.join(_EMBEDDING_TYPES)})",
+                )
+            )
+    if sem.enabled and not cfg.response_cache.enabled:
+        issues.append(
+            ConfigIssue(
+                "warning",
+                f"{path}.enabled",
+                "the semantic cache requires response_cache.enabled: true; it stays off",
+            )
+        )
+    elif sem.enabled and not cfg.control_plane.optimization.semantic_cache_enabled:
+        issues.append(
+            ConfigIssue(
+                "warning",
+                f"{path}.enabled",
+                "the semantic cache serves only with "
+                "control_plane.optimization.semantic_cache_enabled: true",
+            )
+        )
+    return issues
+
+
+def _event_bus_issues(cfg: RouterConfig) -> list[ConfigIssue]:
+    """``dynamo.event_bus``: TLS material, unique broker ids, a way to authenticate."""
+    bus = cfg.dynamo.event_bus
+    path = "dynamo.event_bus"
+    issues: list[ConfigIssue] = []
+    if not bus.enabled:
+        return issues
+    for field in ("cert", "key"):
+        value = getattr(bus.tls, field)
+        if not value:
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    f"{path}.tls.{field}",
+                    "the event bus is TLS only: tls.cert and tls.key are required",
+                )
+            )
+    for field in ("cert", "key", "client_ca"):
+        value = getattr(bus.tls, field)
+        if value and not Path(value).is_file():
+            issues.append(
+                ConfigIssue("error", f"{path}.tls.{field}", f"file {value!r} does not exist")
+            )
+    seen: dict[str, int] = {}
+    for i, b in enumerate(bus.brokers):
+        if b.id in seen:
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    f"{path}.brokers[{i}].id",
+                    f"duplicate broker id {b.id!r} (first at brokers[{seen[b.id]}])",
+                )
+            )
+        else:
+            seen[b.id] = i
+        if b.token_hash is None and not bus.tls.client_ca:
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    f"{path}.brokers[{i}].token_hash",
+                    "no way to authenticate this entry: set token_hash, or tls.client_ca for "
+                    "client certificates",
+                )
+            )
+    announced = {s for b in bus.brokers if b.role == "kv_listener" for s in b.backends}
+    for i, src in enumerate(cfg.kv_cache_index.event_sources):
+        if src.transport == "event_bus" and src.backend_name not in announced:
+            issues.append(
+                ConfigIssue(
+                    "warning",
+                    f"kv_cache_index.event_sources[{i}].backend_name",
+                    f"no kv_listener broker entry lists {src.backend_name!r} in its backends: "
+                    "no listener may announce it",
+                )
+            )
     return issues
 
 
@@ -207,11 +342,21 @@ def restart_only_changes(old: RouterConfig, new: RouterConfig) -> list[str]:
         a = getattr(old, section).model_dump()
         b = getattr(new, section).model_dump()
         if field:
-            if a.get(field) != b.get(field):
+            for part in field.split("."):  # nested paths: dynamo.event_bus.listen
+                a, b = a.get(part), b.get(part)
+            if a != b:
                 changed.append(path)
         else:
             changed.extend(f"{section}.{k}" for k in a if a[k] != b.get(k))
     return changed
+
+
+def _with_value(model: Any, parts: list[str], value: Any) -> Any:
+    """``model`` with the field at ``parts`` (a nested path) set to ``value``."""
+    if len(parts) == 1:
+        return model.model_copy(update={parts[0]: value})
+    child = getattr(model, parts[0])
+    return model.model_copy(update={parts[0]: _with_value(child, parts[1:], value)})
 
 
 def keep_restart_only(old: RouterConfig, new: RouterConfig) -> RouterConfig:
@@ -221,9 +366,10 @@ def keep_restart_only(old: RouterConfig, new: RouterConfig) -> RouterConfig:
         section, _, field = path.partition(".")
         if field:
             current = update.get(section, getattr(new, section))
-            update[section] = current.model_copy(
-                update={field: getattr(getattr(old, section), field)}
-            )
+            running: Any = getattr(old, section)
+            for part in field.split("."):
+                running = getattr(running, part)
+            update[section] = _with_value(current, field.split("."), running)
         else:
             update[section] = getattr(old, section)
     return new.model_copy(update=update)

@@ -11,20 +11,28 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from bus.config import parse_hostport
+from bus.config import parse_duration, parse_hostport
 
 __all__ = [
     "BACKEND_TYPES",
     "STRATEGIES",
     "BackendConfig",
+    "BrokerConfig",
+    "ControlPlaneConfig",
+    "DynamoConfig",
+    "EventBusConfig",
+    "EventBusTlsConfig",
     "EventSourceConfig",
+    "GeminiContextCacheConfig",
     "HealthCheckConfig",
     "KvCacheIndexConfig",
+    "OptimizationPolicyConfig",
     "PrefixRoutingConfig",
     "RedisConfig",
     "ResponseCacheConfig",
     "RouterConfig",
     "ScoringConfig",
+    "SemanticCacheConfig",
     "ServerConfig",
     "StorageOffloadingConfig",
     "parse_hostport",
@@ -199,18 +207,38 @@ class RedisConfig(_Section):
         return v
 
 
-_DURATION_RE = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d)?\s*$")
-_UNIT_S = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+class SemanticCacheConfig(_Section):
+    """Tier 2's semantic path: answer a paraphrase of an earlier question from the cache.
 
+    Serves only when ``control_plane.optimization`` allows it too. Every field
+    hot-reloads (the vector index is per router and in memory).
+    """
 
-def parse_duration(value: str | int | float) -> float:
-    """``"5m"``, ``"30s"``, ``"250ms"``, ``"1h"`` or a number of seconds, in seconds."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    m = _DURATION_RE.match(str(value))
-    if not m:
-        raise ValueError(f'expected a duration like "5m", "30s" or "1h", got {value!r}')
-    return int(m.group(1)) * _UNIT_S[m.group(2)]
+    enabled: bool = False
+    backend: str | None = None
+    """Name of the configured backend serving ``embedding_model`` (``internal: true``
+    allowed, ``enabled: false`` refused); required when enabled."""
+    embedding_model: str | None = None
+    """Model asked for on ``POST /v1/embeddings``; required when enabled."""
+    threshold: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    """Cosine similarity at or above which a stored answer is served; unset =
+    ``control_plane.optimization.semantic_similarity_bps`` / 10000."""
+    max_entries: Annotated[int, Field(ge=1, le=1_000_000)] = 1000
+    """Vectors kept in the router's index (all partitions); the oldest go first."""
+    ttl: str | None = None
+    """Entry lifetime (``"5m"``...); unset = ``response_cache.ttl``. A policy's
+    ``cache_ttl_secs`` wins over both."""
+    embedding_timeout_ms: Annotated[int, Field(ge=100, le=60_000)] = 2000
+    """Deadline of the embeddings call; past it the request is a plain miss."""
+    max_input_bytes: Annotated[int, Field(ge=1, le=1 << 20)] = 8192
+    """A last user message longer than this (UTF-8 bytes) skips the semantic path."""
+
+    @field_validator("ttl")
+    @classmethod
+    def _ttl(cls, v: str | None) -> str | None:
+        if v is not None and not 1 <= parse_duration(v) <= 30 * 86400:
+            raise ValueError("must be between 1s and 30d")
+        return v
 
 
 class ResponseCacheConfig(_Section):
@@ -228,6 +256,7 @@ class ResponseCacheConfig(_Section):
     max_stream_buffer_size: Annotated[int, Field(ge=1, le=1 << 30)] = 10 << 20
     """Largest stream buffered for storing (bytes); a longer stream is passed through only."""
     redis: RedisConfig | None = None
+    semantic: SemanticCacheConfig = Field(default_factory=SemanticCacheConfig)
 
     @field_validator("ttl")
     @classmethod
@@ -300,6 +329,152 @@ class KvCacheIndexConfig(_Section):
     """Environment variable holding that secret."""
 
 
+class GeminiContextCacheConfig(_Section):
+    """Router-managed Gemini ``cachedContents`` for large, reused system prompts.
+
+    Google bills cached tokens per token-hour of storage and enforces a per-model minimum
+    token count, so this only pays for big prefixes reused often: off by default, short
+    ttl. Restart-only (it owns a map and background tasks).
+    """
+
+    enabled: bool = False
+    """Off: no map is allocated and no background task runs."""
+    min_prefix_bytes: Annotated[int, Field(ge=1024)] = 16384
+    """Smallest system prompt (UTF-8 bytes) worth a cache; the router does not tokenize,
+    so this approximates Google's per-model minimum token count."""
+    ttl: str = "10m"
+    """Lifetime given to each created cachedContents resource (at least 60 s)."""
+    extend_on_hit: bool = False
+    """On a hit with at most 20% of the ttl left, PATCH the resource's ttl in the background."""
+    max_entries: Annotated[int, Field(ge=10, le=1_000_000)] = 1000
+    """Tracked entries (live and rejected) before the least recently used is evicted."""
+    create_timeout_ms: Annotated[int, Field(ge=500, le=60_000)] = 5000
+    """Deadline of one background ``POST /v1beta/cachedContents``."""
+    negative_ttl_seconds: Annotated[int, Field(ge=1)] = 600
+    """How long a prefix Google rejected (HTTP 400, or a failed create) is not retried."""
+    prefer_native_api: bool = False
+    """Send chat completions for gemini backends to ``generateContent`` /
+    ``streamGenerateContent`` instead of ``/v1beta/openai/chat/completions``."""
+
+    @field_validator("ttl")
+    @classmethod
+    def _ttl(cls, v: str) -> str:
+        if parse_duration(v) < 60:
+            raise ValueError("must be at least 60s")
+        return v
+
+    @property
+    def ttl_seconds(self) -> int:
+        return int(parse_duration(self.ttl))
+
+
+class OptimizationPolicyConfig(_Section):
+    """The caching policy a control plane would hand the router, kept locally.
+
+    A stand-in for an organisation's hub policy: per-request switches, hot-reloaded.
+    """
+
+    semantic_cache_enabled: bool = False
+    """The router's own switch for the semantic path (``response_cache.semantic``)."""
+    cache_enabled: bool = True
+    """Response caching at all: off, every chat completion is a BYPASS."""
+    exact_cache: bool = True
+    """Exact-match lookups and stores; the semantic path needs it on as well."""
+    semantic_cache: bool = True
+    """The policy's semantic switch (both this and ``semantic_cache_enabled``)."""
+    semantic_similarity_bps: Annotated[int, Field(ge=0, le=10_000)] = 9200
+    """Similarity threshold in basis points, used when ``semantic.threshold`` is unset."""
+    cache_ttl_secs: Annotated[int, Field(ge=1, le=30 * 86400)] | None = None
+    """Semantic entry lifetime; wins over ``semantic.ttl`` and ``response_cache.ttl``."""
+
+
+class ControlPlaneConfig(_Section):
+    optimization: OptimizationPolicyConfig = Field(default_factory=OptimizationPolicyConfig)
+
+
+_SHA256_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
+_BROKER_ID_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?$")
+_SOURCE_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class EventBusTlsConfig(_Section):
+    """TLS of the event bus. The bus never serves plaintext: cert and key are required."""
+
+    cert: str | None = None
+    """PEM file: the server certificate chain (SANs for every name listeners dial)."""
+    key: str | None = None
+    """PEM file: its private key."""
+    client_ca: str | None = None
+    """PEM file of CAs; when set, client certificates are requested and verified, and a
+    certificate with a DNS SAN equal to a broker entry ``id`` authenticates as that entry."""
+
+
+class BrokerConfig(_Section):
+    """One credential allowed on the event bus (``dynamo.event_bus.brokers[]``)."""
+
+    id: str
+    """Entry id: a listener's ``event_bus.client_id``, and the DNS SAN of its mTLS client
+    certificate."""
+    role: Literal["kv_listener", "broker"]
+    """What the credential may open; roles never cross."""
+    token_hash: str | None = None
+    """``sha256:<64 lowercase hex>`` of the bearer token (``printf %s "$TOKEN" | sha256sum``);
+    unset = mTLS client certificate only."""
+    backends: list[str] = Field(default_factory=list)
+    """The only sources (router backend names) this credential may announce."""
+
+    @field_validator("id")
+    @classmethod
+    def _id(cls, v: str) -> str:
+        if not _BROKER_ID_RE.match(v):
+            raise ValueError("must be a DNS label-like id ([A-Za-z0-9.-], 1-64 characters)")
+        return v
+
+    @field_validator("token_hash")
+    @classmethod
+    def _token_hash(cls, v: str | None) -> str | None:
+        if v is not None and not _SHA256_HASH_RE.match(v):
+            raise ValueError('must be "sha256:" followed by 64 lowercase hex digits')
+        return v
+
+    @field_validator("backends")
+    @classmethod
+    def _backends(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not _SOURCE_ID_RE.match(name):
+                raise ValueError(f"{name!r} is not a source id ([A-Za-z0-9_-], 1-64 characters)")
+        return v
+
+
+class EventBusConfig(_Section):
+    """Push mode: listeners dial the router's gRPC ``continuum.bus.v1.EventBus`` over TLS.
+
+    ``enabled``, ``listen`` and ``tls`` are restart-only; ``brokers`` reload at once (a
+    session whose announced sources are no longer permitted ends with Forbidden).
+    """
+
+    enabled: bool = False
+    listen: str = "0.0.0.0:9443"
+    """``host:port`` of the TLS-only gRPC server (port 0 picks a free port)."""
+    tls: EventBusTlsConfig = Field(default_factory=EventBusTlsConfig)
+    brokers: list[BrokerConfig] = Field(default_factory=list)
+    max_message_bytes: Annotated[int, Field(ge=64 * 1024, le=64 << 20)] = 4 << 20
+    """Largest gRPC message accepted; a larger StreamData ends that call with
+    RESOURCE_EXHAUSTED."""
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        parse_hostport(v)
+        return v
+
+
+class DynamoConfig(_Section):
+    """Distributed-runtime integrations; today the event bus."""
+
+    event_bus: EventBusConfig = Field(default_factory=EventBusConfig)
+
+
 class RouterConfig(_Section):
     """The whole router config file."""
 
@@ -309,4 +484,7 @@ class RouterConfig(_Section):
     health_check: HealthCheckConfig = Field(default_factory=HealthCheckConfig)
     prefix_routing: PrefixRoutingConfig = Field(default_factory=PrefixRoutingConfig)
     response_cache: ResponseCacheConfig = Field(default_factory=ResponseCacheConfig)
+    control_plane: ControlPlaneConfig = Field(default_factory=ControlPlaneConfig)
     kv_cache_index: KvCacheIndexConfig = Field(default_factory=KvCacheIndexConfig)
+    dynamo: DynamoConfig = Field(default_factory=DynamoConfig)
+    gemini_context_cache: GeminiContextCacheConfig = Field(default_factory=GeminiContextCacheConfig)
