@@ -1,0 +1,162 @@
+"""The listener's ingestion pipeline in one process: decode -> chain tracker -> event hub.
+
+``ingest_bench`` measures the real processes (ZMQ, SSE, the event loop) but its figures move
+with whatever else runs on the machine. This one takes the same salted burst the judged
+``ingest_bench`` variants publish, keeps the frames in memory, and times each stage over
+them against ``msgpack.unpackb`` of the same frames (the bare loop's decode) in the same run:
+
+* ``unpack``  ``msgpack.unpackb`` only (the baseline);
+* ``decode``  ``listener.decode.decode_batch``;
+* ``full``    decode, ``ChainTracker.apply`` (salt MAC per chain, every block keyed, pruning
+  at ``max_tracked_blocks``), flushes as the listener does them (once per run of
+  ``--drain`` batches), ``EventHub.publish`` and one subscriber drained.
+
+For figures that other jobs cannot disturb, count instructions instead of seconds (the
+difference of two runs removes the start-up and the frame generation)::
+
+    valgrind --tool=callgrind --callgrind-out-file=/dev/null \\
+        .venv/bin/python -m bench.ingest_pipeline_bench --once full --batches 6000
+    (the same with --batches 0; instructions per event = difference / (6000 x 8))
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from bench._table import render_table
+from bench.ingest_bench import SALT_SECRET, _SaltingEncoder
+
+FORMATS = {"M": "vllm-0.33", "A": "vllm-0.23.0"}
+
+
+class _Capture:
+    """Stands in for the sim's ZMQ publisher: keeps the payloads."""
+
+    is_open = True
+
+    def __init__(self) -> None:
+        self.frames: list[bytes] = []
+        self.seq = 0
+
+    def publish(self, payload: bytes) -> int:
+        self.frames.append(payload)
+        self.seq += 1
+        return self.seq - 1
+
+
+def make_frames(fmt: str, batches: int, prefixes: int) -> list[bytes]:
+    """The salted burst of ``ingest_bench`` (8 events per batch, chains of 64 blocks)."""
+    from bench.sim.kv_events import KvEventHub
+    from bench.sim.kv_wire import get_format
+    from bench.sim.tokenizer import SimpleTokenizer
+
+    cap = _Capture()
+    hub = KvEventHub(
+        block_size=16,
+        fmt=get_format(fmt),
+        publisher=cap,  # type: ignore[arg-type]
+        sample_ids=SimpleTokenizer().sample_ids,
+    )
+    hub.encoder = _SaltingEncoder(hub.encoder, SALT_SECRET, "sim", prefixes, 1)
+    asyncio.run(hub.burst(batches, 8))
+    return cap.frames
+
+
+def _stage(name: str, frames: list[bytes], drain: int) -> Callable[[], int]:
+    """A closure that runs one stage over all frames and returns the events seen."""
+    from listener.chains import ChainTracker
+    from listener.decode import decode_batch
+    from listener.recovery import Attributor
+    from listener.stream import EventHub
+    from listener.templates import CHATML
+
+    if name == "unpack":
+
+        def unpack() -> int:
+            return sum(len(msgpack.unpackb(p)[1]) for p in frames)
+
+        return unpack
+    if name == "decode":
+
+        def decode() -> int:
+            return sum(len(decode_batch(p, "vllm").events) for p in frames)
+
+        return decode
+
+    def full() -> int:
+        attributor = Attributor(model="", template=CHATML, backend="sim", salt_secret=SALT_SECRET)
+        hub = EventHub(history_size=10_000, queue_size=1_000_000)
+        tracker = ChainTracker("sim", lambda ev: hub.publish("sim", ev), attributor)
+        hub.add_backend("sim", tracker.snapshot)
+        sub = hub.subscribe("sim", None)
+        n = 0
+        for i, p in enumerate(frames):
+            batch = decode_batch(p, "vllm")
+            n += len(batch.events)
+            tracker.apply(batch, flush=False)
+            if i % drain == drain - 1:
+                tracker.flush()
+                sub.ready(1 << 20)
+        tracker.flush()
+        sub.ready(1 << 20)
+        return n
+
+    return full
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batches", type=int, default=25_000, help="batches of 8 events (25000)")
+    p.add_argument("--formats", nargs="+", default=["M", "A"], choices=sorted(FORMATS))
+    p.add_argument("--prefixes", type=int, default=0, help="0: a new prefix per chain")
+    p.add_argument("--drain", type=int, default=65, help="batches per flush (65)")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--once", choices=["unpack", "decode", "full"], help="one run, no table")
+    args = p.parse_args(argv)
+
+    if args.once:
+        frames = make_frames(FORMATS[args.formats[0]], args.batches, args.prefixes)
+        if frames:
+            _stage(args.once, frames, args.drain)()
+        return 0
+
+    rows: list[list[Any]] = []
+    for fmt in args.formats:
+        print(f"generating {args.batches} salted batches ({FORMATS[fmt]})...", file=sys.stderr)
+        frames = make_frames(FORMATS[fmt], args.batches, args.prefixes)
+        times: dict[str, list[float]] = {"unpack": [], "decode": [], "full": []}
+        events = 0
+        for r in range(args.repeats):
+            for name in times:  # interleaved: a slow moment hits every stage alike
+                run = _stage(name, frames, args.drain)
+                t0 = time.process_time()
+                events = run()
+                times[name].append(time.process_time() - t0)
+            print(f"  round {r + 1}/{args.repeats}", file=sys.stderr)
+        base = statistics.median(times["unpack"]) / events * 1e6
+        for name, ts in times.items():
+            us = statistics.median(ts) / events * 1e6
+            rows.append([FORMATS[fmt], name, f"{us:.2f}", f"{us / base:.2f}x", f"{1e6 / us:,.0f}"])
+    print(
+        f"\ningestion pipeline in one process: {args.batches} batches x 8 block events, salted "
+        f"chains of 64 blocks, flush every {args.drain} batches; CPU time, medians of "
+        f"{args.repeats} interleaved rounds\n"
+    )
+    print(
+        render_table(
+            ["format", "stage", "us/event", "vs unpack", "events/s (one core)"], rows, left=2
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
