@@ -11,18 +11,20 @@ them against ``msgpack.unpackb`` of the same frames (the bare loop's decode) in 
   at ``max_tracked_blocks``), flushes as the listener does them (once per run of
   ``--drain`` batches), ``EventHub.publish`` and one subscriber drained.
 
-For figures that other jobs cannot disturb, count instructions instead of seconds (the
-difference of two runs removes the start-up and the frame generation)::
+For figures that other jobs cannot disturb, count instructions instead of seconds; the
+difference from a run that only generates the frames (``--once none``) is the stage's cost::
 
     valgrind --tool=callgrind --callgrind-out-file=/dev/null \\
-        .venv/bin/python -m bench.ingest_pipeline_bench --once full --batches 6000
-    (the same with --batches 0; instructions per event = difference / (6000 x 8))
+        .venv/bin/python -m bench.ingest_pipeline_bench --once full --batches 6000 \\
+        --max-tracked-blocks 20000
+    (the same with --once none; instructions per event = difference / (6000 x 8))
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import statistics
 import sys
 import time
@@ -33,6 +35,11 @@ import msgpack
 
 from bench._table import render_table
 from bench.ingest_bench import SALT_SECRET, _SaltingEncoder
+from listener.chains import ChainTracker
+from listener.decode import decode_batch
+from listener.recovery import Attributor
+from listener.stream import EventHub
+from listener.templates import CHATML
 
 FORMATS = {"M": "vllm-0.33", "A": "vllm-0.23.0"}
 
@@ -67,17 +74,17 @@ def make_frames(fmt: str, batches: int, prefixes: int) -> list[bytes]:
     )
     hub.encoder = _SaltingEncoder(hub.encoder, SALT_SECRET, "sim", prefixes, 1)
     asyncio.run(hub.burst(batches, 8))
+    # As the listener does at start (listener.cli): what exists now is out of the cyclic
+    # GC's reach, so the generator's objects do not weigh on the stages measured.
+    gc.collect()
+    gc.freeze()
     return cap.frames
 
 
-def _stage(name: str, frames: list[bytes], drain: int) -> Callable[[], int]:
+def _stage(
+    name: str, frames: list[bytes], drain: int, max_tracked_blocks: int = 100_000
+) -> Callable[[], int]:
     """A closure that runs one stage over all frames and returns the events seen."""
-    from listener.chains import ChainTracker
-    from listener.decode import decode_batch
-    from listener.recovery import Attributor
-    from listener.stream import EventHub
-    from listener.templates import CHATML
-
     if name == "unpack":
 
         def unpack() -> int:
@@ -94,7 +101,12 @@ def _stage(name: str, frames: list[bytes], drain: int) -> Callable[[], int]:
     def full() -> int:
         attributor = Attributor(model="", template=CHATML, backend="sim", salt_secret=SALT_SECRET)
         hub = EventHub(history_size=10_000, queue_size=1_000_000)
-        tracker = ChainTracker("sim", lambda ev: hub.publish("sim", ev), attributor)
+        tracker = ChainTracker(
+            "sim",
+            lambda ev: hub.publish("sim", ev),
+            attributor,
+            max_tracked_blocks=max_tracked_blocks,
+        )
         hub.add_backend("sim", tracker.snapshot)
         sub = hub.subscribe("sim", None)
         n = 0
@@ -119,13 +131,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefixes", type=int, default=0, help="0: a new prefix per chain")
     p.add_argument("--drain", type=int, default=65, help="batches per flush (65)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--once", choices=["unpack", "decode", "full"], help="one run, no table")
+    p.add_argument(
+        "--max-tracked-blocks",
+        type=int,
+        default=100_000,
+        help="the tracker's bound (100000); lower it so that short runs reach pruning",
+    )
+    p.add_argument(
+        "--once",
+        choices=["none", "unpack", "decode", "full"],
+        help="one run of one stage, no table (none: only generate the frames)",
+    )
     args = p.parse_args(argv)
 
     if args.once:
         frames = make_frames(FORMATS[args.formats[0]], args.batches, args.prefixes)
-        if frames:
-            _stage(args.once, frames, args.drain)()
+        if args.once != "none":
+            _stage(args.once, frames, args.drain, args.max_tracked_blocks)()
         return 0
 
     rows: list[list[Any]] = []
@@ -136,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         events = 0
         for r in range(args.repeats):
             for name in times:  # interleaved: a slow moment hits every stage alike
-                run = _stage(name, frames, args.drain)
+                run = _stage(name, frames, args.drain, args.max_tracked_blocks)
                 t0 = time.process_time()
                 events = run()
                 times[name].append(time.process_time() - t0)
