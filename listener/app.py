@@ -209,8 +209,30 @@ class ListenerApp:
             servicer = ListenerServicer(self.hub, self.cfg.sources, self.stats)
             extra = []
             if self.cfg.eviction_advisor:
+                predictor = None
+                if self.cfg.session_predictor is not None:
+                    from listener.saecache.predictor import load_predictor
+
+                    # torch's import and the model load take a second or two: off the loop.
+                    try:
+                        predictor = await asyncio.to_thread(
+                            load_predictor, self.cfg.session_predictor
+                        )
+                    except (ImportError, ValueError, RuntimeError) as exc:
+                        # OSError (what the CLI reports as "cannot start") with the reason:
+                        # torch missing, or not a model file.
+                        raise OSError(
+                            f"session_predictor {self.cfg.session_predictor!r}: {exc}"
+                        ) from exc
+                    log.info(
+                        "session predictor %s: %d parameters",
+                        self.cfg.session_predictor,
+                        predictor.parameters,
+                    )
                 self.advisor = EvictionAdvisor(
-                    self.sources, max_blocks=self.cfg.eviction_advisor_max_blocks
+                    self.sources,
+                    max_blocks=self.cfg.eviction_advisor_max_blocks,
+                    predictor=predictor,
                 )
                 extra.append(functools.partial(advisor_to_server, self.advisor))
             self.grpc = GrpcServer(servicer, self.cfg.grpc_tls, extra)

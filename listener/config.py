@@ -333,6 +333,11 @@ class ListenerConfig(_Section):
     eviction_advisor_max_blocks: Annotated[int, Field(ge=1, le=100_000_000)] = 1_000_000
     """Blocks the eviction advisor keeps per backend; past it the lowest-ranked are
     forgotten."""
+    session_predictor: str | None = None
+    """Model file of the SAECache session predictor (``python -m listener.saecache.train``;
+    needs torch). The eviction advisor then classifies a new session whose first
+    REQUEST_STARTED carries ``features`` and no class guess. Unset: the engine's guess or
+    the rule-based default."""
 
     @field_validator("listen", "grpc_listen")
     @classmethod
@@ -485,6 +490,23 @@ def check_listener_config(cfg: ListenerConfig) -> list[ConfigIssue]:
                 issues.append(
                     ConfigIssue("error", f"grpc_tls.{field}", f"file {value!r} does not exist")
                 )
+    if cfg.session_predictor is not None:
+        if not cfg.eviction_advisor or cfg.grpc_listen is None:
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    "session_predictor",
+                    "session_predictor requires eviction_advisor and grpc_listen",
+                )
+            )
+        if not Path(cfg.session_predictor).is_file():
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    "session_predictor",
+                    f"file {cfg.session_predictor!r} does not exist",
+                )
+            )
     if cfg.salt_secret_file is not None and not Path(cfg.salt_secret_file).is_file():
         issues.append(
             ConfigIssue(

@@ -25,6 +25,7 @@ from bus._gen.continuum.listener.v1 import eviction_advisor_pb2 as pb
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2_grpc as pb_grpc
 
 from .policy import SaeCache, SaeConfig
+from .predictor import Predictor
 from .types import SessionClass, TokenType
 
 __all__ = [
@@ -81,6 +82,8 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         backends: the valid backend names (the listener's sources).
         max_blocks: blocks kept per backend.
         config: the SAECache configuration of every backend's state.
+        predictor: the session predictor (``listener.saecache.predictor``): classifies a
+            new session whose REQUEST_STARTED carries ``features`` and no class guess.
     """
 
     def __init__(
@@ -89,9 +92,12 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         *,
         max_blocks: int = 1_000_000,
         config: SaeConfig | None = None,
+        predictor: Predictor | None = None,
     ) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be positive")
+        self.predictor = predictor
+        self.predictions = 0
         self._cfg = config if config is not None else SaeConfig()
         self._names = tuple(backends)
         self._backends: dict[str, _Backend] = {}
@@ -126,7 +132,7 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
                 await context.abort(grpc.StatusCode.NOT_FOUND, self._unknown(req.backend))
             assert b is not None
             try:
-                _validate(req.events)
+                _validate(req.events, self.predictor)
             except _InvalidArgument as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             before = b.forgotten
@@ -144,7 +150,7 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
                 b.now = now
             kind = ev.kind
             if kind == pb.BLOCK_EVENT_KIND_REQUEST_STARTED:
-                c.begin_request(ev.session_id, now, _CLASSES.get(ev.session_class, 0))
+                c.begin_request(ev.session_id, now, self._session_class(c, ev))
             elif kind == pb.BLOCK_EVENT_KIND_INSERTED:
                 c.insert(
                     ev.block_hash,
@@ -171,6 +177,19 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
                 c.clear()
                 break
             b.forgotten += 1
+
+    def _session_class(self, c: SaeCache, ev: pb.BlockEvent) -> SessionClass:
+        """The engine's guess, else the predictor's for a new session with features."""
+        guess = _CLASSES.get(ev.session_class, SessionClass.UNKNOWN)
+        if (
+            guess == SessionClass.UNKNOWN
+            and self.predictor is not None
+            and ev.features
+            and c.session_class(ev.session_id) is None
+        ):
+            self.predictions += 1
+            return self.predictor.classify(ev.features, ev.tools)
+        return guess
 
     # -- RankVictims ----------------------------------------------------------------------
 
@@ -202,7 +221,7 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         return pb.RankVictimsResponse(block_hashes=order)  # type: ignore[arg-type]
 
 
-def _validate(events: Iterable[pb.BlockEvent]) -> None:
+def _validate(events: Iterable[pb.BlockEvent], predictor: Predictor | None = None) -> None:
     n = 0
     for i, ev in enumerate(events):
         n += 1
@@ -221,6 +240,14 @@ def _validate(events: Iterable[pb.BlockEvent]) -> None:
             raise _InvalidArgument(f"events[{i}]: parent_hash longer than {MAX_HASH_BYTES} bytes")
         if not math.isfinite(ev.timestamp) or ev.timestamp < 0:
             raise _InvalidArgument(f"events[{i}]: timestamp must be a non-negative number")
+        if ev.features and predictor is not None:
+            if len(ev.features) != predictor.input_dim:
+                raise _InvalidArgument(
+                    f"events[{i}]: {len(ev.features)} features; the session predictor "
+                    f"takes {predictor.input_dim}"
+                )
+            if not all(math.isfinite(x) for x in ev.features):
+                raise _InvalidArgument(f"events[{i}]: features must be finite numbers")
 
 
 def add_to_server(advisor: EvictionAdvisor, server: grpc.aio.Server) -> str:

@@ -321,6 +321,11 @@ class SaeCache:
 
     # -- sessions ---------------------------------------------------------------------
 
+    def session_class(self, session: Hashable) -> SessionClass | None:
+        """The class a known session routes by; None for a session not seen (or expired)."""
+        s = self._sessions.get(session)
+        return None if s is None else s.cls
+
     def begin_request(
         self, session: Hashable, now: float, hint: SessionClass = SessionClass.UNKNOWN
     ) -> SessionClass:

@@ -162,3 +162,46 @@ async def test_bad_input_gets_clear_status_codes(advisor) -> None:
         listener_pb2.SourcesRequest(), timeout=10
     )
     assert [s.backend_name for s in sources.sources] == ["engine-1"]
+
+
+async def test_a_listener_with_a_session_predictor_classifies_over_grpc(tmp_path: Path) -> None:
+    """``session_predictor`` in the config: the listener process loads the model file at
+    start and its advisor takes REQUEST_STARTED ``features``; a vector of the wrong size is
+    INVALID_ARGUMENT with the expected size."""
+    torch = pytest.importorskip("torch")
+    from listener.saecache.predictor import FEATURES, HIDDEN, build_mlp, text_features
+
+    model = tmp_path / "predictor.pt"
+    mlp = build_mlp(FEATURES, HIDDEN)
+    torch.save({"input_dim": FEATURES, "hidden": HIDDEN, "state_dict": mlp.state_dict()}, model)
+    target = f"127.0.0.1:{free_port()}"
+    config = {
+        "listen": "127.0.0.1:0",
+        "grpc_listen": target,
+        "session_predictor": str(model),
+        "sources": [
+            {
+                "backend_name": "engine-1",
+                "engine": "vllm",
+                "zmq_endpoint": f"tcp://127.0.0.1:{free_port()}",
+            }
+        ],
+    }
+    listener = await ListenerProc(config, tmp_path / "listener.yaml").start()
+    try:
+        assert "session predictor" in listener.log_path.read_text()
+        async with grpc.aio.insecure_channel(target) as channel:
+            stub = pb_grpc.EvictionAdvisorStub(channel)
+            features = text_features("sys", "hello there", 2, False)
+            started = _ev(
+                pb.BLOCK_EVENT_KIND_REQUEST_STARTED, session_id="s", timestamp=1.0,
+                features=features,
+            )  # fmt: skip
+            reply = await _observe(stub, [started])
+            assert reply.events_applied == 1
+            short = _ev(pb.BLOCK_EVENT_KIND_REQUEST_STARTED, session_id="t", features=features[:10])
+            code, detail = await _code(_observe(stub, [short]))
+            assert code == grpc.StatusCode.INVALID_ARGUMENT
+            assert "10 features; the session predictor takes 72" in detail
+    finally:
+        assert await listener.stop() == 0, listener.log_path.read_text()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import random
 import subprocess
@@ -10,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from bus._gen.continuum.listener.v1 import eviction_advisor_pb2 as pb
 from listener.saecache import SessionClass
+from listener.saecache.advisor import EvictionAdvisor, _InvalidArgument, _validate
 from listener.saecache.predictor import FEATURES, load_predictor, text_features
 from listener.saecache.train import main as train_main
 
@@ -35,11 +39,20 @@ def _write(path: Path, n: int, seed: int = 0) -> None:
             fh.write(json.dumps({"x": x, "y": int(y)}) + "\n")
 
 
-def test_train_save_load_and_classify(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    data, model = tmp_path / "s.jsonl", tmp_path / "m.pt"
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """A model trained once for the module, and what the trainer printed."""
+    tmp = tmp_path_factory.mktemp("predictor")
+    data, model = tmp / "s.jsonl", tmp / "m.pt"
     _write(data, 400)
-    assert train_main(["--data", str(data), "--out", str(model), "--epochs", "8"]) == 0
-    out = capsys.readouterr().out
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert train_main(["--data", str(data), "--out", str(model), "--epochs", "8"]) == 0
+    return model, out.getvalue()
+
+
+def test_train_save_load_and_classify(trained: tuple[Path, str]) -> None:
+    model, out = trained
     assert "held-out accuracy" in out and "parameters 84737" in out
     pred = load_predictor(model)
     assert pred.parameters == 84737 <= 1_000_000
@@ -74,3 +87,70 @@ def test_listener_does_not_import_torch() -> None:
         "assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def _started(session: str, features: list[float], **kw: object) -> pb.BlockEvent:
+    return pb.BlockEvent(
+        kind=pb.BLOCK_EVENT_KIND_REQUEST_STARTED,
+        session_id=session,
+        timestamp=1.0,
+        features=features,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def test_the_advisor_classifies_new_sessions_with_the_loaded_model(
+    trained: tuple[Path, str],
+) -> None:
+    """A new session's REQUEST_STARTED with features and no class guess is routed by the
+    predictor; an engine's own guess, a known session and no features are left alone."""
+    advisor = EvictionAdvisor(["e1"], predictor=load_predictor(trained[0]))
+    cont = text_features("sys", "please continue the story 0.5", 2, False)
+    stop = text_features("sys", "translate this: 0.5", 2, False)
+    events = [
+        _started("a", cont),
+        _started("b", stop),
+        _started("c", cont, tools=True),
+        _started("d", stop, session_class=pb.SESSION_CLASS_CHAT),
+        _started("e", []),
+    ]
+    _validate(events, advisor.predictor)
+    backend = advisor._backend("e1")
+    assert backend is not None
+    advisor.apply(backend, events)
+    cache = advisor.cache("e1")
+    assert cache is not None
+    got = {s: cache.session_class(s) for s in "abcde"}
+    assert got == {
+        "a": SessionClass.CHAT,
+        "b": SessionClass.SINGLE,
+        "c": SessionClass.AGENT,
+        "d": SessionClass.CHAT,  # the engine's guess wins
+        "e": SessionClass.UNKNOWN,  # nothing to predict from
+    }
+    assert advisor.predictions == 3
+    advisor.apply(backend, [_started("b", cont)])  # a returning session: multi-turn now
+    assert advisor.predictions == 3
+
+
+def test_features_of_the_wrong_size_are_invalid_argument(trained: tuple[Path, str]) -> None:
+    advisor = EvictionAdvisor(["e1"], predictor=load_predictor(trained[0]))
+    with pytest.raises(_InvalidArgument, match="5 features; the session predictor takes 72"):
+        _validate([_started("a", [0.0] * 5)], advisor.predictor)
+    with pytest.raises(_InvalidArgument, match="finite"):
+        _validate([_started("a", [float("nan")] * FEATURES)], advisor.predictor)
+    _validate([_started("a", [0.0] * 5)], None)  # no predictor: features are not used
+
+
+def test_listener_config_checks_the_model_file(tmp_path: Path) -> None:
+    from listener.config import ConfigError, parse_listener_config
+
+    base = {"listen": "127.0.0.1:0", "grpc_listen": "127.0.0.1:0", "sources": []}
+    with pytest.raises(ConfigError) as err:
+        parse_listener_config({**base, "session_predictor": str(tmp_path / "missing.pt")})
+    assert any(i.path == "session_predictor" for i in err.value.issues)
+    with pytest.raises(ConfigError) as err:
+        parse_listener_config(
+            {**base, "grpc_listen": None, "session_predictor": str(tmp_path / "m.pt")}
+        )
+    assert any("requires eviction_advisor and grpc_listen" in i.message for i in err.value.issues)

@@ -51,7 +51,7 @@ BLOCK_EVENT_KIND_RELEASED: BlockEventKind
 BLOCK_EVENT_KIND_REMOVED: BlockEventKind
 
 class BlockEvent(_message.Message):
-    __slots__ = ("kind", "block_hash", "parent_hash", "session_id", "token_type", "offset", "timestamp", "session_class")
+    __slots__ = ("kind", "block_hash", "parent_hash", "session_id", "token_type", "offset", "timestamp", "session_class", "features", "tools")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,8 @@ class BlockEvent(_message.Message):
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     TIMESTAMP_FIELD_NUMBER: _ClassVar[int]
     SESSION_CLASS_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     kind: BlockEventKind
     block_hash: bytes
     parent_hash: bytes
@@ -68,7 +70,9 @@ class BlockEvent(_message.Message):
     offset: int
     timestamp: float
     session_class: SessionClass
-    def __init__(self, kind: _Optional[_Union[BlockEventKind, str]] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., session_id: _Optional[str] = ..., token_type: _Optional[_Union[TokenType, str]] = ..., offset: _Optional[int] = ..., timestamp: _Optional[float] = ..., session_class: _Optional[_Union[SessionClass, str]] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[float]
+    tools: bool
+    def __init__(self, kind: _Optional[_Union[BlockEventKind, str]] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., session_id: _Optional[str] = ..., token_type: _Optional[_Union[TokenType, str]] = ..., offset: _Optional[int] = ..., timestamp: _Optional[float] = ..., session_class: _Optional[_Union[SessionClass, str]] = ..., features: _Optional[_Iterable[float]] = ..., tools: _Optional[bool] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
     __slots__ = ("backend", "events")
