@@ -102,3 +102,32 @@ def render_table(headers: Sequence[str], rows: Sequence[Sequence[Any]], left: in
 
     sep = "  ".join("-" * w for w in widths)
     return "\n".join([line(cells[0]), sep, *(line(r) for r in cells[1:])])
+
+
+def print_results(
+    results: Sequence[dict[str, Any]], digits: dict[str, int], json_path: str | None = None
+) -> None:
+    """The judged-results table shared by the store benchmarks, its verdict line and the
+    optional ``--json`` dump. Each result has case, value, unit, min, max, ratio (NaN when
+    it has no baseline), target (or None) and pass (None when not judged)."""
+    import json
+
+    rows = [
+        [
+            r["case"],
+            fmt_float(r["value"], digits.get(r["unit"], 3)),
+            r["unit"],
+            fmt_float(r["min"], digits.get(r["unit"], 3)),
+            fmt_float(r["max"], digits.get(r["unit"], 3)),
+            fmt_float(r["ratio"], 2) + ("x" if r["ratio"] == r["ratio"] else ""),
+            r["target"] or "-",
+            verdict(r["pass"]),
+        ]
+        for r in results
+    ]
+    print(render_table(["case", "median", "unit", "min", "max", "ratio", "target", ""], rows))
+    judged = [r for r in results if r["pass"] is not None]
+    print(f"\nall targets: {verdict(all(r['pass'] for r in judged))} ({len(judged)} judged)")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"results": list(results)}, f, indent=2)

@@ -218,26 +218,11 @@ def feeder_role(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Capture:
-    """Stands in for the PUB socket while the burst code encodes a run's batches."""
-
-    is_open = True
-
-    def __init__(self) -> None:
-        self.seq = 0
-        self.payloads: list[bytes] = []
-
-    def publish(self, payload: bytes) -> int:
-        self.payloads.append(payload)
-        self.seq += 1
-        return self.seq - 1
-
-
 def paced_role(args: argparse.Namespace) -> int:
     """Salted engine events at a fixed rate; ``warm`` = one event, ``go`` = the paced run,
     which prints the monotonic send time of each batch."""
     from bench.ingest_bench import _SaltingEncoder
-    from bench.sim.kv_events import KvEventHub, ZmqPublisher
+    from bench.sim.kv_events import CapturePublisher, KvEventHub, ZmqPublisher
     from bench.sim.kv_wire import get_format
     from bench.sim.tokenizer import SimpleTokenizer
 
@@ -265,7 +250,7 @@ def paced_role(args: argparse.Namespace) -> int:
                     batches = int(args.rate * args.seconds / per)
                     # Encode every batch first (the burst code, into a list), then send
                     # them on a fixed schedule through the real PUB socket.
-                    capture = _Capture()
+                    capture = CapturePublisher()
                     hub.publisher = capture  # type: ignore[assignment]
                     await hub.burst(batches, per, chain_blocks=per)  # a chain per batch
                     hub.publisher = pub

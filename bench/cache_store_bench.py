@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
-import json
 import os
 import random
 import sys
@@ -48,7 +47,7 @@ from router.cache import (
 from router.config.models import RedisConfig
 from router.kvindex import RedisPools
 
-from ._table import fmt_float, median, paired_ratio, render_table, time_interleaved, verdict
+from ._table import median, paired_ratio, print_results, time_interleaved
 
 MEMORY_TARGET_US = 1.0
 REDIS_TARGET_RATIO = 1.3
@@ -294,25 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"{args.loops} calls"
     )
     print(f"{redis_note}; ratio = paired, vs the baseline row above it\n")
-    rows = [
-        [
-            r["case"],
-            fmt_float(r["value"], 3),
-            r["unit"],
-            fmt_float(r["min"], 3),
-            fmt_float(r["max"], 3),
-            fmt_float(r["ratio"], 2) + ("x" if r["ratio"] == r["ratio"] else ""),
-            r["target"] or "-",
-            verdict(r["pass"]),
-        ]
-        for r in results
-    ]
-    print(render_table(["case", "median", "unit", "min", "max", "ratio", "target", ""], rows))
-    judged = [r for r in results if r["pass"] is not None]
-    print(f"\nall targets: {verdict(all(r['pass'] for r in judged))} ({len(judged)} judged)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"results": results}, f, indent=2)
+    print_results(results, {}, args.json)
     return 0
 
 

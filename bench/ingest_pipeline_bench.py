@@ -44,28 +44,13 @@ from listener.templates import CHATML
 FORMATS = {"M": "vllm-0.33", "A": "vllm-0.23.0"}
 
 
-class _Capture:
-    """Stands in for the sim's ZMQ publisher: keeps the payloads."""
-
-    is_open = True
-
-    def __init__(self) -> None:
-        self.frames: list[bytes] = []
-        self.seq = 0
-
-    def publish(self, payload: bytes) -> int:
-        self.frames.append(payload)
-        self.seq += 1
-        return self.seq - 1
-
-
 def make_frames(fmt: str, batches: int, prefixes: int) -> list[bytes]:
     """The salted burst of ``ingest_bench`` (8 events per batch, chains of 64 blocks)."""
-    from bench.sim.kv_events import KvEventHub
+    from bench.sim.kv_events import CapturePublisher, KvEventHub
     from bench.sim.kv_wire import get_format
     from bench.sim.tokenizer import SimpleTokenizer
 
-    cap = _Capture()
+    cap = CapturePublisher()
     hub = KvEventHub(
         block_size=16,
         fmt=get_format(fmt),
@@ -78,7 +63,7 @@ def make_frames(fmt: str, batches: int, prefixes: int) -> list[bytes]:
     # GC's reach, so the generator's objects do not weigh on the stages measured.
     gc.collect()
     gc.freeze()
-    return cap.frames
+    return cap.payloads
 
 
 def _stage(

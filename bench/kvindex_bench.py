@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import gc
 import itertools
-import json
 import os
 import random
 import sys
@@ -41,7 +40,7 @@ from bus.events import KvEvent
 from router.config.models import RedisConfig, StorageOffloadingConfig
 from router.kvindex import InMemoryKvIndex, RedisKvIndex, Tier, apply_event, build_redis
 
-from ._table import fmt_float, median, paired_ratio, render_table, time_interleaved, verdict
+from ._table import median, paired_ratio, print_results, time_interleaved
 
 QUERY_TARGET_US = 20.0
 EVENTS_TARGET_PER_S = 100_000.0
@@ -379,25 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(f"{redis_note}; ratio = vs the baseline row above it (bytes: vs dict[str, int])\n")
     digits = {"us/call": 3, "events/s": 0, "B/entry": 1}
-    rows = [
-        [
-            r["case"],
-            fmt_float(r["value"], digits[r["unit"]]),
-            r["unit"],
-            fmt_float(r["min"], digits[r["unit"]]),
-            fmt_float(r["max"], digits[r["unit"]]),
-            fmt_float(r["ratio"], 2) + ("x" if r["ratio"] == r["ratio"] else ""),
-            r["target"] or "-",
-            verdict(r["pass"]),
-        ]
-        for r in results
-    ]
-    print(render_table(["case", "median", "unit", "min", "max", "ratio", "target", ""], rows))
-    judged = [r for r in results if r["pass"] is not None]
-    print(f"\nall targets: {verdict(all(r['pass'] for r in judged))} ({len(judged)} judged)")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"results": results}, f, indent=2)
+    print_results(results, digits, args.json)
     return 0
 
 

@@ -128,7 +128,7 @@ class SourceRuntime:
                             backend=self.name,
                         ),
                         decode=decode_batch,
-                        on_batch=self._on_zmq_batch,
+                        on_batch=functools.partial(self._on_batch, flush=False),
                         on_resync=self._on_resync,
                         on_drained=self.tracker.flush,
                     )
@@ -137,16 +137,11 @@ class SourceRuntime:
     def _emit(self, ev: KvEvent) -> None:
         self.hub.publish(self.name, ev)
 
-    def _on_batch(self, batch: EventBatch, dp_rank: int | None) -> None:
+    def _on_batch(self, batch: EventBatch, dp_rank: int | None, flush: bool = True) -> None:
+        """``flush=False`` for ZMQ sources: they flush once per drained backlog."""
         if batch.dp_rank is None and dp_rank is not None:
             batch.dp_rank = dp_rank
-        self.tracker.apply(batch)
-
-    def _on_zmq_batch(self, batch: EventBatch, dp_rank: int | None) -> None:
-        """As ``_on_batch``; prefix events are flushed once per drained backlog."""
-        if batch.dp_rank is None and dp_rank is not None:
-            batch.dp_rank = dp_rank
-        self.tracker.apply(batch, flush=False)
+        self.tracker.apply(batch, flush=flush)
 
     def _on_resync(self, reason: str) -> None:
         """The engine restarted or events were lost: forget, then tell subscribers."""

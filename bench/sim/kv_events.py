@@ -63,6 +63,7 @@ from .prefix_cache import BlockHasher, StoredBlock
 
 __all__ = [
     "END_SEQ",
+    "CapturePublisher",
     "KvEventHub",
     "TrtllmQueue",
     "ZmqPublisher",
@@ -101,6 +102,22 @@ def offset_endpoint(endpoint: str, rank: int | None) -> str:
         if sep and port.isdigit():
             return f"{base}:{int(port) + rank}"
     return endpoint
+
+
+class CapturePublisher:
+    """Stands in for :class:`ZmqPublisher` where batches are wanted as bytes: the burst
+    code encodes into ``payloads`` (benchmarks that replay them later or in-process)."""
+
+    is_open = True
+
+    def __init__(self) -> None:
+        self.seq = 0
+        self.payloads: list[bytes] = []
+
+    def publish(self, payload: bytes) -> int:
+        self.payloads.append(payload)
+        self.seq += 1
+        return self.seq - 1
 
 
 class ZmqPublisher:
