@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,9 @@ from .test_listener_e2e import ListenerProc
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def advisor(tmp_path: Path) -> AsyncIterator[tuple[pb_grpc.EvictionAdvisorStub, Any]]:
+async def advisor(
+    tmp_path: Path,
+) -> AsyncIterator[tuple[pb_grpc.EvictionAdvisorStub, Any, str]]:
     target = f"127.0.0.1:{free_port()}"
     config = {
         "listen": "127.0.0.1:0",
@@ -36,7 +39,7 @@ async def advisor(tmp_path: Path) -> AsyncIterator[tuple[pb_grpc.EvictionAdvisor
     listener = await ListenerProc(config, tmp_path / "listener.yaml").start()
     try:
         async with grpc.aio.insecure_channel(target) as channel:
-            yield pb_grpc.EvictionAdvisorStub(channel), channel
+            yield pb_grpc.EvictionAdvisorStub(channel), channel, target
     finally:
         assert await listener.stop() == 0, listener.log_path.read_text()
 
@@ -74,7 +77,7 @@ async def _observe(stub: pb_grpc.EvictionAdvisorStub, *batches: list[pb.BlockEve
 
 
 async def test_observe_then_rank(advisor) -> None:
-    stub, _ = advisor
+    stub, _, _ = advisor
     chat = _request("s1", [b"a", b"b", b"c"], 1.0, pb.TOKEN_TYPE_USER)
     cot = _request("s2", [b"cot"], 2.0, pb.TOKEN_TYPE_REASONING)
     reply = await _observe(stub, chat, cot)
@@ -108,7 +111,7 @@ async def _code(call: Any) -> tuple[grpc.StatusCode, str]:
 
 
 async def test_bad_input_gets_clear_status_codes(advisor) -> None:
-    stub, channel = advisor
+    stub, channel, _ = advisor
     rank = stub.RankVictims
     code, detail = await _code(
         rank(pb.RankVictimsRequest(backend="nope", candidate_hashes=[b"a"], n=1), timeout=10)
@@ -205,3 +208,33 @@ async def test_a_listener_with_a_session_predictor_classifies_over_grpc(tmp_path
             assert "10 features; the session predictor takes 72" in detail
     finally:
         assert await listener.stop() == 0, listener.log_path.read_text()
+
+
+async def test_the_engine_simulator_evicts_through_the_advisor(advisor) -> None:
+    """``bench.sim --eviction-advisor``'s client against the real listener: the engine's
+    cache events reach the advisor, and its LRU head is reordered by the advisor's ranking
+    (a chain's deepest block first, never a parent before its cached child)."""
+    from bench.saecache.advisor_client import AdvisedEviction, _h
+    from bench.sim.prefix_cache import PrefixCache
+
+    stub, _, target = advisor
+    cache = PrefixCache(block_size=4, capacity_blocks=8)
+    client = AdvisedEviction(target, "engine-1", window=8)
+    client.attach(cache)
+    try:
+        tokens = list(range(24))  # 6 blocks, one chain: more than half the capacity
+        cached, _ = cache.lookup_and_insert(tokens)
+        client.prefilled(tokens, None, cached, "sess-1")
+        async with asyncio.timeout(10):
+            while client.ranked == 0:  # noqa: ASYNC110 - the client has no completion hook
+                await asyncio.sleep(0.01)
+        chain = [_h(h) for h in cache.block_hashes(tokens)]
+        assert client.moved >= 1
+        assert _h(next(iter(cache._blocks))) == chain[-1]  # evicted first: the chain's tail
+        ranked = await stub.RankVictims(
+            pb.RankVictimsRequest(backend="engine-1", candidate_hashes=chain, n=len(chain)),
+            timeout=10,
+        )
+        assert list(ranked.block_hashes) == chain[::-1]  # what the advisor observed
+    finally:
+        client.close()

@@ -233,10 +233,22 @@ async def test_redis_killed_mid_traffic_never_fails_a_request(start_router, sims
                 )
                 assert r.http_response.status_code == 200
 
+        def series(metrics: str, name: str) -> dict[str, float]:
+            return {
+                line.split(" ")[0]: float(line.split(" ")[1])
+                for line in metrics.splitlines()
+                if line.startswith(name + "{")
+            }
+
         await burst("before")
+        latency = series(await router.metrics(), "continuum_cache_redis_latency_seconds_count")
+        assert latency.get('continuum_cache_redis_latency_seconds_count{operation="get"}', 0) > 0
+        assert latency.get('continuum_cache_redis_latency_seconds_count{operation="set"}', 0) > 0
         server.kill()
         await burst("during")  # no request fails while Redis is gone
         assert await fallback_gauge() == 1.0
+        errors = series(await router.metrics(), "continuum_cache_redis_errors_total")
+        assert errors and sum(errors.values()) >= 1, errors
         server.start()
         for _ in range(100):
             await burst("after")
