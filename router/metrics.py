@@ -164,7 +164,7 @@ def _event_bus_metrics(bus: dict[str, Any]) -> Iterator[Any]:
     yield GaugeMetricFamily(
         "continuum_event_bus_open_sessions",
         "Listener sessions open on the event bus.",
-        bus["sessions"],
+        len(bus["sessions"]),
     )
     sessions = CounterMetricFamily(
         "continuum_event_bus_sessions",

@@ -154,12 +154,7 @@ class KvRuntime:
         """Sync view for the Prometheus collector (index figures refreshed by the sweep)."""
         snap: dict[str, Any] = {"consumers": self._consumer_stats(), "index": self._index_snapshot}
         if self.event_bus is not None:
-            bus = self.event_bus
-            snap["event_bus"] = {
-                **bus.counters,
-                "stream_closes": dict(bus.stream_closes),
-                "sessions": len(bus.sessions),
-            }
+            snap["event_bus"] = self.event_bus.stats()
         return snap
 
     def _consumer_stats(self) -> dict[str, dict[str, Any]]:
