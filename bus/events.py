@@ -41,9 +41,12 @@ EVENT_KINDS: frozenset[str] = frozenset(
 Tier = Literal["gpu", "storage"]
 TIERS: frozenset[str] = frozenset(("gpu", "storage"))
 _PREFIXED = frozenset(("cache_created", "cache_evicted", "cache_offloaded"))
-_HEX64 = re.compile(r"^[0-9a-f]{64}$")
-BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_HEX64 = re.compile(r"[0-9a-f]{64}\Z")  # \Z, not $: "$" also matches before a final LF
+BACKEND_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 _MAX_TOKENS = 1 << 40
+_MAX_VALID_BACKENDS = 4096
+_valid_backends: set[str] = set()
+"""Backend names already checked against ``BACKEND_NAME_RE``: a stream repeats one name."""
 
 
 class EventError(ValueError):
@@ -86,29 +89,50 @@ class KvEvent:
             obj = orjson.loads(data)
         except orjson.JSONDecodeError as exc:
             raise EventError(f"not JSON: {exc}") from None
-        if not isinstance(obj, dict):
+        if type(obj) is not dict:
             raise EventError("event must be a JSON object")
-        kind = event_field or obj.get("event")
-        if kind not in EVENT_KINDS:
+        get = obj.get
+        kind = event_field or get("event")
+        # ``type(x) is str`` before set membership: a JSON array is unhashable.
+        if type(kind) is not str or kind not in EVENT_KINDS:
             raise EventError(f"unknown event kind {kind!r}")
-        be = backend if backend is not None else obj.get("backend")
-        if not isinstance(be, str) or not BACKEND_NAME_RE.match(be):
-            raise EventError(f"invalid backend {be!r}")
-        prefix = obj.get("prefix_hash")
+        be = backend if backend is not None else get("backend")
+        if type(be) is not str or be not in _valid_backends:
+            if type(be) is not str or not BACKEND_NAME_RE.match(be):
+                raise EventError(f"invalid backend {be!r}")
+            if len(_valid_backends) < _MAX_VALID_BACKENDS:
+                _valid_backends.add(be)
+        prefix = get("prefix_hash")
         if kind in _PREFIXED:
-            if not isinstance(prefix, str) or not _HEX64.match(prefix):
+            if type(prefix) is not str or not _HEX64.match(prefix):
                 raise EventError("prefix_hash must be 64 lowercase hex characters")
         else:
             prefix = None
-        count = obj.get("token_count")
-        if count is not None and (
-            not isinstance(count, int) or isinstance(count, bool) or not 0 <= count < _MAX_TOKENS
-        ):
+        count = get("token_count")
+        if count is not None and (type(count) is not int or not 0 <= count < _MAX_TOKENS):
             raise EventError("token_count must be a non-negative integer")
-        tier = obj.get("tier")
-        if tier is not None and tier not in TIERS:
+        tier = get("tier")
+        if tier is not None and (type(tier) is not str or tier not in TIERS):
             raise EventError(f"unknown tier {tier!r}")
-        reason = obj.get("reason")
-        if reason is not None and not isinstance(reason, str):
+        reason = get("reason")
+        if reason is not None and type(reason) is not str:
             reason = None
-        return cls(kind, be, prefix, count, tier, reason)
+        # What the frozen dataclass's __init__ does, at half its cost (slot descriptors
+        # instead of object.__setattr__ per field): this runs once per event in the router.
+        ev = _new(cls)
+        _set_event(ev, kind)
+        _set_backend(ev, be)
+        _set_prefix_hash(ev, prefix)
+        _set_token_count(ev, count)
+        _set_tier(ev, tier)
+        _set_reason(ev, reason)
+        return ev
+
+
+_new = object.__new__
+_set_event = KvEvent.event.__set__  # type: ignore[attr-defined]
+_set_backend = KvEvent.backend.__set__  # type: ignore[attr-defined]
+_set_prefix_hash = KvEvent.prefix_hash.__set__  # type: ignore[attr-defined]
+_set_token_count = KvEvent.token_count.__set__  # type: ignore[attr-defined]
+_set_tier = KvEvent.tier.__set__  # type: ignore[attr-defined]
+_set_reason = KvEvent.reason.__set__  # type: ignore[attr-defined]

@@ -70,11 +70,11 @@ log = logging.getLogger("continuum.listener.config")
 Engine = Literal["vllm", "sglang", "trtllm"]
 ENGINES: tuple[str, ...] = ("vllm", "sglang", "trtllm")
 
-BACKEND_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+BACKEND_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}\Z")
 """A source id: the router's backend name, a metric label and a URL path segment."""
 
-_ZMQ_TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})$")
-_ZMQ_NAMED_RE = re.compile(r"^(?:ipc|inproc)://\S+$")
+_ZMQ_TCP_RE = re.compile(r"^tcp://(?P<host>\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):(?P<port>\d{1,5})\Z")
+_ZMQ_NAMED_RE = re.compile(r"^(?:ipc|inproc)://\S+\Z")
 _HOSTNAME_RE = re.compile(
     r"^(?=.{1,253}$)(?:[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.)*"
     r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?\.?$"

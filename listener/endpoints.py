@@ -26,7 +26,7 @@ __all__ = [
 SCHEMES = ("tcp://", "ipc://", "inproc://")
 _SCHEMES = SCHEMES
 logger = logging.getLogger("continuum.listener.endpoints")
-_HOSTNAME = re.compile(r"^(?=.{1,253}$)[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?$")
+_HOSTNAME = re.compile(r"^(?=.{1,253}\Z)[A-Za-z0-9_](?:[A-Za-z0-9_.-]*[A-Za-z0-9_])?\Z")
 
 
 class PublisherNotAllowedError(ValueError):

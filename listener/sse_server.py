@@ -45,7 +45,7 @@ _SSE_HEADERS = {
     "Cache-Control": "no-cache",
     "X-Accel-Buffering": "no",  # nginx: do not buffer the stream
 }
-_STAT_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,63}$")
+_STAT_NAME_RE = re.compile(r"^[a-z_][a-z0-9_]{0,63}\Z")
 
 
 def _error(status: int, message: str, type_: str) -> web.Response:

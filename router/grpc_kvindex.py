@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["SERVICE_NAME", "KvIndexServicer"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvIndex"].full_name
-_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
+_HEX64 = re.compile(r"[0-9a-fA-F]{64}\Z")
 _TIERS = {Tier.GPU_HOT: pb.TIER_GPU_HOT, Tier.STORAGE_WARM: pb.TIER_STORAGE_WARM}
 
 

@@ -16,7 +16,7 @@ from bus.config import parse_duration
 
 __all__ = ["EventBusClientConfig"]
 
-_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?$")
+_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?\Z")
 
 
 def _duration(lo: float, hi: float) -> Any:

@@ -58,7 +58,7 @@ STRATEGIES: tuple[str, ...] = (
     "PrefixAwareHash",
 )
 
-_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}\Z")
 
 
 class _Section(BaseModel):
@@ -392,9 +392,9 @@ class ControlPlaneConfig(_Section):
     optimization: OptimizationPolicyConfig = Field(default_factory=OptimizationPolicyConfig)
 
 
-_SHA256_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}$")
-_BROKER_ID_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?$")
-_SOURCE_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_SHA256_HASH_RE = re.compile(r"^sha256:[0-9a-f]{64}\Z")
+_BROKER_ID_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?\Z")
+_SOURCE_ID_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 
 
 class EventBusTlsConfig(_Section):

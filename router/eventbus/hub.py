@@ -54,7 +54,7 @@ __all__ = ["CLOSE_REASONS", "BusSession", "EventBusHub", "NoSession", "StreamSlo
 
 log = logging.getLogger("continuum.eventbus")
 
-_SOURCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_SOURCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 _ROLES = {"kv_listener": pb.ROLE_KV_LISTENER, "broker": pb.ROLE_BROKER}
 
 CLOSE_REASONS: dict[int, str] = {

@@ -43,8 +43,8 @@ __all__ = [
 
 OPENAI_CHAT_PATH = "/v1beta/openai/chat/completions"
 CACHED_CONTENTS_PATH = "/v1beta/cachedContents"
-_NAME_RE = re.compile(r"^cachedContents/[A-Za-z0-9_.-]{1,128}$")
-_TS_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?(Z|[+-]\d{2}:\d{2})$")
+_NAME_RE = re.compile(r"^cachedContents/[A-Za-z0-9_.-]{1,128}\Z")
+_TS_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?(Z|[+-]\d{2}:\d{2})\Z")
 
 
 def model_id(model: str) -> str:

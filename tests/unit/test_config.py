@@ -45,6 +45,7 @@ def test_defaults_are_the_seeds() -> None:
         ({"server": {"grpc_listen": "host:99999"}}, "server.grpc_listen"),
         ({"backends": [{"name": "a", "url": "ftp://x"}]}, "backends[0].url"),
         ({"backends": [{"name": "bad name", "url": "http://x"}]}, "backends[0].name"),
+        ({"backends": [{"name": "trailing-lf\n", "url": "http://x"}]}, "backends[0].name"),
         ({"backends": [{"name": "a", "url": "http://x", "type": "tgi"}]}, "backends[0].type"),
         ({"backends": [{"name": "a", "url": "http://x", "weight": 0}]}, "backends[0].weight"),
         ({"backends": [{"url": "http://x"}]}, "backends[0].name"),

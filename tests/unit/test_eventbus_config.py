@@ -80,6 +80,8 @@ def test_the_bus_is_tls_only_and_entries_need_a_credential(tmp_path: Path) -> No
     [
         ({"token_hash": "a" * 64}, "token_hash", 'must be "sha256:"'),
         ({"token_hash": "sha256:" + "A" * 64}, "token_hash", "lowercase hex"),
+        ({"token_hash": "sha256:" + "a" * 64 + "\n"}, "token_hash", "lowercase hex"),
+        ({"id": "kv-a\n"}, "id", "DNS label-like"),
         ({"role": "admin"}, "role", "'kv_listener' or 'broker'"),
         ({"id": "has space"}, "id", "DNS label-like"),
         ({"backends": ["bad/name"]}, "backends", "not a source id"),
@@ -173,6 +175,7 @@ def test_listener_section(tmp_path: Path) -> None:
         ({"credential_env": None}, "event_bus", "no credential"),
         ({"drain_deadline": "soon"}, "event_bus.drain_deadline", "duration"),
         ({"client_id": "a b"}, "event_bus.client_id", "DNS label-like"),
+        ({"client_id": "kv-a\n"}, "event_bus.client_id", "DNS label-like"),
     ],
 )
 def test_listener_errors(bus: dict[str, Any], path: str, text: str) -> None:

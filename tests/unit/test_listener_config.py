@@ -167,6 +167,8 @@ def test_chat_template_forms() -> None:
 def test_backend_names_allow_no_dots_and_at_most_64_chars() -> None:
     assert "sources[0].backend_name" in errors({"sources": [vllm(backend_name="a.b")]})
     assert "sources[0].backend_name" in errors({"sources": [vllm(backend_name="a" * 65)]})
+    # "$" would accept a final LF; names end up in URLs, metrics labels and logs.
+    assert "sources[0].backend_name" in errors({"sources": [vllm(backend_name="a\n")]})
     parse_listener_config({"sources": [vllm(backend_name="A_b-" + "c" * 60)]})
 
 
