@@ -13,7 +13,7 @@ from the last event ID, so a hostile or broken peer cannot grow memory without b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 __all__ = [
     "MAX_SSE_BUFFER_SIZE",
@@ -26,13 +26,18 @@ __all__ = [
 
 MAX_SSE_BUFFER_SIZE = 1 << 20
 
+_MAX_EVENT_NAMES = 64
+_event_names: dict[bytes, str] = {}
+"""Decoded ``event:`` values: a handful of kinds, seen once per record."""
+
 
 class SseOverflow(Exception):
     """A line or a record exceeded the cap; the stream must be dropped."""
 
 
-@dataclass(frozen=True, slots=True)
-class SseRecord:
+class SseRecord(NamedTuple):
+    """One dispatched record (a tuple: built once per event on the router's hot path)."""
+
     data: bytes
     event: str | None = None
     id: str | None = None
@@ -56,15 +61,23 @@ def encode_comment(text: str = "") -> bytes:
     return b": " + text.encode() + b"\n\n" if text else b":\n\n"
 
 
+_new_record = tuple.__new__  # NamedTuple's own __new__ is Python code: 3x slower
+
+
 class SseParser:
-    """Incremental parser: ``feed`` bytes as they arrive, get complete records back."""
+    """Incremental parser: ``feed`` bytes as they arrive, get complete records back.
+
+    Cost matters here: the router parses every KV event of every backend with it. A chunk
+    without CR (what our listener sends) is split into lines by one ``bytes.split`` in C;
+    only a chunk with CR, or one following a chunk that ended in CR, takes the general
+    line scanner. Both feed the same line loop (:meth:`_lines`).
+    """
 
     __slots__ = (
         "_buf",
         "_data",
         "_data_len",
         "_event",
-        "_has_data",
         "_pending_cr",
         "last_id",
         "max",
@@ -74,16 +87,39 @@ class SseParser:
         self.max = max_size
         self.last_id = last_id
         self._buf = bytearray()
+        """The unfinished last line (never holds a CR: a CR ends a line)."""
         self._data: list[bytes] = []
+        """The ``data`` lines of the record in progress; non-empty = it has data."""
         self._data_len = 0
-        self._has_data = False
         self._event: str | None = None
         self._pending_cr = False
 
     def feed(self, chunk: bytes) -> list[SseRecord]:
-        out: list[SseRecord] = []
+        """Parse ``chunk``; return the records it completes, in order.
+
+        Raises:
+            SseOverflow: a line or one record's data exceeded ``max``; the stream must be
+                dropped (records completed earlier in this chunk are not returned).
+        """
         if not chunk:
-            return out
+            return []
+        buf = self._buf
+        if self._pending_cr or b"\r" in chunk:
+            lines = self._split_any(chunk)
+        else:
+            if buf:
+                buf += chunk
+                lines = bytes(buf).split(b"\n")
+            else:
+                lines = chunk.split(b"\n")
+            buf[:] = lines.pop()
+        if len(buf) > self.max:
+            buf.clear()
+            raise SseOverflow(f"SSE line longer than {self.max} bytes")
+        return self._lines(lines)
+
+    def _split_any(self, chunk: bytes) -> list[bytes]:
+        """Complete lines ending in LF, CRLF or CR; the unfinished rest stays in ``_buf``."""
         buf = self._buf
         if self._pending_cr:
             # A CR ended the previous chunk: an LF right here belongs to it.
@@ -91,6 +127,7 @@ class SseParser:
             if chunk[:1] == b"\n":
                 chunk = chunk[1:]
         buf += chunk
+        lines: list[bytes] = []
         start = 0
         n = len(buf)
         while start < n:
@@ -106,40 +143,58 @@ class SseParser:
                 end, nxt = lf, lf + 1
             else:
                 break
-            self._line(bytes(buf[start:end]), out)
+            lines.append(bytes(buf[start:end]))
             start = nxt
         del buf[:start]
-        if len(buf) > self.max:
-            buf.clear()
-            raise SseOverflow(f"SSE line longer than {self.max} bytes")
-        return out
+        return lines
 
-    def _line(self, line: bytes, out: list[SseRecord]) -> None:
-        if not line:
-            if self._has_data:
-                out.append(SseRecord(b"\n".join(self._data), self._event, self.last_id))
-            self._data = []
-            self._data_len = 0
-            self._has_data = False
-            self._event = None
-            return
-        if line[0] == 0x3A:  # ':' comment
-            return
-        field, sep, value = line.partition(b":")
-        if sep and value[:1] == b" ":
-            value = value[1:]
-        if field == b"data":
-            self._data_len += len(value) + 1
-            if self._data_len > self.max:
-                self._data = []
-                self._data_len = 0
-                self._has_data = False
-                raise SseOverflow(f"SSE record data larger than {self.max} bytes")
-            self._data.append(value)
-            self._has_data = True
-        elif field == b"event":
-            self._event = value.decode("utf-8", "replace")
-        elif field == b"id":
-            if b"\x00" not in value:
-                self.last_id = value.decode("utf-8", "replace")
-        # "retry" and unknown fields are ignored
+    def _lines(self, lines: list[bytes]) -> list[SseRecord]:
+        out: list[SseRecord] = []
+        append = out.append
+        cap = self.max
+        names = _event_names
+        # The record in progress lives in locals for the loop (attribute access per line
+        # would cost more than the parsing) and goes back into ``self`` at the end.
+        data = self._data
+        data_len = self._data_len
+        event = self._event
+        last_id = self.last_id
+        try:
+            for line in lines:
+                if not line:
+                    if data:
+                        value = data[0] if len(data) == 1 else b"\n".join(data)
+                        append(_new_record(SseRecord, (value, event, last_id)))
+                        data = []
+                        data_len = 0
+                    event = None
+                    continue
+                if line[0] == 0x3A:  # ':' comment
+                    continue
+                field, sep, value = line.partition(b":")
+                if sep and value[:1] == b" ":
+                    value = value[1:]
+                if field == b"data":
+                    data_len += len(value) + 1
+                    if data_len > cap:
+                        data = []
+                        data_len = 0
+                        self._buf.clear()
+                        raise SseOverflow(f"SSE record data larger than {cap} bytes")
+                    data.append(value)
+                elif field == b"event":
+                    event = names.get(value)
+                    if event is None:
+                        event = value.decode("utf-8", "replace")
+                        if len(names) < _MAX_EVENT_NAMES:
+                            names[value] = event
+                elif field == b"id":
+                    if b"\x00" not in value:
+                        last_id = value.decode("utf-8", "replace")
+                # "retry" and unknown fields are ignored
+        finally:
+            self._data = data
+            self._data_len = data_len
+            self._event = event
+            self.last_id = last_id
+        return out

@@ -11,11 +11,11 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from bus.events import KvEvent
 from bus.salt import encode_salt, load_secret
 
 from ..config import RouterConfig
@@ -62,8 +62,10 @@ class KvRuntime:
                 [s.backend_name for s in kv.event_sources if s.transport == "event_bus"],
                 certificates=bool(bus.tls.client_ca),
             )
+        # ``kv_cache_index`` is restart-only, so the offloading settings are bound once.
+        apply = functools.partial(apply_event, self.index, offloading=kv.storage_offloading)
         self.consumers = KvEventConsumerManager(
-            kv.event_sources, self._apply, stream_opener_factory=self._stream_opener
+            kv.event_sources, apply, stream_opener_factory=self._stream_opener
         )
         self.salt_secret: bytes | None = None
         if kv.salt_secret_file or kv.salt_secret_env:
@@ -116,9 +118,6 @@ class KvRuntime:
                 log.exception("KV index cleanup failed")
 
     # -- events and decisions ------------------------------------------------------
-
-    async def _apply(self, ev: KvEvent) -> str:
-        return await apply_event(self.index, ev, self.config.storage_offloading)
 
     def _decision(self, decision: str, tier: str, score: float | None) -> None:
         self.queries += 1
