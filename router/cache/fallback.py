@@ -1,32 +1,33 @@
 """Redis with an automatic in-memory fallback: a request never fails because Redis did.
 
-States (``fallback_active``):
+The switching itself (``fallback_active``, one engage per outage, the monitor task that
+PINGs Redis every ``monitor_interval_s``, ``try_recover``, ``on_state_change`` on every
+switch) is the shared :class:`~router.redis_fallback.FallbackSupervisor`, explained
+there. What is the response cache's own:
 
-* **Redis** (False): every operation goes to the primary ``RedisCacheStore``. The first one
-  that raises ``CacheUnavailable`` (connection refused or reset, the client's command or
-  connect timeout, read-only replica, OOM, loading) switches to *fallback* and is itself
-  answered there. Any other ``CacheStoreError`` is a miss (get), a no-op (set) or False
-  (delete) for that one operation and switches nothing.
-* **Fallback** (True): reads and writes go to the ``InMemoryCacheStore`` only (entries
+* **What switches**: an operation that raises ``CacheUnavailable`` (connection refused or
+  reset, the client's command or connect timeout, read-only replica, OOM, loading) engages
+  the fallback and is itself answered there. Any other ``CacheStoreError`` is a miss (get),
+  a no-op (set) or False (delete) for that one operation and switches nothing; during a
+  recovery attempt any ``CacheStoreError`` means Redis is still down.
+* **During the outage**: reads and writes go to the ``InMemoryCacheStore`` only (entries
   live at most its ``default_ttl``, the ``fallback_ttl_seconds``), or, without one, every
   get misses and every write is dropped; Redis is not touched at all, so a Redis that hangs
-  costs one timeout, not one per request. ``on_state_change(True)`` is called and a
-  monitor task PINGs Redis every ``monitor_interval_s``.
-
-Switching back: when a PING answers, a ``clear`` made during the outage is applied to
-Redis first; then the memory fallback is emptied and ``fallback_active`` turns False, with
-no ``await`` between the applied clear and the flag, so nothing lands between the two
-stores, and ``on_state_change(False)`` is called. The keys deleted during the outage (Redis
-may still hold them) are then deleted from Redis in the background, in batches, and until
-a key's delete has reached Redis a ``get`` of it is a miss without asking Redis, so an
-invalidated entry is never served again. (Applying them before the switch could livelock:
-deletes may keep arriving faster than they are applied.) A ``set`` of such a key wins
-over the pending delete, which may still drop the new value: a miss, never stale data.
-Writes made during the outage are not copied to Redis: they are cache fills, and losing
-one costs a miss; keeping them in memory would let them go stale behind a later
-invalidation made in Redis by another instance. More than ``max_pending_deletes`` deletes
-during one outage turn into one ``clear`` of the prefix on recovery (a cache may always
-forget more than asked).
+  costs one timeout, not one per request.
+* **Replay, before switching back**: a ``clear`` made during the outage is applied to
+  Redis; the switch back then empties the memory fallback, with no ``await`` between the
+  applied clear and the flag, so nothing lands between the two stores.
+* **After switching back** (the monitor's ``settle``): the keys deleted during the outage
+  (Redis may still hold them) are deleted from Redis in the background, in batches, and
+  until a key's delete has reached Redis a ``get`` of it is a miss without asking Redis,
+  so an invalidated entry is never served again. (Applying them before the switch could
+  livelock: deletes may keep arriving faster than they are applied.) A ``set`` of such a
+  key wins over the pending delete, which may still drop the new value: a miss, never
+  stale data. More than ``max_pending_deletes`` deletes during one outage turn into one
+  ``clear`` of the prefix on recovery (a cache may always forget more than asked).
+* **Not replayed**: writes made during the outage are not copied to Redis: they are cache
+  fills, and losing one costs a miss; keeping them in memory would let them go stale
+  behind a later invalidation made in Redis by another instance.
 
 Validation (``ValueError`` for a bad TTL) happens before anything else and propagates; it
 is a caller's bug, not a Redis failure. ``asyncio.CancelledError`` always propagates.
@@ -34,9 +35,10 @@ is a caller's bug, not a Redis failure. ``asyncio.CancelledError`` always propag
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
+
+from router.redis_fallback import FallbackSupervisor, SupervisedStore
 
 from .memory_store import InMemoryCacheStore
 from .redis_store import RedisCacheStore
@@ -50,7 +52,7 @@ _MAX_CLEAR_ROUNDS = 8
 _DRAIN_BATCH = 500
 
 
-class FallbackCacheStore(CacheStore):
+class FallbackCacheStore(SupervisedStore, CacheStore):
     """``primary`` while it works, ``fallback`` (or nothing) while it does not."""
 
     kind = "redis"
@@ -74,30 +76,26 @@ class FallbackCacheStore(CacheStore):
             max_pending_deletes: deletes remembered during an outage before they turn into
                 one ``clear`` on recovery.
         """
-        if not monitor_interval_s > 0:
-            raise ValueError("monitor_interval_s must be positive")
         self._primary = primary
         self._fallback = fallback
-        self.monitor_interval_s = monitor_interval_s
-        self._on_state_change = on_state_change
         self._max_pending = max_pending_deletes
-        self._active = False
-        self._recovered = asyncio.Event()
-        self._recovered.set()
-        self._lock = asyncio.Lock()
-        self._monitor: asyncio.Task[None] | None = None
+        self._supervisor = FallbackSupervisor(
+            "response cache",
+            ping=primary.ping,
+            replay=self._replay,
+            switch_back=self._switch_back,
+            unavailable=(CacheStoreError,),
+            interval_s=monitor_interval_s,
+            settle=self._drain_deletes,
+            on_state_change=on_state_change,
+            serving="serving from memory" if fallback is not None else "caching nothing",
+            logger=log,
+        )
         self._pending_deletes: dict[str, None] = {}  # insertion-ordered set
         self._pending_clear = False
         self._unanswered_misses = 0  # gets answered by neither store
-        self.fallback_count = 0
-        """Switches to the fallback since start."""
 
     # ---- state ---------------------------------------------------------------------------
-
-    @property
-    def fallback_active(self) -> bool:
-        """True while Redis is bypassed (memory serves, or nothing without a fallback)."""
-        return self._active
 
     @property
     def primary(self) -> RedisCacheStore:
@@ -111,104 +109,45 @@ class FallbackCacheStore(CacheStore):
     def default_ttl(self) -> int:
         return self._primary.default_ttl
 
-    async def wait_recovered(self) -> None:
-        """Return once Redis serves again (at once if it never stopped)."""
-        await self._recovered.wait()
-
-    def _notify(self, active: bool) -> None:
-        if self._on_state_change is None:
-            return
-        try:
-            self._on_state_change(active)
-        except Exception:  # a metrics callback must not break the cache
-            log.exception("cache on_state_change(%s) callback failed", active)
+    # ---- fallback ------------------------------------------------------------------------
 
     def _engage(self, operation: str, exc: CacheUnavailable) -> None:
-        """Switch to the fallback (once per outage) and start the monitor."""
-        if self._active:
-            return
-        self._active = True
-        self._recovered.clear()
-        self.fallback_count += 1
-        log.warning(
-            "Redis response cache unavailable during %s (%s); %s, checking Redis every %gs",
-            operation,
-            exc.cause.__class__.__name__,
-            "serving from memory" if self._fallback is not None else "caching nothing",
-            self.monitor_interval_s,
-        )
-        self._notify(True)
-        if self._monitor is None or self._monitor.done():
-            self._monitor = asyncio.get_running_loop().create_task(
-                self._monitor_loop(), name="response-cache-redis-monitor"
-            )
+        self._supervisor.engage(operation, exc.cause)
 
-    async def _monitor_loop(self) -> None:
-        """While the fallback is active: PING every interval until Redis answers. Then, back
-        on Redis: apply the outage's deletes. Returns when there is nothing left to do."""
-        while True:
-            if self._active:
-                await asyncio.sleep(self.monitor_interval_s)
-                try:
-                    await self.try_recover()
-                except Exception:
-                    log.exception("response cache recovery failed; retrying")
-            elif self._pending_deletes:
-                await self._drain_deletes()
-            else:
-                return
-
-    async def try_recover(self) -> bool:
-        """One recovery attempt: PING, apply a pending ``clear``, switch back to Redis.
-
-        Returns whether Redis serves again. Safe to call at any time (the monitor does).
-        Deletes made during the outage are applied afterwards by the monitor."""
-        if not self._active:
-            return True
-        async with self._lock:
-            if not self._active:
-                return True
+    async def _replay(self) -> bool:
+        """Apply the outage's ``clear`` to Redis; False while clears keep arriving."""
+        for _ in range(_MAX_CLEAR_ROUNDS):
+            if not self._pending_clear:
+                break
+            self._pending_clear = False
             try:
-                await self._primary.ping()
-                for _ in range(_MAX_CLEAR_ROUNDS):
-                    if not self._pending_clear:
-                        break
-                    self._pending_clear = False
-                    try:
-                        await self._primary.clear()
-                    except BaseException:
-                        self._pending_clear = True
-                        raise
-            except CacheStoreError as exc:
-                log.debug("Redis response cache still unavailable: %r", exc.cause)
-                return False
-            if self._pending_clear:
-                return False  # clears keep arriving faster than we apply them; next tick
-            # No await from the applied clear to here: nothing lands in between.
-            self._active = False
-            if self._fallback is not None:
-                self._fallback.drop_all()
-            self._recovered.set()
-            log.warning(
-                "Redis response cache available again (%d outage deletes to apply)",
-                len(self._pending_deletes),
-            )
-            self._notify(False)
-            return True
+                await self._primary.clear()
+            except BaseException:
+                self._pending_clear = True
+                raise
+        return not self._pending_clear
 
-    async def _drain_deletes(self) -> None:
+    def _switch_back(self) -> str:
+        if self._fallback is not None:
+            self._fallback.drop_all()
+        return f"{len(self._pending_deletes)} outage deletes to apply"
+
+    async def _drain_deletes(self) -> bool:
         """Delete one batch of the outage's deleted keys from Redis; each stays masked (a
-        miss on ``get``) until its delete has succeeded."""
+        miss on ``get``) until its delete has succeeded. False when none was left."""
         batch = list(itertools.islice(self._pending_deletes, _DRAIN_BATCH))
+        if not batch:
+            return False
         try:
             await self._primary.delete_many(batch)
         except CacheUnavailable as exc:
             self._engage("delete", exc)
-            return
+            return True
         except CacheStoreError as exc:
             log.warning("response cache: dropping %d outage deletes: %r", len(batch), exc.cause)
         for key in batch:
             self._pending_deletes.pop(key, None)
+        return True
 
     def _remember_delete(self, key: str) -> None:
         if self._pending_clear:
@@ -226,7 +165,7 @@ class FallbackCacheStore(CacheStore):
     # ---- CacheStore ----------------------------------------------------------------------
 
     async def get(self, key: str) -> bytes | None:
-        if not self._active:
+        if not self._supervisor.active:
             if self._pending_deletes and key in self._pending_deletes:
                 self._unanswered_misses += 1  # deleted during the outage, maybe not in Redis yet
                 return None
@@ -245,7 +184,7 @@ class FallbackCacheStore(CacheStore):
 
     async def set(self, key: str, value: bytes, ttl_seconds: int | None = None) -> None:
         ttl = check_ttl(ttl_seconds, self._primary.default_ttl)
-        if not self._active:
+        if not self._supervisor.active:
             if self._pending_deletes:
                 self._pending_deletes.pop(key, None)  # the new value wins over the delete
             try:
@@ -260,7 +199,7 @@ class FallbackCacheStore(CacheStore):
             fb.put(key, value, min(ttl, fb.default_ttl))
 
     async def delete(self, key: str) -> bool:
-        if not self._active:
+        if not self._supervisor.active:
             try:
                 return await self._primary.delete(key)
             except CacheUnavailable as exc:
@@ -275,7 +214,7 @@ class FallbackCacheStore(CacheStore):
     async def clear(self) -> int:
         """Redis: keys dropped under the prefix. Fallback: memory entries dropped (Redis is
         cleared on recovery)."""
-        if not self._active:
+        if not self._supervisor.active:
             try:
                 return await self._primary.clear()
             except CacheUnavailable as exc:
@@ -291,7 +230,7 @@ class FallbackCacheStore(CacheStore):
     async def stats(self) -> CacheStats:
         """Both stores' counters summed. ``entries`` is Redis' count while Redis serves,
         the memory fallback's while it serves; Redis is not probed during an outage."""
-        active = self._active
+        active = self._supervisor.active
         if active:
             p = self._primary.snapshot_stats(None, False, None)
         else:
@@ -314,7 +253,7 @@ class FallbackCacheStore(CacheStore):
             errors_by_kind=p.errors_by_kind,
             size_bytes=f.size_bytes if f and active else None,
             fallback_active=active,
-            fallback_count=self.fallback_count,
+            fallback_count=self._supervisor.count,
             connected=p.connected,
             latency_ms=p.latency_ms,
             connections=p.connections,
@@ -322,15 +261,7 @@ class FallbackCacheStore(CacheStore):
 
     async def close(self) -> None:
         """Stop the monitor, close both stores (the shared client stays open). Idempotent."""
-        task, self._monitor = self._monitor, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise
+        await self._supervisor.close()
         await self._primary.close()
         if self._fallback is not None:
             await self._fallback.close()

@@ -33,14 +33,19 @@ which sweeps up to ``sweep_keys`` hashes per call, resuming its SCAN cursor next
 deletes a field only if it still holds the value it read (compare-and-delete script), so a
 concurrent refresh by another instance is never lost.
 
-Fallback: a connection error, timeout, read-only replica, OOM or loading Redis switches
-the index to ``fallback`` (an :class:`InMemoryKvIndex`): queries and writes go to memory,
-``fallback_active`` is True, and a monitor task PINGs Redis every ``monitor_interval_s``.
-When Redis answers, what changed while it was away is replayed into it (pending ``clear``,
-``remove_backend``s, then the final state of every touched (prefix, backend): written if
-live in memory, deleted if its last operation was a removal), the fallback is emptied and
-Redis serves again. The switch back happens without an await between the last replay
-round and the flag, so no write falls between the two stores. Writes that arrive during
+Fallback: a connection error, timeout, read-only replica, OOM or loading Redis
+(``UNAVAILABLE_ERRORS``) switches the index to ``fallback`` (an :class:`InMemoryKvIndex`):
+queries and writes go to memory until Redis answers again. The switching itself
+(``fallback_active``, one engage per outage, the monitor task that PINGs Redis every
+``monitor_interval_s``, ``try_recover``) is the shared
+:class:`~router.redis_fallback.FallbackSupervisor`, explained there. The index's own
+replay, before switching back: what changed while Redis was away is written into it
+(pending ``clear``, ``remove_backend``s, then the final state of every touched (prefix,
+backend): written if live in memory, deleted if its last operation was a removal), in
+rounds until nothing is left; then the fallback is emptied and Redis serves again, with no
+await between the last replay round and the flag, so no write falls between the two
+stores. More touched pairs than twice the fallback's ``max_entries`` replay the whole
+fallback instead (removals not replayed are left to the TTL). Writes that arrive during
 the outage for prefixes known only to Redis are not lost; reads of them miss until
 recovery (the scorer then routes by prefix hash alone). A Redis that restarted empty is
 refilled by what this instance saw during the outage and, afterwards, by new events.
@@ -53,7 +58,6 @@ prefix are not hash-tagged into one slot).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import time
@@ -62,6 +66,8 @@ from typing import Any
 
 from redis import exceptions as rx
 from redis.asyncio import Redis
+
+from router.redis_fallback import FallbackSupervisor, SupervisedStore
 
 from .base import EMPTY, IndexEntry, IndexStats, KvIndex, KvIndexError, KvIndexUnavailable, Tier
 from .memory import InMemoryKvIndex
@@ -114,7 +120,7 @@ def _expiry_ms(value: bytes) -> float:
         return math.inf
 
 
-class RedisKvIndex(KvIndex):
+class RedisKvIndex(SupervisedStore, KvIndex):
     """KV index in Redis sorted sets, falling back to memory while Redis is unusable."""
 
     kind = "redis"
@@ -157,7 +163,6 @@ class RedisKvIndex(KvIndex):
         self._kp = key_prefix.encode()
         self._zset_match = glob_escape(self._kp) + b"*"
         self._hash_match = glob_escape(self._kp) + b"*:t"
-        self.monitor_interval_s = monitor_interval_s
         self.clock = clock
         self._sweep_keys = sweep_keys
         self._stats_cache_s = stats_cache_s
@@ -169,25 +174,22 @@ class RedisKvIndex(KvIndex):
         self._stats_cache: tuple[float, int, int] | None = None
         self._sweep_cursor = 0
         # Fallback state.
-        self._fallback_active = False
-        self._recovered = asyncio.Event()
-        self._recovered.set()
-        self._recover_lock = asyncio.Lock()
-        self._monitor: asyncio.Task[None] | None = None
+        self._supervisor = FallbackSupervisor(
+            "KV index",
+            ping=redis.ping,
+            replay=self._replay,
+            switch_back=self._switch_back,
+            unavailable=UNAVAILABLE_ERRORS,
+            interval_s=monitor_interval_s,
+            logger=log,
+        )
         self._dirty: dict[tuple[str, str], bool] = {}  # (prefix, backend) -> last op was a put
         self._dirty_cap = 2 * fallback.max_entries if fallback is not None else 0
         self._dirty_overflow = False
         self._pending_backends: set[str] = set()
         self._pending_clear = False
-        self.fallback_count = 0
-        """How many times the index switched to the fallback since start."""
 
     # ---- state -----------------------------------------------------------------------
-
-    @property
-    def fallback_active(self) -> bool:
-        """True while queries and writes are served by the in-memory fallback."""
-        return self._fallback_active
 
     @property
     def redis(self) -> Redis:
@@ -197,10 +199,6 @@ class RedisKvIndex(KvIndex):
     @property
     def fallback(self) -> InMemoryKvIndex | None:
         return self._fallback
-
-    async def wait_recovered(self) -> None:
-        """Return once Redis serves again (at once if it never stopped)."""
-        await self._recovered.wait()
 
     def _key(self, prefix_hash: str) -> bytes:
         return self._kp + prefix_hash.encode()
@@ -301,19 +299,7 @@ class RedisKvIndex(KvIndex):
         fb = self._fallback
         if fb is None:
             raise KvIndexUnavailable(self.kind, operation, exc) from exc
-        if not self._fallback_active:
-            self._fallback_active = True
-            self._recovered.clear()
-            self.fallback_count += 1
-            log.warning(
-                "Redis KV index unavailable during %s (%s: %s); serving from memory, "
-                "checking Redis every %gs",
-                operation,
-                type(exc).__name__,
-                exc,
-                self.monitor_interval_s,
-            )
-            self.start_monitor()
+        self._supervisor.engage(operation, exc)
         return fb
 
     def _mark(self, prefix_hash: str, backend: str, put: bool) -> None:
@@ -329,55 +315,26 @@ class RedisKvIndex(KvIndex):
             self._dirty_overflow = True
 
     def start_monitor(self, interval_s: float | None = None) -> None:
-        """Start (once) the task that PINGs Redis while the fallback is active and switches
-        back when it answers. Started automatically on the first failure; needs a loop."""
-        if interval_s is not None:
-            self.monitor_interval_s = interval_s
-        if self._monitor is None or self._monitor.done():
-            self._monitor = asyncio.get_running_loop().create_task(
-                self._monitor_loop(), name="kvindex-redis-monitor"
-            )
+        """Start the task that PINGs Redis while the fallback is active and switches back
+        when it answers (started by every outage anyway); ``interval_s`` replaces
+        ``monitor_interval_s``. Needs a running loop."""
+        self._supervisor.start_monitor(interval_s)
 
-    async def _monitor_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.monitor_interval_s)
-            if not self._fallback_active:
-                continue
-            try:
-                await self.try_recover()
-            except Exception:
-                log.exception("KV index recovery failed; retrying in %gs", self.monitor_interval_s)
+    async def _replay(self) -> bool:
+        """Replay the outage's changes in rounds; False while writes keep arriving."""
+        for _ in range(_MAX_REPLAY_ROUNDS):
+            if not await self._replay_round():
+                break
+        return not (
+            self._pending_clear or self._pending_backends or self._dirty or self._dirty_overflow
+        )
 
-    async def try_recover(self) -> bool:
-        """One recovery attempt: PING, replay the outage's changes, switch back.
-
-        Returns whether Redis serves again. Safe to call at any time (the monitor does)."""
-        if not self._fallback_active:
-            return True
-        async with self._recover_lock:
-            if not self._fallback_active:
-                return True
-            try:
-                await self._redis.ping()
-                for _ in range(_MAX_REPLAY_ROUNDS):
-                    if not await self._replay_round():
-                        break
-            except UNAVAILABLE_ERRORS as exc:
-                log.debug("Redis KV index still unavailable: %r", exc)
-                return False
-            if self._pending_clear or self._pending_backends or self._dirty:
-                return False  # writes keep arriving faster than we replay; next tick
-            if self._dirty_overflow:
-                return False
-            # No await from the last replay round to here: nothing lands in between.
-            self._fallback_active = False
-            fb = self._fallback
-            if fb is not None:
-                fb.drop_all()
-            self._stats_cache = None
-            self._recovered.set()
-            log.warning("Redis KV index available again; outage changes replayed")
-            return True
+    def _switch_back(self) -> str:
+        fb = self._fallback
+        if fb is not None:
+            fb.drop_all()
+        self._stats_cache = None
+        return "outage changes replayed"
 
     async def _replay_round(self) -> bool:
         """Push one round of outage changes to Redis; False when there was nothing."""
@@ -437,7 +394,7 @@ class RedisKvIndex(KvIndex):
     # ---- KvIndex ---------------------------------------------------------------------
 
     async def query_backends(self, prefix_hash: str) -> Sequence[IndexEntry]:
-        if self._fallback_active:
+        if self._supervisor.active:
             return self._fallback.lookup(prefix_hash)  # type: ignore[union-attr]
         key = self._key(prefix_hash)
         try:
@@ -452,13 +409,13 @@ class RedisKvIndex(KvIndex):
         return self._decode(zreply, hreply)
 
     def _uncount_hit(self) -> None:
-        if self._fallback_active:
+        if self._supervisor.active:
             self._fallback._uncount_hit()  # type: ignore[union-attr]
         else:
             self._hits -= 1
 
     async def backend_counts(self) -> dict[str, int]:
-        if self._fallback_active:
+        if self._supervisor.active:
             return self._fallback.count_per_backend()  # type: ignore[union-attr]
         counts: dict[str, int] = {}
         cursor = 0
@@ -480,7 +437,7 @@ class RedisKvIndex(KvIndex):
     async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
         if token_count < 0:
             raise ValueError("token_count must be non-negative")
-        if not self._fallback_active:
+        if not self._supervisor.active:
             expires_ms = self._now_ms() + self._ttl_ms
             try:
                 await self._transaction(
@@ -493,7 +450,7 @@ class RedisKvIndex(KvIndex):
         self._mark(prefix_hash, backend, True)
 
     async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
-        if not self._fallback_active:
+        if not self._supervisor.active:
             key = self._key(prefix_hash)
             now_ms = self._now_ms()
             value = _TIER_CODE[tier] + str(now_ms + self._ttl_ms).encode()
@@ -510,7 +467,7 @@ class RedisKvIndex(KvIndex):
         return done
 
     async def remove(self, prefix_hash: str, backend: str) -> bool:
-        if not self._fallback_active:
+        if not self._supervisor.active:
             key = self._key(prefix_hash)
             tkey = key + b":t"
             try:
@@ -531,7 +488,7 @@ class RedisKvIndex(KvIndex):
         return done
 
     async def remove_backend(self, backend: str) -> int:
-        if not self._fallback_active:
+        if not self._supervisor.active:
             try:
                 return await self._redis_remove_backend(backend)
             except UNAVAILABLE_ERRORS as exc:
@@ -540,7 +497,7 @@ class RedisKvIndex(KvIndex):
         return self._fallback.drop_backend(backend)  # type: ignore[union-attr]
 
     async def clear(self) -> int:
-        if not self._fallback_active:
+        if not self._supervisor.active:
             try:
                 return await self._redis_clear()
             except UNAVAILABLE_ERRORS as exc:
@@ -552,7 +509,7 @@ class RedisKvIndex(KvIndex):
         return self._fallback.drop_all()  # type: ignore[union-attr]
 
     async def cleanup_expired(self) -> int:
-        if not self._fallback_active:
+        if not self._supervisor.active:
             try:
                 return await self._redis_sweep()
             except UNAVAILABLE_ERRORS as exc:
@@ -560,7 +517,7 @@ class RedisKvIndex(KvIndex):
         return self._fallback.sweep()  # type: ignore[union-attr]
 
     async def stats(self) -> IndexStats:
-        if not self._fallback_active:
+        if not self._supervisor.active:
             try:
                 prefixes, entries = await self._redis_counts()
             except UNAVAILABLE_ERRORS as exc:
@@ -587,15 +544,7 @@ class RedisKvIndex(KvIndex):
 
     async def close(self) -> None:
         """Stop the monitor; close the client only if ``owns_redis``. Idempotent."""
-        task, self._monitor = self._monitor, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                current = asyncio.current_task()
-                if current is not None and current.cancelling():
-                    raise
+        await self._supervisor.close()
         if self._owns_redis:
             self._owns_redis = False
             await self._redis.aclose(close_connection_pool=True)
