@@ -107,6 +107,8 @@ StreamOpener = Callable[[str | None], AsyncIterator[bytes]]
 Clock = Callable[[], datetime]
 
 _SSE_CONTENT_TYPE = "text/event-stream"
+_YIELD_EVERY = 256
+"""Records applied between yields to the event loop (about 2 ms of work)."""
 
 
 def _wall_clock() -> datetime:
@@ -406,7 +408,10 @@ class KvEventConsumer:
 
         This is the router's per-event hot path, so the counters live in locals for the
         loop and go back to ``stats`` at the end, also when a record ends the stream; the
-        wall clock is read once per chunk.
+        wall clock is read once per chunk. Every ``_YIELD_EVERY`` records it yields to the
+        event loop: a chunk can hold thousands of records, and an in-memory index never
+        suspends, so without it the router's requests (and, in push mode, the gRPC call
+        that reads the next StreamData ahead) would wait for the whole chunk.
         """
         st = self.stats
         backend = self.backend
@@ -415,7 +420,9 @@ class KvEventConsumer:
         received = processed = dropped = created = evicted = resyncs = 0
         last_id = st.last_event_id
         try:
-            for rec in records:
+            for n, rec in enumerate(records):
+                if n and not n % _YIELD_EVERY:
+                    await asyncio.sleep(0)
                 kind = rec.event
                 if kind == ERROR_EVENT:
                     raise StreamClosedByPeer(_error_reason(rec.data))

@@ -595,6 +595,42 @@ async def test_stream_opener_seam_and_records_lost_with_an_overflow_are_asked_ag
         await asyncio.gather(task, return_exceptions=True)
 
 
+async def test_a_large_chunk_does_not_hold_the_event_loop() -> None:
+    """An in-memory index never suspends; a chunk of thousands of records must still let
+    the router's other tasks (requests, the gRPC reader) run while it is applied."""
+    n = 5_000
+    chunk = b"".join(record(f"p-{i}", created_json(i)) for i in range(1, n + 1))
+    done = asyncio.Event()
+
+    async def opener(last_id: str | None) -> AsyncIterator[bytes]:
+        yield chunk
+        done.set()
+        await asyncio.Event().wait()
+
+    src = EventSourceConfig(backend_name=B, transport="event_bus")
+    rec = Recorder()
+    seen: list[int] = []  # events applied each time the other task got the loop
+
+    async def other_task() -> None:
+        while not done.is_set():
+            seen.append(len(rec.events))
+            await asyncio.sleep(0)
+
+    c = KvEventConsumer(src, rec, None, RecordingBackoff(), stream_opener=opener, sleep=Gate())
+    ticker = asyncio.create_task(other_task())
+    task = asyncio.create_task(c.run())
+    try:
+        await asyncio.wait_for(done.wait(), 10)
+        assert len(rec.events) == n and c.stats.processed == n
+        during = sorted({k for k in seen if 0 < k < n})
+        assert len(during) >= n // 256 - 1, during  # it ran between slices of the chunk
+        assert max(b - a for a, b in zip([0, *during], [*during, n], strict=True)) <= 256
+    finally:
+        task.cancel()
+        ticker.cancel()
+        await asyncio.gather(task, ticker, return_exceptions=True)
+
+
 def test_event_bus_without_opener_is_refused() -> None:
     src = EventSourceConfig(backend_name=B, transport="event_bus")
     with pytest.raises(ValueError, match="event_bus requires a stream_opener"):
