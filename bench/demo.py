@@ -42,6 +42,7 @@ import aiohttp
 import yaml
 
 from bench._plot import bar_chart_svg
+from bench.procs import Service
 from bench.sim.fleet import SimFleet
 from bus.events import KvEvent
 from bus.sse import SseParser
@@ -118,53 +119,29 @@ def workload(tenants: list[Tenant], sessions: int, turns: int, seed: int) -> lis
     return order
 
 
-class ServiceProcess:
-    """A router or listener process on a generated config; ready once it prints READY."""
-
-    def __init__(self, config: dict[str, Any], workdir: Path, argv: list[str], name: str) -> None:
-        self.config = config
-        self.path = workdir / f"{name}.yaml"
-        self.argv = argv
-        self.proc: asyncio.subprocess.Process | None = None
-        self.url = ""
-
-    async def __aenter__(self) -> ServiceProcess:
-        self.path.write_text(yaml.safe_dump(self.config, sort_keys=False))
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            *self.argv,
-            "--config",
-            str(self.path),
-            stdout=asyncio.subprocess.PIPE,
-        )
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), 30)
-        if not line.startswith(b"READY"):
-            raise RuntimeError(f"{self.argv[1]} did not start: {line!r}")
-        http = line.split()[1].decode().split("=", 1)[1]
-        self.url = f"http://{http}"
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        if self.proc and self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 10)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-
-
-def RouterProcess(config: dict[str, Any], workdir: Path) -> ServiceProcess:
-    return ServiceProcess(
-        config, workdir, ["-m", "router", "--log-level", "WARNING", "serve"], "router"
+def RouterProcess(config: dict[str, Any], workdir: Path) -> Service:
+    # Logs go to this terminal (log=None), at WARNING: what goes wrong shows as it happens.
+    return Service(
+        "router",
+        ["router", "--log-level", "WARNING", "serve"],
+        config,
+        workdir / "router.yaml",
+        log=None,
+        ready_timeout=30,
     )
 
 
-def ListenerProcess(config: dict[str, Any], workdir: Path) -> ServiceProcess:
+def ListenerProcess(config: dict[str, Any], workdir: Path) -> Service:
     # ERROR, not WARNING: the listener starts before the first router, and between two runs
     # no router serves the bus, so its reconnect warnings are expected here.
-    return ServiceProcess(config, workdir, ["-m", "listener", "--log-level", "ERROR"], "listener")
+    return Service(
+        "listener",
+        ["listener", "--log-level", "ERROR"],
+        config,
+        workdir / "listener.yaml",
+        log=None,
+        ready_timeout=30,
+    )
 
 
 @dataclass(frozen=True)
@@ -228,7 +205,7 @@ def listener_config(
     }
 
 
-async def listener_connected(listener: ServiceProcess, fleet: SimFleet) -> None:
+async def listener_connected(listener: Service, fleet: SimFleet) -> None:
     """Send each engine a request until the listener has a frame from every engine.
 
     ZMQ's slow joiner: what an engine publishes before the SUB is connected is lost.
@@ -252,7 +229,7 @@ async def listener_connected(listener: ServiceProcess, fleet: SimFleet) -> None:
     raise RuntimeError("the listener received nothing from the engines")
 
 
-async def listener_view(listener: ServiceProcess, names: list[str]) -> dict[str, set[str]]:
+async def listener_view(listener: Service, names: list[str]) -> dict[str, set[str]]:
     """Prefix keys the listener currently attributes to each engine (its SSE snapshot)."""
     view: dict[str, set[str]] = {}
     async with aiohttp.ClientSession() as session:
@@ -340,7 +317,7 @@ def router_config(
     return cfg
 
 
-async def kv_consumers_connected(router: ServiceProcess, names: list[str]) -> None:
+async def kv_consumers_connected(router: Service, names: list[str]) -> None:
     """Wait until the router's event consumers are attached to the listener's streams."""
     async with aiohttp.ClientSession() as session:
         for _ in range(200):
@@ -352,7 +329,7 @@ async def kv_consumers_connected(router: ServiceProcess, names: list[str]) -> No
     raise RuntimeError("the router did not connect to the listener's event streams")
 
 
-async def kv_split(router: ServiceProcess) -> str:
+async def kv_split(router: Service) -> str:
     async with aiohttp.ClientSession() as session:
         async with session.get(router.url + "/admin/kv-index/stats") as resp:
             stats = await resp.json()

@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import Any
 
 from ._table import fmt_float, median, paired_ratio, render_table, verdict
+from .procs import BlockingChild
 
 TARGET_RATIO = 0.40
 BACKEND = "sim"
@@ -135,8 +136,8 @@ def free_port() -> int:
 # child processes
 
 
-class Child:
-    """A subprocess whose stdout lines are read by a thread (``expect`` waits for one)."""
+class Child(BlockingChild):
+    """A benchmark child logging to ``<log_dir>/<name>.log``."""
 
     def __init__(
         self,
@@ -147,67 +148,7 @@ class Child:
         log_dir: Path,
         stdin: bool = False,
     ) -> None:
-        self.name = name
-        self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "wb")  # closed in stop()
-        self.proc = subprocess.Popen(
-            list(cmd),
-            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=self._log,
-            cwd=str(_ROOT),
-            env={**os.environ, **(env or {})},
-        )
-        self.pid = self.proc.pid
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for raw in self.proc.stdout:
-            self.lines.put(raw.decode(errors="replace").rstrip("\n"))
-        self.lines.put(None)
-
-    def expect(self, pattern: str, timeout: float = 30.0) -> re.Match[str]:
-        """The first stdout line matching ``pattern`` (earlier lines are skipped)."""
-        deadline = time.monotonic() + timeout
-        rx = re.compile(pattern)
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise TimeoutError(f"{self.name}: no line matching {pattern!r} in {timeout}s")
-            try:
-                line = self.lines.get(timeout=left)
-            except queue.Empty:
-                continue
-            if line is None:
-                raise RuntimeError(f"{self.name} exited ({self.proc.wait()}); log:\n{self.tail()}")
-            m = rx.search(line)
-            if m:
-                return m
-
-    def send(self, line: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(line.encode() + b"\n")
-        self.proc.stdin.flush()
-
-    def tail(self, n: int = 2000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self._log.close()
+        super().__init__(name, cmd, log=log_dir / f"{name}.log", env=env, stdin=stdin)
 
 
 def _py(*args: str) -> list[str]:
@@ -252,15 +193,14 @@ class Publisher:
                 "--kv-events-hwm", str(hwm), "--model", MODEL,
             )  # fmt: skip
             self.child = Child(f"{tag}-sim", cmd, log_dir=log_dir)
-            port = self.child.expect(r"^READY (\d+)").group(1)
-            self.http_url = f"http://127.0.0.1:{port}"
+            self.http_url = f"http://127.0.0.1:{self.child.wait_ready().port}"
         else:
             cmd = _py(
                 "-m", "bench.ingest_bench", "--role", "publisher", "--endpoint", endpoint,
                 "--format", fmt, "--hwm", str(hwm), "--salted", "--prefixes", str(prefixes),
             )  # fmt: skip
             self.child = Child(f"{tag}-pub", cmd, log_dir=log_dir, stdin=True)
-            self.child.expect(r"^READY")
+            self.child.wait_ready()
 
     @property
     def connect_endpoint(self) -> str:
@@ -580,8 +520,7 @@ class Listener:
         cmd += ["--config", str(cfg), "--log-level", "WARNING"]
         env = {SALT_ENV: SALT_SECRET.decode()}
         self.child = Child(f"{tag}-listener", cmd, env=env, log_dir=workdir)
-        host_port = self.child.expect(r"READY http=(\S+)").group(1)
-        self.url = f"http://{host_port}"
+        self.url = self.child.wait_ready().url()
         self.pid = self.child.pid
 
     def stats(self) -> dict[str, Any]:
@@ -761,7 +700,7 @@ def run_baseline(v: Variant, args: argparse.Namespace, workdir: Path, tag: str) 
             "--endpoint", pub.connect_endpoint, "--hwm", str(args.hwm),
         )  # fmt: skip
         rx = Child(f"{tag}-bare", cmd, log_dir=workdir, stdin=True)
-        rx.expect(r"^READY")
+        rx.wait_ready()
         receiver = rx
 
         def seen() -> bool:

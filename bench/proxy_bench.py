@@ -26,13 +26,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import http.client
 import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -41,9 +39,10 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from ._table import fmt_float, median, render_table, verdict
+from .procs import ChildProcess, launch, python_module
 from .sim.fleet import SimFleet
 
 MODEL = "bench-model"
@@ -53,7 +52,6 @@ TARGET_RPS = 3000.0
 TARGET_CPU_US = 400.0
 DEFAULT_RUST_VENV = Path(tempfile.gettempdir()) / "continuum-rust-routers"
 RUST_PACKAGES = ("vllm-router", "sglang-router")
-_ROOT = Path(__file__).resolve().parents[1]
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -224,11 +222,6 @@ async def run_wrk(
 # -- targets ---------------------------------------------------------------------------------
 
 
-def _open_log(path: Path) -> BinaryIO:
-    # A small local file; the child inherits the descriptor, ours is closed right after spawn.
-    return open(path, "wb")
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -247,22 +240,29 @@ def _probe(url: str, body: bytes) -> bool:
         return False
 
 
-async def wait_serving(url: str, proc: asyncio.subprocess.Process, limit: float = 60) -> None:
-    """Until a chat completion through ``url`` answers 200 (every backend registered)."""
+async def wait_serving(target: Target, limit: float = 60) -> None:
+    """Until a chat completion through the target answers 200 (every backend registered);
+    a target that does not get there is stopped, so no failed start outlives the run."""
+    assert target.child is not None
+    proc = target.child.proc
     body = request_bodies(1, False)[0]
     deadline = time.monotonic() + limit
     streak = 0
-    while time.monotonic() < deadline:
-        if proc.returncode is not None:
-            raise RuntimeError(f"{url}: process exited with {proc.returncode}")
-        if await asyncio.to_thread(_probe, url, body):
-            streak += 1
-            if streak >= 3:
-                return
-        else:
-            streak = 0
-        await asyncio.sleep(0.2)
-    raise TimeoutError(f"{url} did not serve chat completions within {limit}s")
+    try:
+        while time.monotonic() < deadline:
+            if proc.returncode is not None:
+                raise RuntimeError(f"{target.url}: process exited with {proc.returncode}")
+            if await asyncio.to_thread(_probe, target.url, body):
+                streak += 1
+                if streak >= 3:
+                    return
+            else:
+                streak = 0
+            await asyncio.sleep(0.2)
+        raise TimeoutError(f"{target.url} did not serve chat completions within {limit}s")
+    except BaseException:
+        await target.stop()
+        raise
 
 
 @dataclass
@@ -271,21 +271,11 @@ class Target:
     label: str
     url: str = ""
     pid: int = 0
-    proc: asyncio.subprocess.Process | None = None
-    log_path: Path | None = None
+    child: ChildProcess | None = None
 
     async def stop(self) -> None:
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(proc.wait(), 10)
-        except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+        if self.child is not None:
+            await self.child.stop(10)
 
 
 def router_yaml(strategy: str, prefix: bool, backend_urls: list[str], cache: bool = False) -> str:
@@ -314,32 +304,15 @@ async def start_continuum(
 ) -> Target:
     cfg = workdir / f"{target.key}.yaml"
     cfg.write_text(router_yaml(strategy, prefix, urls, cache))
-    target.log_path = workdir / f"{target.key}.log"
-    with _open_log(target.log_path) as log:
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "router",
-            "serve",
-            "--config",
-            str(cfg),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-            cwd=str(_ROOT),
-        )
-    target.proc, target.pid = proc, proc.pid
-    assert proc.stdout is not None
-    try:
-        line = await asyncio.wait_for(proc.stdout.readline(), 30)
-    except TimeoutError:
-        line = b""
-    m = re.search(rb"READY http=(\S+)", line)
-    if not m:
-        await target.stop()
-        raise RuntimeError(f"router did not start:\n{target.log_path.read_text()}")
-    target.url = "http://" + m.group(1).decode()
-    await wait_serving(target.url, proc)
+    target.child = await launch(
+        f"router {target.key}",
+        python_module("router", "serve", "--config", str(cfg)),
+        ready_timeout=30,
+        log=workdir / f"{target.key}.log",
+    )
+    target.pid = target.child.pid
+    target.url = target.child.ready.url()
+    await wait_serving(target)
     return target
 
 
@@ -393,18 +366,12 @@ async def start_rust(
         cmd = [str(bindir / "vllm-router"), *common, "--log-level", "warning"]
     else:
         cmd = [str(bindir / "sglang-router"), "launch", *common, "--log-level", "warn"]
-    target.log_path = workdir / f"{target.key}.log"
-    with _open_log(target.log_path) as log:
-        proc = await asyncio.create_subprocess_exec(
-            *cmd, stdin=asyncio.subprocess.DEVNULL, stdout=log, stderr=log, cwd=str(workdir)
-        )
-    target.proc, target.pid = proc, proc.pid
+    target.child = await ChildProcess.start(
+        target.label, cmd, log=workdir / f"{target.key}.log", stdout_to_log=True, cwd=workdir
+    )
+    target.pid = target.child.pid
     target.url = f"http://127.0.0.1:{port}"
-    try:
-        await wait_serving(target.url, proc, limit=90)
-    except BaseException:
-        await target.stop()
-        raise
+    await wait_serving(target, limit=90)
     return target
 
 
@@ -464,9 +431,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         try:
             urls = fleet.urls
             sim0 = fleet[0]
-            targets.append(
-                Target("direct", "direct (1 engine)", sim0.url, sim0.proc.pid, None, None)
-            )
+            targets.append(Target("direct", "direct (1 engine)", sim0.url, sim0.proc.pid))
             variants = [
                 ("bare", "continuum bare (RR, no prefix)", "RoundRobin", False, False),
                 ("full", "continuum full (PrefixAwareHash)", "PrefixAwareHash", True, False),
@@ -501,7 +466,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                         try:
                             targets.append(await start_rust(t, bindir, kind, policy, urls, workdir))
                         except (RuntimeError, TimeoutError) as exc:
-                            log = t.log_path.read_text()[-2000:] if t.log_path else ""
+                            log = t.child.tail() if t.child else ""
                             print(f"warning: {t.label} did not start ({exc}); skipping\n{log}")
             print(
                 f"engines: {args.backends} x bench.sim --trivial; targets: "

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import signal
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -27,9 +26,9 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import yaml
 
 from bench._table import fmt_float, render_table
+from bench.procs import Service
 from bench.sim.fleet import SimFleet
 
 from .trace import read_sharegpt
@@ -83,40 +82,13 @@ def workload(sessions: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
     return [(s, b) for _, _, s, b in timeline]
 
 
-class _Listener:
-    def __init__(self, config: dict[str, Any], tmp: Path) -> None:
-        self.path = tmp / "listener.yaml"
-        self.path.write_text(yaml.safe_dump(config))
-        self.log = tmp / "listener.log"
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        with self.log.open("ab") as log:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "listener",
-                "--config",
-                str(self.path),
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-            )
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), 20)
-        if not line.startswith(b"READY"):
-            raise RuntimeError(f"listener did not start: {self.log.read_text()}")
-
-    async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            await asyncio.wait_for(self.proc.wait(), 10)
-
-
 async def run(args: argparse.Namespace) -> int:
     work = workload(args.sessions, args.seed)
     grpc_port = _free_port()
     with tempfile.TemporaryDirectory(prefix="saecache-fleet-") as tmp:
-        listener = _Listener(
+        listener = Service(
+            "listener",
+            ["listener"],
             {
                 "listen": "127.0.0.1:0",
                 "grpc_listen": f"127.0.0.1:{grpc_port}",
@@ -129,10 +101,9 @@ async def run(args: argparse.Namespace) -> int:
                     for name in ("sim-lru", "sim-sae")
                 ],
             },
-            Path(tmp),
+            Path(tmp) / "listener.yaml",
         )
-        await listener.start()
-        try:
+        async with listener:
             async with SimFleet(
                 2,
                 names=["sim-lru", "sim-sae"],
@@ -157,8 +128,6 @@ async def run(args: argparse.Namespace) -> int:
                     for url in urls:
                         async with http.get(url + "/sim/stats") as r:
                             stats.append(await r.json())
-        finally:
-            await listener.stop()
     rows = [
         [
             s["name"],

@@ -11,21 +11,17 @@ pick-a-free-port race and no sleeping: start-up costs exactly as long as it take
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
 import sys
 import tempfile
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, BinaryIO
+from typing import Any
+
+from bench.procs import ChildProcess, launch, python_module
 
 __all__ = ["SimFleet", "SimProcess", "sim_args"]
-
-_ROOT = Path(__file__).resolve().parents[2]
 
 
 def sim_args(opts: Mapping[str, Any]) -> list[str]:
@@ -50,34 +46,33 @@ def sim_args(opts: Mapping[str, Any]) -> list[str]:
     return out
 
 
-def _open_log(path: Path) -> BinaryIO:
-    # Tiny local file; the child inherits the descriptor, we close our copy right after spawn.
-    return open(path, "wb")
-
-
 @dataclass
 class SimProcess:
-    """One running sim; ``log_path`` holds its stderr (useful when a test fails)."""
+    """One running sim; its log (stderr) is useful when a test fails."""
 
     name: str
     host: str
     port: int
-    proc: asyncio.subprocess.Process
-    log_path: Path
+    child: ChildProcess
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     @property
+    def proc(self) -> asyncio.subprocess.Process:
+        return self.child.proc
+
+    @property
+    def log_path(self) -> Path | None:
+        return self.child.log_path
+
+    @property
     def running(self) -> bool:
-        return self.proc.returncode is None
+        return self.child.running
 
     def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+        return self.child.log()
 
 
 class SimFleet:
@@ -146,7 +141,7 @@ class SimFleet:
 
     async def stop(self, grace: float = 5.0) -> None:
         """SIGTERM everything, SIGKILL what is still alive after ``grace`` seconds."""
-        await asyncio.gather(*(self._terminate(s, grace) for s in self.sims))
+        await asyncio.gather(*(s.child.stop(grace) for s in self.sims))
         self.sims = []
         if self._tmp is not None:
             self._tmp.cleanup()
@@ -154,14 +149,11 @@ class SimFleet:
 
     async def terminate(self, index: int, grace: float = 5.0) -> None:
         """Graceful stop of one sim (it finishes nothing: open connections are dropped)."""
-        await self._terminate(self.sims[index], grace)
+        await self.sims[index].child.stop(grace)
 
     async def kill(self, index: int) -> None:
         """SIGKILL one sim, to test how the router copes with a backend that vanishes."""
-        sim = self.sims[index]
-        if sim.running:
-            sim.proc.kill()
-        await sim.proc.wait()
+        await self.sims[index].child.kill()
 
     # -- accessors --------------------------------------------------------------------------
 
@@ -211,8 +203,7 @@ class SimFleet:
         name = self._names[index]
         opts: dict[str, Any] = {**self._opts, **self._overrides.get(index, {})}
         models = opts.pop("model", None) or self.models
-        args = [
-            "-m",
+        argv = python_module(
             "bench.sim",
             "--host",
             self.host,
@@ -223,59 +214,12 @@ class SimFleet:
             "--die-with-parent",
             *sim_args({"model": models}),
             *sim_args(opts),
-        ]
-        log_path = Path(self._tmp.name) / f"{name}.log"
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(_ROOT), env.get("PYTHONPATH", "")) if p)
-        with _open_log(log_path) as log_file:
-            proc = await asyncio.create_subprocess_exec(
-                self._python,
-                *args,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log_file,
-                cwd=str(_ROOT),
-                env=env,
-            )
-        sim = SimProcess(name, self.host, 0, proc, log_path)
-        try:
-            sim.port = await self._wait_ready(sim)
-        except BaseException:
-            await self._terminate(sim, 1.0)
-            raise
-        return sim
-
-    async def _wait_ready(self, sim: SimProcess) -> int:
-        assert sim.proc.stdout is not None
-        deadline = time.monotonic() + self._startup_timeout
-        while True:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise TimeoutError(
-                    f"{sim.name} not ready after {self._startup_timeout}s:\n{sim.log()}"
-                )
-            try:
-                line = await asyncio.wait_for(sim.proc.stdout.readline(), remaining)
-            except TimeoutError:
-                continue
-            if not line:
-                rc = await sim.proc.wait()
-                raise RuntimeError(f"{sim.name} exited with {rc} before READY:\n{sim.log()}")
-            text = line.decode(errors="replace").strip()
-            if text.startswith("READY "):
-                return int(text.split()[1])
-
-    @staticmethod
-    async def _terminate(sim: SimProcess, grace: float) -> None:
-        proc = sim.proc
-        if proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(proc.wait(), grace)
-            except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.kill()
-                await proc.wait()
-        else:
-            await proc.wait()
+            python=self._python,
+        )
+        child = await launch(
+            name,
+            argv,
+            ready_timeout=self._startup_timeout,
+            log=Path(self._tmp.name) / f"{name}.log",
+        )
+        return SimProcess(name, self.host, child.ready.port, child)

@@ -16,15 +16,13 @@ subprocesses and servers can be shared by the tests of a module.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import socket
-import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import aiohttp
 import orjson
@@ -34,6 +32,7 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench.procs import Service
 from bench.sim.fleet import SimFleet
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,33 +180,39 @@ def free_port() -> int:
 # -- the router process --------------------------------------------------------------------
 
 
-class RouterProc:
+class RouterProc(Service):
     """A running ``python -m router serve``; stderr (the log) goes to ``log_path``."""
 
     def __init__(
         self,
-        proc: asyncio.subprocess.Process,
-        config_path: Path,
-        log_path: Path,
         config: dict[str, Any],
+        config_path: Path,
         admin_token: str | None,
+        env: Mapping[str, str] | None = None,
     ) -> None:
-        self.proc = proc
-        self.config_path = config_path
-        self.log_path = log_path
-        self.config = config
+        super().__init__(
+            "router",
+            ["router", "serve"],
+            config,
+            config_path,
+            env=env,
+            ready_timeout=READY_TIMEOUT_S,
+            stop_grace=STOP_TIMEOUT_S,
+        )
         self.launch_listen: str = config["server"]["listen"]
         self.admin_token = admin_token
-        self.url = ""
         self.grpc_target: str | None = None
 
-    # -- observation ------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.path
 
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
+    async def start(self) -> RouterProc:
+        await super().start()
+        self.grpc_target = self.ready.fields.get("grpc")
+        return self
+
+    # -- observation ------------------------------------------------------------------
 
     async def wait_for_log(self, text: str, within: float = 5.0) -> str:
         async def found() -> bool:
@@ -321,11 +326,6 @@ def expected_prefix_config(config: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _open_log(path: Path) -> BinaryIO:
-    # A tiny local file; the child inherits the descriptor, ours is closed after the spawn.
-    return open(path, "wb")
-
-
 class RouterLauncher:
     """Starts routers in ``directory`` and stops every one of them in ``close``."""
 
@@ -338,75 +338,25 @@ class RouterLauncher:
     ) -> RouterProc:
         config = dict(config)
         config["server"] = {"listen": "127.0.0.1:0", **(config.get("server") or {})}
-        n = len(self.started) + 1
-        config_path = self.directory / f"router-{n}.yaml"
-        log_path = self.directory / f"router-{n}.log"
-        config_path.write_text(yaml.safe_dump(config, sort_keys=False), encoding="utf-8")
-        full_env = {**os.environ, **(env or {})}
-        full_env["PYTHONPATH"] = os.pathsep.join(
-            p for p in (str(ROOT), full_env.get("PYTHONPATH", "")) if p
-        )
         token_env = config["server"].get("admin_token_env")
-        admin_token = full_env.get(token_env) if token_env else None
-        with _open_log(log_path) as log_file:
-            proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "router",
-                "serve",
-                "--config",
-                str(config_path),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log_file,
-                cwd=str(ROOT),
-                env=full_env,
-            )
-        rp = RouterProc(proc, config_path, log_path, config, admin_token)
+        admin_token = {**os.environ, **(env or {})}.get(token_env) if token_env else None
+        n = len(self.started) + 1
+        rp = RouterProc(config, self.directory / f"router-{n}.yaml", admin_token, env)
         self.started.append(rp)
-        await self._wait_ready(rp)
+        await rp.start()
         return rp
-
-    @staticmethod
-    async def _wait_ready(rp: RouterProc) -> None:
-        assert rp.proc.stdout is not None
-        try:
-            line = await asyncio.wait_for(rp.proc.stdout.readline(), READY_TIMEOUT_S)
-        except TimeoutError:
-            raise AssertionError(
-                f"router not READY after {READY_TIMEOUT_S}s; log:\n{rp.log()}"
-            ) from None
-        text = line.decode(errors="replace").strip()
-        if not text.startswith("READY "):
-            rc = await rp.proc.wait()
-            raise AssertionError(f"router exited ({rc}) before READY ({text!r}); log:\n{rp.log()}")
-        for part in text.split()[1:]:
-            key, _, value = part.partition("=")
-            if key == "http":
-                rp.url = f"http://{value}"
-            elif key == "grpc":
-                rp.grpc_target = value
-        assert rp.url, text
 
     async def close(self) -> None:
         """SIGTERM every router, SIGKILL after a grace period; assert each exited 0."""
         problems: list[str] = []
         for rp in self.started:
-            proc = rp.proc
-            if proc.returncode is None:
-                with contextlib.suppress(ProcessLookupError):
-                    proc.send_signal(signal.SIGTERM)
-                try:
-                    await asyncio.wait_for(proc.wait(), STOP_TIMEOUT_S)
-                except TimeoutError:
-                    with contextlib.suppress(ProcessLookupError):
-                        proc.kill()
-                    await proc.wait()
-                    problems.append(f"{rp.config_path.name}: no exit within {STOP_TIMEOUT_S}s")
-            if proc.returncode != 0:
-                problems.append(
-                    f"{rp.config_path.name}: exit status {proc.returncode}; log:\n{rp.log()}"
-                )
+            if rp.child is None:
+                continue  # its start failed, and said why
+            rc = await rp.stop()
+            if rp.child.ignored_signal:
+                problems.append(f"{rp.config_path.name}: no exit within {STOP_TIMEOUT_S}s")
+            if rc != 0:
+                problems.append(f"{rp.config_path.name}: exit status {rc}; log:\n{rp.log()}")
         self.started.clear()
         assert not problems, "\n".join(problems)
 

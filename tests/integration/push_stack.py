@@ -20,9 +20,6 @@ import asyncio
 import collections
 import contextlib
 import hashlib
-import os
-import signal
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,8 +29,8 @@ import aiohttp
 import grpc
 import orjson
 import pytest
-import yaml
 
+from bench.procs import DISCARD, ChildProcess, Service, launch, python_module
 from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
 from bus._gen.continuum.bus.v1 import bus_pb2_grpc as bpb_grpc
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as kpb
@@ -42,7 +39,7 @@ from bus.events import KvEvent
 from bus.sse import SseParser
 from certs import CertPair, dev_bundle, make_client_cert
 
-from .conftest import ROOT, wait_until
+from .conftest import wait_until
 
 SALT_ENV = "CONTINUUM_BENCH_SALT_SECRET"  # bench/ingest_bench.py's publisher reads it
 SALT_SECRET = "push-tests-salt-secret-0123456789"
@@ -187,86 +184,57 @@ def listener_config(
 # -- processes -----------------------------------------------------------------------------
 
 
-def _env(**extra: str) -> dict[str, str]:
-    env = {**os.environ, SALT_ENV: SALT_SECRET, **extra}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-    return env
-
-
 class Publisher:
     """The engine: salted vLLM KV event bursts on a bound ZMQ PUB."""
 
     def __init__(self, port: int, backend: str) -> None:
         self.port = port
         self.backend = backend
-        self.proc: asyncio.subprocess.Process | None = None
+        self.child: ChildProcess | None = None
 
     async def start(self) -> Publisher:
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "bench.ingest_bench", "--role", "publisher",
+        argv = python_module(
+            "bench.ingest_bench", "--role", "publisher",
             "--endpoint", f"tcp://*:{self.port}", "--salted", "--prefixes", "0",
             "--backend", self.backend, "--hwm", "100000",
-            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.DEVNULL, cwd=str(ROOT), env=_env(),
         )  # fmt: skip
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), 20)
-        assert line.startswith(b"READY"), line
+        self.child = await launch(
+            "publisher",
+            argv,
+            ready_timeout=20,
+            log=DISCARD,
+            stdin=True,
+            env={SALT_ENV: SALT_SECRET},
+        )
         return self
 
     async def burst(self, batches: int, events_per_batch: int = 8) -> dict[str, Any]:
-        assert self.proc is not None and self.proc.stdin and self.proc.stdout
-        self.proc.stdin.write(f"burst {batches} {events_per_batch}\n".encode())
-        await self.proc.stdin.drain()
-        while True:
-            line = await asyncio.wait_for(self.proc.stdout.readline(), 60)
-            assert line, "publisher exited"
-            if line.startswith(b"{"):
-                return orjson.loads(line)  # type: ignore[no-any-return]
+        assert self.child is not None and self.child.proc.stdin is not None
+        self.child.proc.stdin.write(f"burst {batches} {events_per_batch}\n".encode())
+        await self.child.proc.stdin.drain()
+        report = await self.child.expect(r"^\{", 60, what="the burst's report")
+        return orjson.loads(report.string)  # type: ignore[no-any-return]
 
     async def stop(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-            try:
-                await asyncio.wait_for(self.proc.wait(), 5)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
+        """Closing stdin ends the publisher; SIGKILL if it has not gone after 5 s."""
+        if self.child is not None and self.child.running:
+            assert self.child.proc.stdin is not None
+            self.child.proc.stdin.close()
+            await self.child.stop(5, sig=None)
 
 
-class ListenerProc:
+class ListenerProc(Service):
     """``python -m listener`` with push mode; restartable (``listen`` pinned after start)."""
 
     def __init__(self, config: dict[str, Any], path: Path, token: str | None = None) -> None:
-        self.config = config
-        self.path = path
-        self.log_path = path.with_suffix(".log")
+        env = {SALT_ENV: SALT_SECRET, **({TOKEN_ENV: token} if token else {})}
+        super().__init__("listener", ["listener"], config, path, env=env, stop_grace=15)
         self.token = token
-        self.proc: asyncio.subprocess.Process | None = None
-        self.url = ""
 
     async def start(self) -> ListenerProc:
-        self.path.write_text(yaml.safe_dump(self.config), encoding="utf-8")
-        env = _env(**({TOKEN_ENV: self.token} if self.token else {}))
-        with self.log_path.open("ab") as log:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "listener", "--config", str(self.path),
-                stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
-                stderr=log, cwd=str(ROOT), env=env,
-            )  # fmt: skip
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), 20)
-        assert line.startswith(b"READY "), (line, self.log())
-        self.url = "http://" + line.split()[1].decode().split("=", 1)[1]
+        await super().start()
         self.config["listen"] = self.url.removeprefix("http://")
         return self
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
 
     async def stats(self) -> dict[str, Any]:
         async with aiohttp.ClientSession() as s, s.get(self.url + "/stats") as r:
@@ -284,22 +252,11 @@ class ListenerProc:
         await wait_until(got_frame, within=15, interval=0.05, what="the listener's first frame")
 
     async def terminate(self) -> int:
-        assert self.proc is not None
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 15)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-                raise AssertionError(f"listener ignored SIGTERM; log:\n{self.log()}") from None
-        return self.proc.returncode or 0
-
-    async def kill(self) -> None:
-        assert self.proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        await self.proc.wait()
+        """SIGTERM; fails the test when the listener needs SIGKILL after the grace period."""
+        rc = await self.stop()
+        if self.child is not None and self.child.ignored_signal:
+            raise AssertionError(f"listener ignored SIGTERM; log:\n{self.log()}")
+        return rc
 
 
 @contextlib.asynccontextmanager
@@ -309,7 +266,7 @@ async def running(*procs: Any) -> AsyncIterator[None]:
         yield
     finally:
         for p in procs:
-            if isinstance(p, ListenerProc) and p.proc is not None and p.proc.returncode is None:
+            if isinstance(p, ListenerProc) and p.running:
                 rc = await p.terminate()
                 assert rc == 0, p.log()
             elif isinstance(p, Publisher):

@@ -9,10 +9,7 @@ exactly what the router computes for the same request (``bus.prefix_key``).
 from __future__ import annotations
 
 import asyncio
-import os
 import secrets
-import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -20,8 +17,8 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-import yaml
 
+from bench.procs import Service
 from bench.sim.fleet import SimFleet
 from bus.events import KvEvent
 from bus.prefix_key import extract_prefix_key
@@ -34,51 +31,16 @@ pytest.importorskip("tokenizers")
 
 MODEL = "demo-model"
 SECRET = "e2e-salt-secret-" + "x" * 16
+SALT_ENV = "CONTINUUM_SALT_SECRET"
 
 
-class ListenerProc:
+class ListenerProc(Service):
     def __init__(self, config: dict[str, Any], path: Path) -> None:
-        self.config = config
-        self.path = path
-        self.proc: asyncio.subprocess.Process | None = None
-        self.url = ""
-        self.log_path = path.with_suffix(".log")
-
-    async def start(self) -> ListenerProc:
-        self.path.write_text(yaml.safe_dump(self.config))
-        env = {**os.environ, "CONTINUUM_SALT_SECRET": SECRET}
-        log = self.log_path.open("ab")
-        self.proc = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "listener",
-            "--config",
-            str(self.path),
-            stdout=asyncio.subprocess.PIPE,
-            stderr=log,
-            env=env,
-        )
-        log.close()
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), 20)
-        assert line.startswith(b"READY"), (line, self.log_path.read_text())
-        self.url = "http://" + line.split()[1].decode().split("=", 1)[1]
-        return self
-
-    async def stop(self) -> int:
-        assert self.proc is not None
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 10)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-        return self.proc.returncode or 0
+        super().__init__("listener", ["listener"], config, path, env={SALT_ENV: SECRET})
 
     async def stats(self) -> dict[str, Any]:
         async with aiohttp.ClientSession() as s, s.get(self.url + "/stats") as r:
-            return await r.json()
+            return await r.json()  # type: ignore[no-any-return]
 
 
 class SseClient:

@@ -12,8 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import os
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -22,9 +20,10 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
+from bench.procs import ChildProcess, launch, python_module
 from tests.redis_fixture import redis_url  # noqa: F401 - fixture
 
-from .conftest import ROOT, backend, http, sim_json
+from .conftest import backend, http, sim_json
 
 EMBED_MODEL = "all-MiniLM-L6-v2"
 EMBED_READY_TIMEOUT_S = 60.0
@@ -36,9 +35,9 @@ pytestmark = pytest.mark.skipif(
 
 
 class EmbedProc:
-    def __init__(self, proc: asyncio.subprocess.Process, url: str) -> None:
-        self.proc = proc
-        self.url = url
+    def __init__(self, child: ChildProcess) -> None:
+        self.child = child
+        self.url = f"http://127.0.0.1:{child.ready.port}"
 
     async def requests(self) -> int:
         return int((await sim_json(self.url, "/stats"))["requests"])
@@ -47,34 +46,15 @@ class EmbedProc:
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def embed_server() -> AsyncIterator[EmbedProc]:
     """``python -m bench.embed_server`` on a free port, for the whole module."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "bench.embed_server",
-        "--port",
-        "0",
-        "--model-name",
-        EMBED_MODEL,
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=asyncio.subprocess.PIPE,
-        cwd=str(ROOT),
-        env=env,
+    child = await launch(
+        "embed server",
+        python_module("bench.embed_server", "--port", "0", "--model-name", EMBED_MODEL),
+        ready_timeout=EMBED_READY_TIMEOUT_S,
     )
     try:
-        assert proc.stdout is not None
-        line = await asyncio.wait_for(proc.stdout.readline(), EMBED_READY_TIMEOUT_S)
-        text = line.decode().strip()
-        assert text.startswith("READY "), f"embed server did not start: {text!r}"
-        yield EmbedProc(proc, f"http://127.0.0.1:{text.split()[1]}")
+        yield EmbedProc(child)
     finally:
-        if proc.returncode is None:
-            proc.terminate()
-            try:
-                await asyncio.wait_for(proc.wait(), 10)
-            except TimeoutError:
-                proc.kill()
-                await proc.wait()
+        await child.stop(10)
 
 
 def semantic_config(

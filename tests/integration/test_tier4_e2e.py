@@ -15,10 +15,6 @@ would. Every wait polls with a bound; nothing sleeps a fixed time.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import os
-import signal
-import sys
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -28,8 +24,8 @@ from typing import Any
 import grpc
 import pytest
 import pytest_asyncio
-import yaml
 
+from bench.procs import Service
 from bench.sim.fleet import SimFleet
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
@@ -37,7 +33,6 @@ from bus.prefix_key import extract_prefix_key
 from bus.salt import SALT_PREFIX, SaltError, verify_salt
 
 from .conftest import (
-    ROOT,
     RouterLauncher,
     RouterProc,
     StartRouter,
@@ -87,68 +82,17 @@ def prefix_of(body: Mapping[str, Any]) -> str:
 # -- the listener process ----------------------------------------------------------------
 
 
-class Listener:
+class Listener(Service):
     """``python -m listener``; restartable on the same port (``listen`` is pinned after
     the first start)."""
 
     def __init__(self, config: dict[str, Any], path: Path) -> None:
-        self.config = config
-        self.path = path
-        self.log_path = path.with_suffix(".log")
-        self.proc: asyncio.subprocess.Process | None = None
-        self.url = ""
+        super().__init__("listener", ["listener"], config, path, env={SALT_ENV: SECRET})
 
     async def start(self) -> Listener:
-        self.path.write_text(yaml.safe_dump(self.config), encoding="utf-8")
-        env = {**os.environ, SALT_ENV: SECRET}
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        with self.log_path.open("ab") as log:
-            self.proc = await asyncio.create_subprocess_exec(
-                sys.executable,
-                "-m",
-                "listener",
-                "--config",
-                str(self.path),
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=log,
-                cwd=str(ROOT),
-                env=env,
-            )
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), 20)
-        assert line.startswith(b"READY "), (line, self.log())
-        self.url = "http://" + line.split()[1].decode().split("=", 1)[1]
+        await super().start()
         self.config["listen"] = self.url.removeprefix("http://")
         return self
-
-    def log(self) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")
-        except OSError:
-            return ""
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.returncode is None
-
-    async def kill(self) -> None:
-        """SIGKILL: no goodbye on any socket."""
-        assert self.proc is not None
-        with contextlib.suppress(ProcessLookupError):
-            self.proc.kill()
-        await self.proc.wait()
-
-    async def stop(self) -> int:
-        assert self.proc is not None
-        if self.proc.returncode is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await asyncio.wait_for(self.proc.wait(), 10)
-            except TimeoutError:
-                self.proc.kill()
-                await self.proc.wait()
-        return self.proc.returncode or 0
 
     async def stats(self) -> dict[str, Any]:
         r = await http("GET", self.url + "/stats", total_s=5)
