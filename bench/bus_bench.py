@@ -19,7 +19,16 @@ Real processes on this machine, TLS with mTLS on every event bus connection:
 
 Events/s = events / (time from the trigger to the first poll of the router's
 ``/admin/kv-index/backends`` (every 20 ms) showing them all processed). Rounds interleave the
-variants (fresh processes per run); the table shows medians and paired ratios.
+variants (fresh processes per run); the table shows medians and paired ratios, and the CPU
+per event of the bottleneck process, all threads and its main thread (the event loop).
+
+**Interleaved** (``--pairs``): this machine's speed drifts by +-20 % within seconds (a
+bare CPU loop shows it), more than anything that separates push from pull, so the rounds
+above, minutes apart, cannot order them. Here a push stack and a pull stack stay alive
+side by side and take turns (ABBA...), so the two runs of a pair are seconds apart; the
+push/pull ratio per pair is reported with its quartiles. ``--control`` runs the same with
+two pull stacks: the spread two identical stacks show is the floor below which a push/pull
+difference means nothing.
 
 **Lag**: the engine side publishes at a paced 10,000 events/s (batches of 8 every
 0.8 ms, each batch a whole salted 8-block chain) for a few seconds; the bench polls the
@@ -27,7 +36,8 @@ router's applied-event count every 5 ms and takes, per event, (first poll at whi
 router has applied its record) - (its batch's send time), on the shared monotonic clock.
 Reported p50/p99/max, push and pull.
 
-Run: ``.venv/bin/python -m bench.bus_bench [--events 100000] [--repeats 3] [--json F]``
+Run: ``.venv/bin/python -m bench.bus_bench [--events 100000] [--repeats 3] [--pairs 10]
+[--json F]``
 """
 
 from __future__ import annotations
@@ -35,13 +45,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import http.client
 import json
 import os
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +81,17 @@ RECORDS_PER_MESSAGE = 64
 
 # ---------------------------------------------------------------------------------------------
 # router and polling
+
+
+def main_thread_cpu_seconds(pid: int) -> float:
+    """utime + stime of the main thread of ``pid``: the event loop, which bounds a
+    single-loop process's throughput (gRPC's own threads do TLS and HTTP/2 beside it)."""
+    try:
+        raw = Path(f"/proc/{pid}/task/{pid}/stat").read_text()
+    except OSError:
+        return float("nan")
+    f = raw[raw.rindex(")") + 2 :].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def router_yaml(pki: dict[str, Any], bus_port: int, *, push: bool, sse_url: str = "") -> str:
@@ -351,44 +373,53 @@ def bare_client_role(args: argparse.Namespace) -> int:
 # runs
 
 
-def run_transport(
-    args: argparse.Namespace, pki: dict[str, Any], workdir: Path, push: bool, tag: str
-) -> dict[str, Any]:
+@contextlib.contextmanager
+def _transport_stack(
+    args: argparse.Namespace,
+    pki: dict[str, Any],
+    workdir: Path,
+    push: bool,
+    tag: str,
+) -> Iterator[tuple[Child, Router, int]]:
+    """A feeder and a router consuming it (push or pull), connected: (feeder, router, n0)."""
     bus_port = free_port()
-    bus = json.dumps(bus_section(pki, bus_port)) if push else ""
     cmd = _py(
-        "-m",
-        "bench.bus_bench",
-        "--role",
-        "feeder",
-        "--history",
-        str(args.events + 1000),
-        "--queue",
-        "1000000",
-    )
-    if bus:
-        cmd += ["--bus", bus]
+        "-m", "bench.bus_bench", "--role", "feeder",
+        "--history", str(args.events + 1000), "--queue", "1000000",
+    )  # fmt: skip
+    if push:
+        cmd += ["--bus", json.dumps(bus_section(pki, bus_port))]
     feeder = Child(f"{tag}-feeder", cmd, log_dir=workdir, stdin=True)
     router: Router | None = None
     try:
         url = "http://" + feeder.expect(r"READY http=(\S+)").group(1)
         cfg = router_yaml(pki, bus_port, push=push, sse_url=f"{url}/events/{BACKEND}")
         router = Router(cfg, workdir, tag)
-        n0 = router.wait_connected()
-        cpu0 = cpu_seconds(router.child.pid)
-        t0 = time.monotonic()
-        feeder.send(f"burst {args.events}")
-        t_done = wait_processed(router, n0 + args.events)
-        cpu = cpu_seconds(router.child.pid) - cpu0
-        return {
-            "events": args.events,
-            "events_per_s": args.events / (t_done - t0),
-            "router_us_per_event": cpu / args.events * 1e6,
-        }
+        yield feeder, router, router.wait_connected()
     finally:
         if router is not None:
             router.stop()
         feeder.stop()
+
+
+def run_transport(
+    args: argparse.Namespace, pki: dict[str, Any], workdir: Path, push: bool, tag: str
+) -> dict[str, Any]:
+    with _transport_stack(args, pki, workdir, push, tag) as (feeder, router, _):
+        return _with_cpu(router.child.pid, args.events, _transport_burst, args, feeder, router)
+
+
+def _with_cpu(pid: int, events: int, burst: Callable[..., float], *a: Any) -> dict[str, Any]:
+    """One burst's events/s, and the CPU per event of ``pid`` (all threads; main only)."""
+    cpu0, main0 = cpu_seconds(pid), main_thread_cpu_seconds(pid)
+    rate = burst(*a)
+    cpu, main = cpu_seconds(pid) - cpu0, main_thread_cpu_seconds(pid) - main0
+    return {
+        "events": events,
+        "events_per_s": rate,
+        "us_per_event": cpu / events * 1e6,
+        "main_us_per_event": main / events * 1e6,
+    }
 
 
 def listener_yaml(pki: dict[str, Any], zmq_endpoint: str, bus_port: int | None) -> str:
@@ -469,27 +500,73 @@ def run_e2e(
     listener coalesces one ZMQ batch of a chain into one ``cache_created``)."""
     pub, lst, router = _e2e_stack(pki, workdir, push, tag)
     try:
-        n0, seq0 = _caught_up(lst, router)
-        ev0 = lst.source()["events"]
-        n = args.e2e_batches * 8
-        cpu0 = cpu_seconds(lst.pid)
-        t0 = time.monotonic()
-        pub.burst(args.e2e_batches, 8)
-        deadline = time.monotonic() + 120
-        while lst.source()["events"] - ev0 < n and time.monotonic() < deadline:
-            time.sleep(0.02)
-        seq = lst.stats()["hub"]["backends"][BACKEND]["seq"]
-        t_done = wait_processed(router, n0 + seq - seq0)
-        cpu = cpu_seconds(lst.pid) - cpu0
-        return {
-            "events": n,
-            "events_per_s": n / (t_done - t0),
-            "listener_us_per_event": cpu / n * 1e6,
-        }
+        _caught_up(lst, router)
+        return _with_cpu(lst.pid, args.e2e_batches * 8, _e2e_burst, args, pub, lst, router)
     finally:
         router.stop()
         lst.stop()
         pub.stop()
+
+
+def run_interleaved(
+    args: argparse.Namespace,
+    pki: dict[str, Any],
+    workdir: Path,
+    row: str,
+    modes: Sequence[tuple[str, bool]],
+) -> dict[str, list[float]]:
+    """Push and pull stacks both alive, bursts alternating between them (ABBA...), so each
+    pair of runs is seconds apart: this machine's speed drifts by +-20 % over seconds
+    (a bare CPU loop shows it), which swamps one-after-the-other runs of fresh processes.
+
+    ``row`` is ``transport`` (``args.events`` per burst) or ``e2e`` (``args.e2e_batches``
+    batches of 8); ``modes`` names two stacks and says which one pushes. Returns events/s
+    per burst, by name, in pair order. Pull against pull (``--control``) shows how far
+    apart two identical stacks measure: the noise floor of the push/pull ratio.
+    """
+    rates: dict[str, list[float]] = {name: [] for name, _ in modes}
+    with contextlib.ExitStack() as stack:
+        bursts: dict[str, Callable[[], float]] = {}
+        for name, push in modes:
+            tag = f"il-{row}-{name}"
+            if row == "transport":
+                feeder, router, _ = stack.enter_context(
+                    _transport_stack(args, pki, workdir, push, tag)
+                )
+                bursts[name] = functools.partial(_transport_burst, args, feeder, router)
+            else:
+                pub, lst, router = _e2e_stack(pki, workdir, push, tag)
+                stack.callback(pub.stop)
+                stack.callback(lst.stop)
+                stack.callback(router.stop)
+                bursts[name] = functools.partial(_e2e_burst, args, pub, lst, router)
+        names = [name for name, _ in modes]
+        for k in range(args.pairs):
+            for name in names if k % 2 == 0 else names[::-1]:
+                rates[name].append(bursts[name]())
+            if args.verbose:
+                print(row, k, {n: round(v[-1]) for n, v in rates.items()}, flush=True)
+    return rates
+
+
+def _transport_burst(args: argparse.Namespace, feeder: Child, router: Router) -> float:
+    n0 = router.processed()
+    t0 = time.monotonic()
+    feeder.send(f"burst {args.events}")
+    return args.events / (wait_processed(router, n0 + args.events) - t0)
+
+
+def _e2e_burst(args: argparse.Namespace, pub: Any, lst: Listener, router: Router) -> float:
+    n0, seq0 = _caught_up(lst, router)
+    ev0 = lst.source()["events"]
+    n = args.e2e_batches * 8
+    t0 = time.monotonic()
+    pub.burst(args.e2e_batches, 8)
+    deadline = time.monotonic() + 120
+    while lst.source()["events"] - ev0 < n and time.monotonic() < deadline:
+        time.sleep(0.02)
+    seq = lst.stats()["hub"]["backends"][BACKEND]["seq"]
+    return n / (wait_processed(router, n0 + seq - seq0) - t0)
 
 
 def run_ceiling(
@@ -581,6 +658,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="bus-bench-"))
     pki = make_pki(workdir)
     cpu: dict[str, list[float]] = {k: [] for k in ("t-push", "t-pull", "e-push", "e-pull")}
+    main_cpu: dict[str, list[float]] = {k: [] for k in cpu}
     cells: dict[str, list[float]] = {
         k: [] for k in ("t-push", "t-pull", "e-push", "e-pull", "ceiling")
     }
@@ -593,7 +671,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for name, push in order:
             res = run_transport(args, pki, workdir, push, f"r{r}-{name}")
             cells[name].append(res["events_per_s"])
-            cpu[name].append(res["router_us_per_event"])
+            cpu[name].append(res["us_per_event"])
+            main_cpu[name].append(res["main_us_per_event"])
             if args.verbose:
                 print(name, res, flush=True)
         cells["ceiling"].append(run_ceiling(args, pki, workdir, f"r{r}-ceil")["events_per_s"])
@@ -601,14 +680,31 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             for name, push in e_order:
                 res = run_e2e(args, pki, workdir, push, f"r{r}-{name}")
                 cells[name].append(res["events_per_s"])
-                cpu[name].append(res["listener_us_per_event"])
+                cpu[name].append(res["us_per_event"])
+                main_cpu[name].append(res["main_us_per_event"])
                 if args.verbose:
                     print(name, res, flush=True)
+    interleaved: dict[str, dict[str, list[float]]] = {}
+    rows = ["transport", "e2e"] if args.e2e_batches else ["transport"]
+    for row in rows if args.pairs else []:
+        interleaved[f"{row}: push (A) vs pull (B)"] = run_interleaved(
+            args, pki, workdir, row, (("A", True), ("B", False))
+        )
+        if args.control:
+            interleaved[f"{row} control: pull (A) vs pull (B)"] = run_interleaved(
+                args, pki, workdir, row, (("A", False), ("B", False))
+            )
     lag: dict[str, dict[str, Any]] = {}
     if args.seconds > 0:
         for name, push in (("push", True), ("pull", False)):
             lag[name] = run_lag(args, pki, workdir, push, f"lag-{name}")
-    return {"cells": cells, "cpu": cpu, "lag": lag}
+    return {
+        "cells": cells,
+        "cpu": cpu,
+        "main_cpu": main_cpu,
+        "interleaved": interleaved,
+        "lag": lag,
+    }
 
 
 def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
@@ -639,6 +735,7 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
                 verdict(ok),
                 verdict(m >= 50_000) if key in ("t-push", "e-push") else "-",
                 f"{median(res['cpu'][key]):.1f}" if res["cpu"].get(key) else "-",
+                f"{median(res['main_cpu'][key]):.1f}" if res["main_cpu"].get(key) else "-",
             ]
         )
     print(
@@ -646,7 +743,8 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
         f"medians of {args.repeats} interleaved rounds (fresh processes per run); "
         "targets: push >= pull (paired), push >= 50k events/s. CPU us/ev: the router "
         "process's CPU per event (transport rows) or the listener's (e2e rows), which noise "
-        "from other jobs on the machine affects far less than events/s"
+        "from other jobs on the machine affects far less than events/s; loop us/ev: the same "
+        "for the process's main thread only (its event loop, the bottleneck)"
     )
     print()
     print(
@@ -659,10 +757,38 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
                 ">= pull",
                 ">= 50k/s",
                 "CPU us/ev",
+                "loop us/ev",
             ],
             rows,
         )
     )
+    if res.get("interleaved"):
+        print()
+        print(
+            f"Interleaved: two stacks alive at once, {args.pairs} pairs of bursts alternating "
+            "ABBA (a pair's runs are seconds apart and see the machine alike); A/B per pair"
+        )
+        print()
+        rows = []
+        for label, rates in res["interleaved"].items():
+            ratios = sorted(a / b for a, b in zip(rates["A"], rates["B"], strict=True))
+            q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
+            ratio = median(ratios)
+            rows.append(
+                [
+                    label,
+                    f"{median(rates['A']):,.0f}",
+                    f"{median(rates['B']):,.0f}",
+                    f"{ratio:.3f}",
+                    f"{q1:.3f} .. {q3:.3f}",
+                    f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)}",
+                ]
+            )
+        print(
+            render_table(
+                ["row", "A ev/s", "B ev/s", "A/B (median)", "quartiles", "pairs A >= B"], rows
+            )
+        )
     if res["lag"]:
         print()
         print(
@@ -695,6 +821,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--rate", type=float, default=10_000, help="lag run: engine events per second")
     p.add_argument("--seconds", type=float, default=3.0, help="lag run length (0: skip)")
+    p.add_argument(
+        "--pairs",
+        type=int,
+        default=10,
+        help="interleaved push/pull burst pairs on live stacks, per row (0: skip)",
+    )
+    p.add_argument(
+        "--control",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also interleave pull against pull: the noise floor of the push/pull ratio",
+    )
     p.add_argument("--json", metavar="FILE")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument(
