@@ -11,7 +11,9 @@ Rows, each against a baseline measured in the same run:
 * Redis ``query_backends`` (one prefix, 3 backends) against a bare redis-py
   ``ZREVRANGEBYSCORE key +inf -inf WITHSCORES`` on the same key and client, wall time
   (the round trip is the cost), interleaved every 50 calls. Target: at most 1.3x.
-  Skipped if Redis is unreachable.
+  Skipped if Redis is unreachable. Also, per event: a consumer slice of 256 events applied
+  one by one (a MULTI/EXEC each) and through ``apply_events`` (``write_many``: one script
+  call), the same events.
 * memory bytes per (prefix, backend) entry with tracemalloc, the 64-character keys
   included (the index keeps them). Baseline: a plain ``dict[str, int]`` of the same keys.
   Target: at most 400 B.
@@ -38,7 +40,14 @@ from typing import Any
 
 from bus.events import KvEvent
 from router.config.models import RedisConfig, StorageOffloadingConfig
-from router.kvindex import InMemoryKvIndex, RedisKvIndex, Tier, apply_event, build_redis
+from router.kvindex import (
+    InMemoryKvIndex,
+    RedisKvIndex,
+    Tier,
+    apply_event,
+    apply_events,
+    build_redis,
+)
 
 from ._table import median, paired_ratio, print_results, time_interleaved
 
@@ -47,6 +56,7 @@ EVENTS_TARGET_PER_S = 100_000.0
 REDIS_TARGET_RATIO = 1.3
 BYTES_TARGET = 400.0
 REDIS_CHUNK = 50
+BATCH = 256
 BACKENDS = [f"vllm-{i}" for i in range(8)]
 OFFLOADING = StorageOffloadingConfig(enabled=True, treat_eviction_as_offload=True)
 
@@ -145,15 +155,46 @@ async def redis_rows(url: str, loops: int, repeats: int) -> list[dict[str, Any]]
         async def apply() -> Any:
             return await apply_event(idx, ev, OFFLOADING)
 
-        cases: list[tuple[str, Callable[[], Any], bool]] = [
-            ("baseline: redis-py ZREVRANGEBYSCORE", bare, False),
-            ("Redis query_backends, 3 backends", query, True),
-            ("Redis query_backends, miss", query_miss, True),
-            ("Redis apply_event (MULTI upsert)", apply, False),
+        # A consumer's chunk: created 80 %, evicted 20 % over 10k prefixes, the default
+        # storage_offloading (off: an eviction is a remove); one by one, then as the
+        # consumer hands a slice over (apply_events -> write_many: one script call).
+        rng = random.Random(11)
+        stream = [
+            KvEvent("cache_created", b, p2, rng.randrange(16, 8192), "gpu")
+            if rng.random() < 0.8
+            else KvEvent("cache_evicted", b, p2)
+            for p2, b in (
+                (f"{rng.randrange(10_000):064x}", BACKENDS[rng.randrange(8)]) for _ in range(4096)
+            )
+        ]
+        nxt_slice = itertools.cycle(
+            [stream[i : i + BATCH] for i in range(0, len(stream), BATCH)]
+        ).__next__
+        off = StorageOffloadingConfig()
+
+        async def apply_one_by_one() -> Any:
+            for e in nxt_slice():
+                await apply_event(idx, e, off)
+
+        async def apply_batched() -> Any:
+            return await apply_events(idx, nxt_slice(), off)
+
+        cases: list[tuple[str, Callable[[], Any], bool, int]] = [
+            ("baseline: redis-py ZREVRANGEBYSCORE", bare, False, 1),
+            ("Redis query_backends, 3 backends", query, True, 1),
+            ("Redis query_backends, miss", query_miss, True, 1),
+            ("Redis apply_event (MULTI upsert)", apply, False, 1),
+            (
+                f"Redis apply_event one by one, per event (slices of {BATCH})",
+                apply_one_by_one,
+                False,
+                BATCH,
+            ),
+            (f"Redis apply_events, per event (slices of {BATCH})", apply_batched, False, BATCH),
         ]
         assert len(await query()) == 3 and len(await bare()) == 3
-        for _, fn, _ in cases:  # warm the pool and the caches
-            for _ in range(200):
+        for _, fn, _, per in cases:  # warm the pool and the caches
+            for _ in range(200 // per + 1):
                 await fn()
         # Finer interleaving than the memory rows: a repeat is loops/CHUNK rounds of CHUNK
         # calls per case, so a burst of load from elsewhere hits every case alike.
@@ -162,22 +203,23 @@ async def redis_rows(url: str, loops: int, repeats: int) -> list[dict[str, Any]]
         for _ in range(repeats):
             spent = [0.0] * len(cases)
             for _ in range(chunks):
-                for i, (_, fn, _) in enumerate(cases):
+                for i, (_, fn, _, per) in enumerate(cases):
+                    calls = max(1, REDIS_CHUNK // per)
                     t0 = time.perf_counter()
-                    for _ in range(REDIS_CHUNK):
+                    for _ in range(calls):
                         await fn()
-                    spent[i] += time.perf_counter() - t0
+                    spent[i] += (time.perf_counter() - t0) / (calls * per)
             for i in range(len(cases)):
-                timings[i].append(spent[i] / (chunks * REDIS_CHUNK))
+                timings[i].append(spent[i] / chunks)
         base = timings[0]
         rows = []
-        for (label, _, judged), per in zip(cases, timings, strict=True):
+        for (label, _, judged, _), per in zip(cases, timings, strict=True):
             ratio = paired_ratio(per, base)
             rows.append(
                 {
                     "case": label,
                     "value": median(per) * 1e6,
-                    "unit": "us/call",
+                    "unit": "us/call" if "per event" not in label else "us/event",
                     "min": min(per) * 1e6,
                     "max": max(per) * 1e6,
                     "ratio": ratio,

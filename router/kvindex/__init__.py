@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from router.config.models import KvCacheIndexConfig, RedisConfig
 
-from .apply import ACTIONS, Action, apply_event
+from .apply import ACTIONS, Action, apply_event, apply_events
 from .base import (
     EMPTY,
+    Change,
     IndexEntry,
     IndexStats,
     KvIndex,
@@ -29,6 +30,7 @@ __all__ = [
     "EMPTY",
     "UNAVAILABLE_ERRORS",
     "Action",
+    "Change",
     "InMemoryKvIndex",
     "IndexEntry",
     "IndexStats",
@@ -39,6 +41,7 @@ __all__ = [
     "RedisPools",
     "Tier",
     "apply_event",
+    "apply_events",
     "build_kv_index",
     "build_redis",
     "effective_url",

@@ -41,6 +41,7 @@ from typing import Final
 
 __all__ = [
     "EMPTY",
+    "Change",
     "IndexEntry",
     "IndexStats",
     "KvIndex",
@@ -57,6 +58,11 @@ class Tier(StrEnum):
     """On the accelerator: a request reuses them at once."""
     STORAGE_WARM = "storage_warm"
     """Offloaded only (CPU memory, local disk, remote store): reusable after a reload."""
+
+
+Change = tuple[str, str, int, "Tier | None"]
+"""``(prefix_hash, backend, token_count, tier)``: an upsert, or with tier None a remove
+(``token_count`` is then ignored). See :meth:`KvIndex.write_many`."""
 
 
 class IndexEntry:
@@ -171,6 +177,24 @@ class KvIndex(abc.ABC):
         Raises:
             ValueError: ``token_count`` is negative.
         """
+
+    async def write_many(self, changes: Sequence[Change]) -> None:
+        """Apply ``changes`` in order, each as ``upsert`` (a tier) or ``remove`` (None)
+        would. The consumer hands a chunk of events over at once; a backend with a cost
+        per call (a Redis round trip) does them together. This default makes one call
+        each.
+
+        Not atomic as a whole. If it raises, any prefix of ``changes`` may have been
+        applied; applying them again is harmless (both operations are idempotent).
+
+        Raises:
+            ValueError: a negative ``token_count`` (nothing after it is applied).
+        """
+        for prefix_hash, backend, token_count, tier in changes:
+            if tier is None:
+                await self.remove(prefix_hash, backend)
+            else:
+                await self.upsert(prefix_hash, backend, token_count, tier)
 
     @abc.abstractmethod
     async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:

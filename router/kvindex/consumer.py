@@ -31,6 +31,11 @@ Per record:
   whose ``apply`` raised is not skipped: the stream is dropped and the next connection
   asks for it again (``Last-Event-ID`` is the last *applied* event). An invalid record is
   also passed over by ``last_event_id``: asking for it again could never make it valid.
+* With ``apply_many`` (the router passes ``apply_events``), the events of a slice of up to
+  256 records are applied in one call: for the Redis index, one script per run of writes
+  instead of a MULTI/EXEC each. When that call raises, none of the slice counts as
+  applied, and the next connection asks for all of it again: at least once, which is
+  exact for the index because applying an event twice changes nothing.
 
 Resumption: every connection sends ``Last-Event-ID: <last_event_id>`` when one is known, so
 the listener replays what is missing from its history ring (no duplicate, no gap), or
@@ -63,7 +68,7 @@ import asyncio
 import contextlib
 import copy
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -81,6 +86,7 @@ __all__ = [
     "ERROR_EVENT",
     "MAX_BACKOFF_S",
     "ApplyFn",
+    "ApplyManyFn",
     "ConsumerError",
     "ConsumerStats",
     "EventApplyError",
@@ -102,6 +108,8 @@ MAX_BACKOFF_S = 60.0
 
 ApplyFn = Callable[[KvEvent], Awaitable[str]]
 """Applies one event to the index; returns a label (``created``, ``evicted``, ...)."""
+ApplyManyFn = Callable[[list[KvEvent]], Awaitable[Sequence[str]]]
+"""Applies events in order; returns one label each."""
 StreamOpener = Callable[[str | None], AsyncIterator[bytes]]
 """Opens one stream given the last applied event ID; yields raw SSE bytes until it ends."""
 Clock = Callable[[], datetime]
@@ -263,6 +271,9 @@ class KvEventConsumer:
         read_timeout: Seconds without a byte before an open stream counts as dead; must
             exceed the listener's heartbeat interval (15 s by default). None: no limit.
         connect_timeout: Seconds to open the TCP (and TLS) connection.
+        apply_many: Applies a list of events in order and returns their labels; when given,
+            each slice of a chunk goes to it at once instead of event by event to ``apply``
+            (see :meth:`_apply_all` for what a failure means then).
 
     Raises:
         ValueError: no opener for the source (``event_bus`` without ``stream_opener``, an
@@ -282,10 +293,12 @@ class KvEventConsumer:
         last_event_id: str | None = None,
         read_timeout: float | None = 60.0,
         connect_timeout: float = 10.0,
+        apply_many: ApplyManyFn | None = None,
     ) -> None:
         self.source = source
         self.backend = source.backend_name
         self._apply = apply
+        self._apply_many = apply_many
         self._session = session
         self._backoff = backoff if backoff is not None else default_backoff(source)
         self._clock = clock
@@ -406,57 +419,67 @@ class KvEventConsumer:
     async def _handle(self, records: list[SseRecord]) -> None:
         """Apply one chunk's records in order (the per-record rules: module docstring).
 
-        This is the router's per-event hot path, so the counters live in locals for the
-        loop and go back to ``stats`` at the end, also when a record ends the stream; the
-        wall clock is read once per chunk. Every ``_YIELD_EVERY`` records it yields to the
-        event loop: a chunk can hold thousands of records, and an in-memory index never
-        suspends, so without it the router's requests (and, in push mode, the gRPC call
-        that reads the next StreamData ahead) would wait for the whole chunk.
+        This is the router's per-event hot path, so the counters live in locals and go back
+        to ``stats`` at the end, also when a record ends the stream; the wall clock is read
+        once per chunk. Records go in slices of ``_YIELD_EVERY``: each slice's events are
+        decoded, then applied together (``apply_many``: one Redis round trip per run of
+        writes), and the consumer yields to the event loop between slices. A chunk can
+        hold thousands of records and an in-memory index never suspends, so without the
+        yield the router's requests (and, in push mode, the gRPC call that reads the next
+        StreamData ahead) would wait for the whole chunk.
         """
         st = self.stats
         backend = self.backend
-        apply = self._apply
         from_json = KvEvent.from_json
         received = processed = dropped = created = evicted = resyncs = 0
         last_id = st.last_event_id
         try:
-            for n, rec in enumerate(records):
-                if n and not n % _YIELD_EVERY:
+            for start in range(0, len(records), _YIELD_EVERY):
+                if start:
                     await asyncio.sleep(0)
-                kind = rec.event
-                if kind == ERROR_EVENT:
-                    raise StreamClosedByPeer(_error_reason(rec.data))
-                received += 1
-                try:
-                    ev = from_json(rec.data, event_field=kind, backend=backend)
-                except EventError as exc:
-                    dropped += 1
-                    if not self._drop_logged:
-                        self._drop_logged = True
-                        log.warning(
-                            "event source %s: dropped an invalid record (id %s): %s; further "
-                            "ones on this connection are only counted",
-                            backend,
-                            rec.id,
-                            exc,
-                        )
-                else:
+                part = records[start : start + _YIELD_EVERY]
+                decoded: list[KvEvent | None] = []
+                closing: SseRecord | None = None
+                for rec in part:
+                    if rec.event == ERROR_EVENT:
+                        closing = rec
+                        break
+                    received += 1
                     try:
-                        label = await apply(ev)
-                    except Exception as exc:
-                        raise EventApplyError(backend, rec.id, ev.event) from exc
-                    processed += 1
-                    if label == "created":
-                        created += 1
-                    elif label == "evicted":
-                        evicted += 1
-                    if ev.event == "resync":
-                        resyncs += 1
-                # A record without id keeps the id in effect (SseParser carries it over); an
-                # empty ``id:`` resets it, as in EventSource: the next connection sends none.
-                # An invalid record is passed over too: asking for it again cannot help.
-                if rec.id is not None:
-                    last_id = rec.id or None
+                        decoded.append(from_json(rec.data, event_field=rec.event, backend=backend))
+                    except EventError as exc:
+                        dropped += 1
+                        decoded.append(None)
+                        if not self._drop_logged:
+                            self._drop_logged = True
+                            log.warning(
+                                "event source %s: dropped an invalid record (id %s): %s; "
+                                "further ones on this connection are only counted",
+                                backend,
+                                rec.id,
+                                exc,
+                            )
+                labels, error = await self._apply_all([ev for ev in decoded if ev is not None])
+                done = iter(labels)
+                for rec, ev in zip(part, decoded, strict=False):
+                    if ev is not None:
+                        label = next(done, None)
+                        if label is None:  # not applied: the next connection asks again
+                            raise EventApplyError(backend, rec.id, ev.event) from error
+                        processed += 1
+                        if label == "created":
+                            created += 1
+                        elif label == "evicted":
+                            evicted += 1
+                        if ev.event == "resync":
+                            resyncs += 1
+                    # A record without id keeps the id in effect (SseParser carries it over);
+                    # an empty ``id:`` resets it, as in EventSource: the next connection sends
+                    # none. An invalid record is passed over too: asking again cannot help.
+                    if rec.id is not None:
+                        last_id = rec.id or None
+                if closing is not None:
+                    raise StreamClosedByPeer(_error_reason(closing.data))
         finally:
             st.received += received
             st.processed += processed
@@ -468,6 +491,30 @@ class KvEventConsumer:
             if processed:
                 st.last_event_at = self._clock()
                 self._applied_now += processed
+
+    async def _apply_all(self, events: list[KvEvent]) -> tuple[list[str], Exception | None]:
+        """Labels of the events applied, in order, and the error that stopped the rest.
+
+        With ``apply_many`` a failure leaves it unknown how many were applied, so none
+        counts as applied: the next connection asks for all of them again (applying an
+        event twice changes nothing). With ``apply`` alone, exactly those before the
+        failing one count.
+        """
+        if not events:
+            return [], None
+        if self._apply_many is not None:
+            try:
+                return list(await self._apply_many(events)), None
+            except Exception as exc:
+                return [], exc
+        labels: list[str] = []
+        apply = self._apply
+        for ev in events:
+            try:
+                labels.append(await apply(ev))
+            except Exception as exc:
+                return labels, exc
+        return labels, None
 
     # -- built-in openers ----------------------------------------------------------------------
 
@@ -571,6 +618,7 @@ class KvEventConsumerManager:
         stream_opener_factory: An opener for a source, or None for the built-in one; the
             seam for push mode (``event_bus``).
         clock: Wall clock for ``last_event_at``.
+        apply_many: Shared by every consumer, as ``apply`` (see :class:`KvEventConsumer`).
     """
 
     def __init__(
@@ -582,9 +630,11 @@ class KvEventConsumerManager:
         backoff_factory: Callable[[EventSourceConfig], Backoff] = default_backoff,
         stream_opener_factory: Callable[[EventSourceConfig], StreamOpener | None] | None = None,
         clock: Clock = _wall_clock,
+        apply_many: ApplyManyFn | None = None,
     ) -> None:
         self._sources = list(sources)
         self._apply = apply
+        self._apply_many = apply_many
         self._session_factory = session_factory
         self._backoff_factory = backoff_factory
         self._opener_factory = stream_opener_factory
@@ -671,6 +721,7 @@ class KvEventConsumerManager:
                 self._clock,
                 stream_opener=opener,
                 last_event_id=last_event_id,
+                apply_many=self._apply_many,
             )
         except ValueError as exc:
             log.error("%s; not consumed", exc)

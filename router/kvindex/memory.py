@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from operator import attrgetter
 
-from .base import EMPTY, IndexEntry, IndexStats, KvIndex, Tier
+from .base import EMPTY, Change, IndexEntry, IndexStats, KvIndex, Tier
 
 __all__ = ["InMemoryKvIndex"]
 
@@ -297,6 +297,14 @@ class InMemoryKvIndex(KvIndex):
 
     async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
         self.put(prefix_hash, backend, token_count, tier)
+
+    async def write_many(self, changes: Sequence[Change]) -> None:
+        put, drop = self.put, self.drop
+        for prefix_hash, backend, token_count, tier in changes:
+            if tier is None:
+                drop(prefix_hash, backend)
+            else:
+                put(prefix_hash, backend, token_count, tier)
 
     async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
         return self.retier(prefix_hash, backend, tier)

@@ -21,7 +21,7 @@ from bus.salt import encode_salt, load_secret
 from ..config import RouterConfig
 from ..config.models import EventSourceConfig
 from . import build_kv_index
-from .apply import apply_event
+from .apply import apply_event, apply_events
 from .consumer import KvEventConsumerManager, StreamOpener
 from .scorer import KvOverlapScorer
 
@@ -63,9 +63,12 @@ class KvRuntime:
                 certificates=bool(bus.tls.client_ca),
             )
         # ``kv_cache_index`` is restart-only, so the offloading settings are bound once.
-        apply = functools.partial(apply_event, self.index, offloading=kv.storage_offloading)
+        offloading = kv.storage_offloading
         self.consumers = KvEventConsumerManager(
-            kv.event_sources, apply, stream_opener_factory=self._stream_opener
+            kv.event_sources,
+            functools.partial(apply_event, self.index, offloading=offloading),
+            stream_opener_factory=self._stream_opener,
+            apply_many=functools.partial(apply_events, self.index, offloading=offloading),
         )
         self.salt_secret: bytes | None = None
         if kv.salt_secret_file or kv.salt_secret_env:

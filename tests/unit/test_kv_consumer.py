@@ -631,6 +631,53 @@ async def test_a_large_chunk_does_not_hold_the_event_loop() -> None:
         await asyncio.gather(task, ticker, return_exceptions=True)
 
 
+async def test_apply_many_takes_a_slice_at_once_and_a_failed_slice_is_asked_again() -> None:
+    """With ``apply_many`` a chunk's events go over in slices of up to 256; when one call
+    fails, none of its events counts as applied (it cannot say how many were), so the
+    next connection resumes before the slice and every event is applied at least once."""
+    n = 600
+    chunk = b"".join(record(f"p-{i}", created_json(i)) for i in range(1, n + 1))
+    chunk = chunk.replace(b"\n\n", b"\n\ndata: not json\n\n", 1)  # an invalid record
+    opened: list[str | None] = []
+    calls: list[int] = []
+    applied: list[KvEvent] = []
+
+    async def opener(last_id: str | None) -> AsyncIterator[bytes]:
+        opened.append(last_id)
+        if last_id is None:
+            yield chunk
+        else:  # the listener's replay: everything after the last applied id
+            yield chunk[chunk.index(f"id: p-{int(last_id[2:]) + 1}\n".encode()) :]
+        await asyncio.Event().wait()
+
+    async def apply_many(events: list[KvEvent]) -> list[str]:
+        calls.append(len(events))
+        if len(calls) == 2:  # the second slice fails once
+            raise RuntimeError("index unavailable")
+        applied.extend(events)
+        return ["created"] * len(events)
+
+    src = EventSourceConfig(backend_name=B, transport="event_bus")
+    c = KvEventConsumer(
+        src, Recorder(), None, RecordingBackoff(), stream_opener=opener, sleep=Gate(),
+        apply_many=apply_many,
+    )  # fmt: skip
+    task = asyncio.create_task(c.run())
+    try:
+        await wait_until(lambda: c.stats.processed == n, "every event")
+        # The invalid record (no id of its own) sits in the first slice: 255 events.
+        assert opened == [None, "p-255"]  # resumed after the first, fully applied slice
+        assert calls == [255, 256, 256, 89]
+        assert sorted({e.prefix_hash for e in applied}) == sorted(
+            f"{i:064x}" for i in range(1, n + 1)
+        )
+        assert c.stats.dropped == 1 and c.stats.index_created == n
+        assert c.stats.last_event_id == f"p-{n}"
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
 def test_event_bus_without_opener_is_refused() -> None:
     src = EventSourceConfig(backend_name=B, transport="event_bus")
     with pytest.raises(ValueError, match="event_bus requires a stream_opener"):

@@ -24,6 +24,7 @@ from bus.events import KvEvent
 from router.config.models import KvCacheIndexConfig, RedisConfig, StorageOffloadingConfig
 from router.kvindex import (
     EMPTY,
+    Change,
     IndexEntry,
     InMemoryKvIndex,
     KvIndex,
@@ -32,6 +33,7 @@ from router.kvindex import (
     RedisPools,
     Tier,
     apply_event,
+    apply_events,
     build_kv_index,
     build_redis,
     effective_url,
@@ -463,6 +465,88 @@ async def test_apply_event_without_prefix_is_ignored(harness: Harness) -> None:
     idx = harness.make()
     assert await apply_event(idx, KvEvent("cache_created", "A"), DEMOTE) == "ignored"
     assert (await idx.stats()).entry_count == 0
+
+
+async def _snapshot(idx: KvIndex, n: int) -> list[S]:
+    return [state(await idx.query_backends(P(i))) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("name", "offloading"), [("off", OFF), ("demote", DEMOTE), ("keep", KEEP)], ids=str
+)
+async def test_apply_events_in_one_call_equals_one_by_one(
+    harness: Harness, name: str, offloading: StorageOffloadingConfig
+) -> None:
+    """The whole transition table, and a random mix of the same kinds over 8 prefixes and 3
+    backends, through apply_events at once: the labels and the final state of applying
+    each event alone."""
+    rng = random.Random(7)
+    kinds = [ev for ev, _ in TRANSITIONS]
+    mix = [
+        KvEvent(
+            rng.choice(["cache_created", "cache_created", "cache_evicted", "cache_offloaded"]),
+            rng.choice("ABC"),
+            P(rng.randrange(8)),
+            rng.choice([None, 16, 64, 256]),
+            rng.choice([None, "gpu", "storage"]),
+        )
+        for _ in range(400)
+    ]
+    mix[150:150] = [KvEvent("resync", "B"), KvEvent("cache_cleared", "C")]
+    for events in (kinds, mix):
+        one, many = harness.make(), harness.make()
+        labels = [await apply_event(one, ev, offloading) for ev in events]
+        assert await apply_events(many, events, offloading) == labels
+        assert await _snapshot(many, 8) == await _snapshot(one, 8)
+
+
+async def test_write_many_runs_upserts_and_removes_in_order(harness: Harness) -> None:
+    idx = harness.make()
+    await idx.upsert(P(1), "A", 10, GPU)
+    changes: list[Change] = [
+        (P(1), "B", 20, WARM),
+        (P(1), "A", 0, None),  # remove
+        (P(2), "A", 5, GPU),
+        (P(2), "A", 0, None),
+        (P(2), "A", 7, WARM),  # re-created after its removal
+        (P(3), "C", 0, None),  # removing what is not there changes nothing
+    ]
+    changes += [(P(4 + i % 50), f"b{i % 3}", i, GPU) for i in range(600)]  # > one batch
+    await idx.write_many(changes)
+    assert state(await idx.query_backends(P(1))) == {"B": (20, WARM)}
+    assert state(await idx.query_backends(P(2))) == {"A": (7, WARM)}
+    assert await idx.query_backends(P(3)) is EMPTY
+    assert state(await idx.query_backends(P(4))) == {
+        "b0": (450, GPU),
+        "b1": (550, GPU),
+        "b2": (500, GPU),
+    }
+    await idx.write_many([])
+    with pytest.raises(ValueError, match="non-negative"):
+        await idx.write_many([(P(9), "A", 1, GPU), (P(9), "B", -1, GPU)])
+
+
+async def test_redis_write_many_falls_back_and_is_replayed(redis_server: RedisServer) -> None:
+    cfg = RedisConfig(url=redis_server.url, connect_timeout_ms=200, command_timeout_ms=500)
+    client, observer_client = build_redis(cfg), build_redis(cfg)
+    idx = RedisKvIndex(client, 600, InMemoryKvIndex(1000, 600), "wm:kvidx:", stats_cache_s=0)
+    observer = RedisKvIndex(observer_client, 600, None, "wm:kvidx:")
+    try:
+        idx.start_monitor(0.05)
+        await idx.write_many([(P(1), "a", 1, GPU), (P(2), "a", 2, GPU)])
+        redis_server.kill()
+        await idx.write_many([(P(1), "a", 0, None), (P(3), "b", 3, WARM)])  # to memory
+        assert idx.fallback_active
+        assert state(await idx.query_backends(P(3))) == {"b": (3, WARM)}
+        await asyncio.to_thread(redis_server.start)  # same port, empty
+        await asyncio.wait_for(idx.wait_recovered(), 10)
+        assert state(await observer.query_backends(P(3))) == {"b": (3, WARM)}
+        assert await observer.query_backends(P(1)) is EMPTY
+    finally:
+        for i in (idx, observer):
+            await i.close()
+        for c in (client, observer_client):
+            await c.aclose(close_connection_pool=True)
 
 
 # ---- memory specifics ----------------------------------------------------------------
