@@ -49,6 +49,8 @@ import functools
 import http.client
 import json
 import os
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -77,6 +79,10 @@ __all__ = ["main"]
 BACKEND = "sim"  # ingest_bench's publisher salts for this backend
 CLIENT_ID = "bench-listener"
 RECORDS_PER_MESSAGE = 64
+CALLGRIND_SLOWDOWN = 50
+"""About how much slower a process runs under callgrind here; a counted feeder's linger (a
+wall-clock wait) is stretched by it, or it would send that many more messages per event
+than natively."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -128,8 +134,8 @@ def router_yaml(pki: dict[str, Any], bus_port: int, *, push: bool, sse_url: str 
     return yaml.safe_dump(cfg)
 
 
-def bus_section(pki: dict[str, Any], bus_port: int) -> dict[str, Any]:
-    return {
+def bus_section(pki: dict[str, Any], bus_port: int, linger_ms: int | None = None) -> dict[str, Any]:
+    section: dict[str, Any] = {
         "url": f"https://localhost:{bus_port}",
         "ca_file": str(pki["ca"].cert),
         "client_id": CLIENT_ID,
@@ -137,19 +143,27 @@ def bus_section(pki: dict[str, Any], bus_port: int) -> dict[str, Any]:
         "client_key_file": str(pki[CLIENT_ID].key),
         "reconnect_backoff": "50ms",
     }
+    if linger_ms is not None:
+        section["batch_linger_ms"] = linger_ms
+    return section
 
 
 class Router:
-    def __init__(self, config: str, workdir: Path, tag: str) -> None:
+    def __init__(
+        self, config: str, workdir: Path, tag: str, wrap: Sequence[str] = (), timeout: float = 30
+    ) -> None:
         path = workdir / f"{tag}-router.yaml"
         path.write_text(config)
-        cmd = _py("-m", "router", "--log-level", "WARNING", "serve", "--config", str(path))
+        cmd = [
+            *wrap,
+            *_py("-m", "router", "--log-level", "WARNING", "serve", "--config", str(path)),
+        ]
         self.child = Child(f"{tag}-router", cmd, log_dir=workdir)
-        host_port = self.child.expect(r"READY http=(\S+)").group(1)
+        host_port = self.child.expect(r"READY http=(\S+)", timeout).group(1)
         host, _, port = host_port.rpartition(":")
         # The consumer counters come from /admin/kv-index/backends: cheap to read (the
         # gRPC Backends call counts the index's entries, which would perturb the run).
-        self.http = http.client.HTTPConnection(host, int(port), timeout=10)
+        self.http = http.client.HTTPConnection(host, int(port), timeout=10 + 4 * timeout)
 
     def processed(self) -> int:
         """Events the consumer of BACKEND has applied (0 until it connected)."""
@@ -160,7 +174,7 @@ class Router:
                 return int(b["events"]["processed"])
         return 0
 
-    def wait_connected(self, limit: float = 20.0) -> int:
+    def wait_connected(self, limit: float = 120.0) -> int:
         deadline = time.monotonic() + limit
         while time.monotonic() < deadline:
             n = self.processed()
@@ -182,6 +196,49 @@ def wait_processed(router: Router, target: int, limit: float = 120.0, poll: floa
             return time.monotonic()
         time.sleep(poll)
     return float("nan")
+
+
+class Instructions:
+    """Instructions a process executes around a burst, per thread, under callgrind.
+
+    The process runs under ``valgrind --tool=callgrind --instr-atstart=no
+    --separate-threads=yes`` (:meth:`wrap`): uninstrumented until :meth:`start` switches
+    instrumentation on; :meth:`stop` dumps and switches it off. Unlike time, the count does
+    not move with other load on the machine, so it can tell apart two paths that differ
+    by a percent.
+    """
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.pid = 0
+
+    def wrap(self) -> list[str]:
+        return [
+            "valgrind", "--tool=callgrind", "--instr-atstart=no", "--separate-threads=yes",
+            f"--callgrind-out-file={self.out}.%p",
+        ]  # fmt: skip
+
+    def _control(self, *flags: str) -> None:
+        subprocess.run(
+            ["callgrind_control", *flags, str(self.pid)], check=True, capture_output=True
+        )
+
+    def start(self, pid: int) -> None:
+        self.pid = pid
+        self._control("-i", "on")
+
+    def stop(self) -> dict[int, int]:
+        """Instructions per thread (1 = the main thread) since :meth:`start`."""
+        self._control("-d")
+        self._control("-i", "off")
+        counts: dict[int, int] = {}
+        for f in self.out.parent.glob(f"{self.out.name}.{self.pid}.1-*"):
+            thread = int(f.name.rsplit("-", 1)[1])
+            for line in f.read_text().splitlines():
+                if line.startswith(("summary:", "totals:")):
+                    counts[thread] = int(line.split()[1])
+                    break
+        return counts
 
 
 # ---------------------------------------------------------------------------------------------
@@ -380,22 +437,31 @@ def _transport_stack(
     workdir: Path,
     push: bool,
     tag: str,
+    router_wrap: Sequence[str] = (),
+    feeder_wrap: Sequence[str] = (),
 ) -> Iterator[tuple[Child, Router, int]]:
-    """A feeder and a router consuming it (push or pull), connected: (feeder, router, n0)."""
+    """A feeder and a router consuming it (push or pull), connected: (feeder, router, n0).
+    Either may run under a wrapper (callgrind; see ``CALLGRIND_SLOWDOWN``)."""
     bus_port = free_port()
-    cmd = _py(
-        "-m", "bench.bus_bench", "--role", "feeder",
-        "--history", str(args.events + 1000), "--queue", "1000000",
-    )  # fmt: skip
+    cmd = [
+        *feeder_wrap,
+        *_py(
+            "-m", "bench.bus_bench", "--role", "feeder",
+            "--history", str(max(args.events, args.callgrind_events) + 1000),
+            "--queue", "1000000",
+        ),
+    ]  # fmt: skip
     if push:
-        cmd += ["--bus", json.dumps(bus_section(pki, bus_port))]
+        linger = 10 * CALLGRIND_SLOWDOWN if feeder_wrap else None
+        cmd += ["--bus", json.dumps(bus_section(pki, bus_port, linger))]
     feeder = Child(f"{tag}-feeder", cmd, log_dir=workdir, stdin=True)
     router: Router | None = None
     try:
-        url = "http://" + feeder.expect(r"READY http=(\S+)").group(1)
+        ready = feeder.expect(r"READY http=(\S+)", 900 if feeder_wrap else 30)
+        url = "http://" + ready.group(1)
         cfg = router_yaml(pki, bus_port, push=push, sse_url=f"{url}/events/{BACKEND}")
-        router = Router(cfg, workdir, tag)
-        yield feeder, router, router.wait_connected()
+        router = Router(cfg, workdir, tag, router_wrap, 900 if router_wrap else 30)
+        yield feeder, router, router.wait_connected(900 if router_wrap else 120)
     finally:
         if router is not None:
             router.stop()
@@ -569,6 +635,56 @@ def _e2e_burst(args: argparse.Namespace, pub: Any, lst: Listener, router: Router
     return n / (wait_processed(router, n0 + seq - seq0) - t0)
 
 
+def _wait_idle(pid: int, quiet: float = 2.0, limit: float = 900.0) -> None:
+    """Return once ``pid`` used under 5 % of a CPU for ``quiet`` seconds: the end of a
+    burst under callgrind, told from ``/proc`` so that no request adds to the count."""
+    deadline = time.monotonic() + limit
+    last, since = cpu_seconds(pid), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now, cpu = time.monotonic(), cpu_seconds(pid)
+        if cpu - last > 0.05 * (now - since):
+            last, since = cpu, now
+        elif now - since >= quiet:
+            return
+    raise TimeoutError(f"process {pid} never went idle")
+
+
+def run_instructions(
+    args: argparse.Namespace, pki: dict[str, Any], workdir: Path, push: bool, tag: str
+) -> dict[str, dict[int, float]]:
+    """Instructions per event, per thread, of the two stages the transport touches, each
+    under callgrind in its own run of ``--callgrind-events`` transport events: the router
+    (SSE parse, JSON, index: the transport row's bottleneck) and the feeder (the listener's
+    output stage: hub, SSE server or event bus client). The listener's ingestion in front
+    of them is the same code on both paths. Nothing polls the counted process while it
+    counts: the run ends when it goes idle, and its totals are checked afterwards."""
+    out: dict[str, dict[int, float]] = {}
+    n = args.callgrind_events
+    for stage in ("router", "feeder"):
+        counter = Instructions(workdir / f"{tag}-{stage}.cg")
+        wraps = {f"{stage}_wrap": counter.wrap()}
+        with _transport_stack(args, pki, workdir, push, f"{tag}-{stage}", **wraps) as (
+            feeder,
+            router,
+            n0,
+        ):
+            pid = router.child.pid if stage == "router" else feeder.pid
+            _wait_idle(pid)
+            counter.start(pid)
+            feeder.send(f"burst {n}")
+            if stage == "router":
+                _wait_idle(pid)
+            else:  # the router is not counted: ask it
+                wait_processed(router, n0 + n, limit=900, poll=0.5)
+                _wait_idle(pid)
+            counts = counter.stop()
+            if router.processed() != n0 + n:
+                raise RuntimeError(f"the router applied {router.processed() - n0} of {n}")
+            out[stage] = {t: v / n for t, v in counts.items()}
+    return out
+
+
 def run_ceiling(
     args: argparse.Namespace, pki: dict[str, Any], workdir: Path, tag: str
 ) -> dict[str, Any]:
@@ -694,6 +810,15 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
             interleaved[f"{row} control: pull (A) vs pull (B)"] = run_interleaved(
                 args, pki, workdir, row, (("A", False), ("B", False))
             )
+    instructions: dict[str, Any] = {}
+    if args.callgrind:
+        if shutil.which("valgrind") is None:
+            print("valgrind not found: --callgrind skipped", flush=True)
+        else:
+            for name, push in (("push", True), ("pull", False)):
+                instructions[name] = run_instructions(args, pki, workdir, push, f"cg-{name}")
+                if args.verbose:
+                    print("instructions", name, instructions[name], flush=True)
     lag: dict[str, dict[str, Any]] = {}
     if args.seconds > 0:
         for name, push in (("push", True), ("pull", False)):
@@ -703,8 +828,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "cpu": cpu,
         "main_cpu": main_cpu,
         "interleaved": interleaved,
+        "instructions": instructions,
         "lag": lag,
     }
+
+
+def sum_values(d: dict[int, float]) -> float:
+    return sum(d.values())
 
 
 def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
@@ -789,6 +919,22 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
                 ["row", "A ev/s", "B ev/s", "A/B (median)", "quartiles", "pairs A >= B"], rows
             )
         )
+    ins = res.get("instructions")
+    if ins:
+        print()
+        print(
+            f"Instructions per event under callgrind ({args.callgrind_events:,} transport "
+            "events): the two stages the transport touches, main thread (the event loop) "
+            "and all threads"
+        )
+        print()
+        irows = []
+        for proc, row in (("router", "consumer"), ("feeder", "listener output stage")):
+            push, pull = ins["push"][proc], ins["pull"][proc]
+            for scope, pick in (("main thread", lambda d: d.get(1, 0.0)), ("all", sum_values)):
+                a, b = pick(push), pick(pull)
+                irows.append([f"{row}: {proc}, {scope}", f"{a:,.0f}", f"{b:,.0f}", f"{a / b:.3f}"])
+        print(render_table(["stage", "push", "pull", "push/pull"], irows))
     if res["lag"]:
         print()
         print(
@@ -833,6 +979,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=True,
         help="also interleave pull against pull: the noise floor of the push/pull ratio",
     )
+    p.add_argument(
+        "--callgrind",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="count instructions per event of each row's bottleneck under callgrind (~4 min)",
+    )
+    p.add_argument("--callgrind-events", type=int, default=20_000, help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="FILE")
     p.add_argument("-v", "--verbose", action="store_true")
     p.add_argument(

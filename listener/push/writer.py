@@ -148,14 +148,20 @@ class StreamWriter:
     async def _pump(self, call: grpc.aio.StreamUnaryCall, sub: object) -> None:
         max_bytes = self.batch_max_bytes
         linger = self.linger_s
-        batch_limit = max(16, max_bytes // 96)
+        # Records are about 200 bytes: a batch of max_bytes // 256 of them usually fits one
+        # message whole, and a whole chunk goes out without a slice (a copy) of its own.
+        batch_limit = max(16, max_bytes // 256)
         async with contextlib.aclosing(
             sse_chunks(sub, self.heartbeat_interval, batch_limit)  # type: ignore[arg-type]
         ) as chunks:
             async for chunk in chunks:
                 for i in range(0, len(chunk), max_bytes):
-                    part = chunk[i : i + max_bytes]
-                    await call.write(pb.StreamRequest(data=pb.StreamData(data=part)))
+                    part = chunk if len(chunk) <= max_bytes else chunk[i : i + max_bytes]
+                    # Set in place: StreamRequest(data=StreamData(...)) copies the nested
+                    # message (and its payload) once more.
+                    req = pb.StreamRequest()
+                    req.data.data = part
+                    await call.write(req)
                     self.bytes_sent += len(part)
                     self.messages_sent += 1
                 if len(chunk) < max_bytes and linger > 0 and self._stop_reason is None:
