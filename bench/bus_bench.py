@@ -73,6 +73,7 @@ from bench.ingest_bench import (
     free_port,
     warm_up,
 )
+from bench.procs import ChildExited
 
 __all__ = ["main"]
 
@@ -441,7 +442,34 @@ def _transport_stack(
     feeder_wrap: Sequence[str] = (),
 ) -> Iterator[tuple[Child, Router, int]]:
     """A feeder and a router consuming it (push or pull), connected: (feeder, router, n0).
-    Either may run under a wrapper (callgrind; see ``CALLGRIND_SLOWDOWN``)."""
+    Either may run under a wrapper (callgrind; see ``CALLGRIND_SLOWDOWN``). A router that
+    finds its port taken (``free_port`` races with other processes) is started again."""
+    for attempt in range(3):
+        try:
+            feeder, router = _transport_pair(
+                args, pki, workdir, push, f"{tag}-{attempt}" if attempt else tag,
+                router_wrap, feeder_wrap,
+            )  # fmt: skip
+            break
+        except ChildExited as exc:
+            if not _port_clash(exc) or attempt == 2:
+                raise
+    try:
+        yield feeder, router, router.wait_connected(900 if router_wrap else 120)
+    finally:
+        router.stop()
+        feeder.stop()
+
+
+def _transport_pair(
+    args: argparse.Namespace,
+    pki: dict[str, Any],
+    workdir: Path,
+    push: bool,
+    tag: str,
+    router_wrap: Sequence[str],
+    feeder_wrap: Sequence[str],
+) -> tuple[Child, Router]:
     bus_port = free_port()
     cmd = [
         *feeder_wrap,
@@ -455,17 +483,15 @@ def _transport_stack(
         linger = 10 * CALLGRIND_SLOWDOWN if feeder_wrap else None
         cmd += ["--bus", json.dumps(bus_section(pki, bus_port, linger))]
     feeder = Child(f"{tag}-feeder", cmd, log_dir=workdir, stdin=True)
-    router: Router | None = None
     try:
         ready = feeder.expect(r"READY http=(\S+)", 900 if feeder_wrap else 30)
         url = "http://" + ready.group(1)
         cfg = router_yaml(pki, bus_port, push=push, sse_url=f"{url}/events/{BACKEND}")
         router = Router(cfg, workdir, tag, router_wrap, 900 if router_wrap else 30)
-        yield feeder, router, router.wait_connected(900 if router_wrap else 120)
-    finally:
-        if router is not None:
-            router.stop()
+    except BaseException:
         feeder.stop()
+        raise
+    return feeder, router
 
 
 def run_transport(
@@ -508,12 +534,34 @@ def listener_yaml(pki: dict[str, Any], zmq_endpoint: str, bus_port: int | None) 
     return yaml.safe_dump(cfg)
 
 
+def _port_clash(exc: Exception) -> bool:
+    """A free_port() that another process bound before the router did (a benign race)."""
+    return isinstance(exc, ChildExited) and "Address already in use" in str(exc)
+
+
 def _e2e_stack(
     pki: dict[str, Any],
     workdir: Path,
     push: bool,
     tag: str,
     paced: argparse.Namespace | None = None,
+) -> tuple[Any, Listener, Router]:
+    for attempt in range(3):
+        try:
+            name = f"{tag}-{attempt}" if attempt else tag
+            return _e2e_stack_once(pki, workdir, push, name, paced)
+        except ChildExited as exc:
+            if not _port_clash(exc) or attempt == 2:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _e2e_stack_once(
+    pki: dict[str, Any],
+    workdir: Path,
+    push: bool,
+    tag: str,
+    paced: argparse.Namespace | None,
 ) -> tuple[Any, Listener, Router]:
     bus_port = free_port()
     if paced is None:
@@ -536,10 +584,17 @@ def _e2e_stack(
             pub.send("warm")
             pub.expect(r"^\{\}")
 
-    lst = Listener(listener_yaml(pki, endpoint, bus_port if push else None), workdir, tag)
-    warm_up(trigger, lambda: lst.source()["frames"] > 0)
-    cfg = router_yaml(pki, bus_port, push=push, sse_url=f"{lst.url}/events/{BACKEND}")
-    router = Router(cfg, workdir, tag)
+    lst: Listener | None = None
+    try:
+        lst = Listener(listener_yaml(pki, endpoint, bus_port if push else None), workdir, tag)
+        warm_up(trigger, lambda: lst.source()["frames"] > 0)  # type: ignore[union-attr]
+        cfg = router_yaml(pki, bus_port, push=push, sse_url=f"{lst.url}/events/{BACKEND}")
+        router = Router(cfg, workdir, tag)
+    except BaseException:
+        if lst is not None:
+            lst.stop()
+        pub.stop()
+        raise
     router.wait_connected()
     return pub, lst, router
 
