@@ -15,11 +15,9 @@ subprocesses and servers can be shared by the tests of a module.
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import socket
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from bench.procs import Service
 from bench.sim.fleet import SimFleet
+from tests import waiting
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
@@ -65,15 +64,7 @@ async def wait_until(
     what: str = "condition",
 ) -> Any:
     """Await ``predicate()`` until it returns a truthy value; fail after ``within`` s."""
-    deadline = time.monotonic() + within
-    last: Any = None
-    while True:
-        last = await predicate()
-        if last:
-            return last
-        if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {within}s waiting for {what} (last: {last!r})")
-        await asyncio.sleep(interval)
+    return await waiting.eventually(predicate, within, interval, what)
 
 
 # -- small HTTP helpers --------------------------------------------------------------------

@@ -35,6 +35,7 @@ from router.cache import (
 )
 from router.config.models import KvCacheIndexConfig, RedisConfig
 from router.kvindex import RedisPools, build_kv_index
+from tests import waiting
 
 if TYPE_CHECKING:
     from tests.redis_fixture import RedisServer
@@ -60,20 +61,8 @@ class FakeClock:
         self.now += seconds
 
 
-async def eventually(
-    predicate: Callable[[], Awaitable[bool] | bool], within: float = 10.0, step: float = 0.02
-) -> None:
-    """Poll ``predicate`` until it holds; fail after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        got = predicate()
-        if not isinstance(got, bool):
-            got = await got
-        if got:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {within}s")
-        await asyncio.sleep(step)
+async def eventually(predicate: Callable[[], object], within: float = 10.0) -> None:
+    await waiting.eventually(predicate, within, 0.02)
 
 
 async def delete_prefix(client: Redis, key_prefix: str) -> None:

@@ -30,6 +30,7 @@ from router.kvindex.consumer import (
     KvEventConsumerManager,
     default_backoff,
 )
+from tests import waiting
 
 B = "vllm-1"
 WAIT_S = 5.0
@@ -62,14 +63,7 @@ def created_json(i: int, backend: str = B) -> dict[str, Any]:
 
 
 async def wait_until(cond: Callable[[], bool], what: str) -> None:
-    """Poll ``cond`` (state changes come from other tasks and sockets) for up to WAIT_S."""
-    deadline = asyncio.get_running_loop().time() + WAIT_S
-    while True:
-        if cond():
-            return
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.002)
+    await waiting.eventually(cond, WAIT_S, 0.002, what)
 
 
 class Recorder:

@@ -14,6 +14,7 @@ from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 from bus.events import KvEvent
 from listener.push.writer import StreamWriter
 from listener.stream import EventHub
+from tests.waiting import eventually
 
 B = "vllm-1"
 
@@ -52,7 +53,7 @@ class FakeStub:
     def __init__(self) -> None:
         self.call = FakeCall()
 
-    def Stream(self, metadata: Any = None) -> FakeCall:  # noqa: N802 - gRPC's method name
+    def Stream(self, metadata: Any = None) -> FakeCall:
         return self.call
 
 
@@ -79,9 +80,8 @@ async def test_a_backlog_goes_out_in_full_messages_without_lingering() -> None:
     )
     task = asyncio.create_task(writer.run())
     try:
-        async with asyncio.timeout(30):  # a readiness wait: stalls only if it lingered
-            while len(stub.call.data) < len(expected):
-                await asyncio.sleep(0.01)
+        # A readiness wait: it only fails if the writer lingered with a backlog left.
+        await eventually(lambda: len(stub.call.data) >= len(expected), 30, what="the backlog")
         assert bytes(stub.call.data) == expected
         sizes = [len(r.data.data) for r in stub.call.requests if r.WhichOneof("kind") == "data"]
         assert max(sizes) == max_bytes  # batched up to the cap ...

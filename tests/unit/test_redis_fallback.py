@@ -13,9 +13,8 @@ import asyncio
 import contextlib
 import logging
 import math
-import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
 import pytest
@@ -24,6 +23,7 @@ from redis.asyncio import Redis
 from router.config.models import RedisConfig
 from router.kvindex import UNAVAILABLE_ERRORS, build_redis
 from router.redis_fallback import FallbackSupervisor
+from tests import waiting
 
 if TYPE_CHECKING:
     from tests.redis_fixture import RedisServer
@@ -34,20 +34,8 @@ LOGGER = "router.redis_fallback"
 SLOW = 3600.0  # a monitor period no test waits for: recovery is driven by hand
 
 
-async def eventually(
-    predicate: Callable[[], Awaitable[bool] | bool], within: float = 10.0, step: float = 0.01
-) -> None:
-    """Poll ``predicate`` until it holds; fail after ``within`` seconds."""
-    deadline = time.monotonic() + within
-    while True:
-        got = predicate()
-        if not isinstance(got, bool):
-            got = await got
-        if got:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"condition not met within {within}s")
-        await asyncio.sleep(step)
+async def eventually(predicate: Callable[[], object], within: float = 10.0) -> None:
+    await waiting.eventually(predicate, within, 0.01)
 
 
 class OutageLog:

@@ -23,6 +23,7 @@ from bus.backoff import NoBackoff
 from listener.engine_events import BlockRemoved, BlockStored, EventBatch
 from listener.trtllm_source import TrtllmPoller, TrtllmPollerConfig, map_event
 from listener.zmq_source import PublisherNotAllowedError
+from tests import waiting
 
 TIMEOUT = 5.0
 BIG = (1 << 64) - 1  # the largest uint64
@@ -191,14 +192,7 @@ class Recorder:
 
 
 async def eventually(pred: Callable[[], bool]) -> None:
-    """Await a condition within ``TIMEOUT``: no fixed sleep, it is checked every millisecond.
-
-    Polling is deliberate: most conditions are source counters, which have no notification
-    hook (and should not grow one for tests).
-    """
-    async with asyncio.timeout(TIMEOUT):
-        while not pred():  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
+    await waiting.eventually(pred, TIMEOUT, 0.001)
 
 
 @contextlib.asynccontextmanager

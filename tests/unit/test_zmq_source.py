@@ -36,6 +36,7 @@ from listener.zmq_source import (
     expand_dp_endpoints,
     offset_endpoint,
 )
+from tests import waiting
 
 TIMEOUT = 5.0
 HASH_BASE = (1 << 63) + 12345
@@ -81,14 +82,7 @@ def seq_of(batch: EventBatch) -> int:
 
 
 async def eventually(pred: Callable[[], bool]) -> None:
-    """Await a condition within ``TIMEOUT``: no fixed sleep, it is checked every millisecond.
-
-    Polling is deliberate: most conditions are source counters, which have no notification
-    hook (and should not grow one for tests).
-    """
-    async with asyncio.timeout(TIMEOUT):
-        while not pred():  # noqa: ASYNC110
-            await asyncio.sleep(0.001)
+    await waiting.eventually(pred, TIMEOUT, 0.001)
 
 
 class Recorder:
