@@ -30,7 +30,6 @@ import contextlib
 import os
 import random
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -42,7 +41,7 @@ import aiohttp
 import yaml
 
 from bench._plot import bar_chart_svg
-from bench.procs import Service
+from bench.procs import Service, free_port
 from bench.sim.fleet import SimFleet
 from bus.events import KvEvent
 from bus.sse import SseParser
@@ -73,12 +72,6 @@ _TOPICS = (
 class Tenant:
     name: str
     system: str
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def make_tenants(n: int, rng: random.Random) -> list[Tenant]:

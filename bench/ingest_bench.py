@@ -83,6 +83,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.procs import free_port
+
 from ._table import fmt_float, median, paired_ratio, render_table, verdict
 from .procs import BlockingChild
 
@@ -124,12 +126,6 @@ def rss_bytes(pid: int) -> int:
     except OSError:
         pass
     return 0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------------------

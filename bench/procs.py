@@ -31,8 +31,10 @@ import asyncio
 import contextlib
 import os
 import queue
+import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -54,12 +56,46 @@ __all__ = [
     "ChildTimeout",
     "Ready",
     "Service",
+    "free_port",
     "launch",
     "parse_ready",
     "python_module",
 ]
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on, for a child to bind next.
+
+    Picked at random below the kernel's ephemeral range and checked by binding it. The
+    usual ``bind(0)`` hands out a port from that range, where any process's next outgoing
+    connection may take it before the child binds it ("Address already in use"); below it,
+    only another explicit bind can.
+    """
+    low, _ = _ephemeral_range()
+    top = max(low - 1, 2048)
+    for _ in range(200):
+        port = random.randint(max(1024, top - 12_000), top)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything tried was taken: fall back to the kernel's pick
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 DISCARD = Path(os.devnull)
 """``log=DISCARD``: the child's stderr is dropped."""
 READY_PATTERN = r"^READY(?:\s|$)"

@@ -31,7 +31,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from bench.procs import free_port
 
 from ._table import fmt_float, median, render_table, verdict
 from .procs import ChildProcess, launch, python_module
@@ -220,12 +221,6 @@ async def run_wrk(
 
 
 # -- targets ---------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _probe(url: str, body: bytes) -> bool:

@@ -23,6 +23,8 @@ from collections.abc import Iterator
 
 import pytest
 
+from bench.procs import free_port as _free_port
+
 __all__ = ["RedisServer", "redis_server", "redis_url", "require_redis", "unavailable"]
 
 REQUIRE_ENV = "CONTINUUM_REQUIRE_REDIS"
@@ -38,12 +40,6 @@ def unavailable(reason: str) -> None:
     if require_redis():
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1)", pytrace=False)
     pytest.skip(reason)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _ping(port: int, timeout: float = 0.2) -> bool:

@@ -29,6 +29,7 @@ import aiohttp
 
 from bench._table import fmt_float, render_table
 from bench.procs import Service
+from bench.procs import free_port as _free_port
 from bench.sim.fleet import SimFleet
 
 from .trace import read_sharegpt
@@ -41,14 +42,6 @@ _SYSTEMS = [
     "You are a writing tutor. Improve clarity and tone, keep the author's voice. " * 5,
     "You are a careful analyst. State assumptions, then reason step by step. " * 6,
 ]
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def workload(sessions: int, seed: int) -> list[tuple[str, dict[str, Any]]]:

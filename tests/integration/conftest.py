@@ -162,12 +162,6 @@ def dead_url() -> Any:
         sock.close()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 # -- the router process --------------------------------------------------------------------
 
 

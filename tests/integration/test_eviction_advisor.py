@@ -11,11 +11,11 @@ import grpc
 import pytest
 import pytest_asyncio
 
+from bench.procs import free_port
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2 as pb
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2_grpc as pb_grpc
 from bus._gen.continuum.listener.v1 import listener_pb2, listener_pb2_grpc
 
-from .conftest import free_port
 from .test_listener_e2e import ListenerProc
 
 

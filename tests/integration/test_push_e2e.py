@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import StartRouter, free_port, wait_until
+from bench.procs import free_port
+
+from .conftest import StartRouter, wait_until
 from .push_stack import (
     TOKENS,
     ListenerProc,

@@ -25,6 +25,7 @@ import grpc
 import pytest
 from aiohttp import web
 
+from bench.procs import free_port
 from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
 from bus.events import KvEvent
 from listener.push.client import EventBusClient
@@ -35,7 +36,7 @@ from router.config.models import BrokerConfig, EventBusConfig
 from router.eventbus.hub import EventBusHub
 from router.eventbus.server import EventBusServer
 
-from .conftest import ROOT, StartRouter, free_port, wait_until
+from .conftest import ROOT, StartRouter, wait_until
 from .push_stack import TOKENS, BusPeer, Pki, broker, make_pki, router_config, router_state
 
 pytestmark = pytest.mark.slow

@@ -11,6 +11,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.procs import free_port
 from bench.sim.fleet import SimFleet
 from bus.prefix_key import extract_prefix_key
 from router.selection.ring import HashRing, key_position
@@ -21,7 +22,6 @@ from .conftest import (
     backend,
     chat_body,
     expected_prefix_config,
-    free_port,
     http,
     wait_until,
 )

@@ -25,7 +25,7 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from bench.procs import Service
+from bench.procs import Service, free_port
 from bench.sim.fleet import SimFleet
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
@@ -36,7 +36,6 @@ from .conftest import (
     RouterLauncher,
     RouterProc,
     StartRouter,
-    free_port,
     http,
     metric_value,
     wait_until,

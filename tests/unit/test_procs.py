@@ -7,6 +7,7 @@ launcher that every integration test and benchmark relies on.
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from bench.procs import (
     ChildProcess,
     ChildTimeout,
     Service,
+    free_port,
     launch,
     parse_ready,
 )
@@ -172,3 +174,15 @@ def test_blocking_stop_kills_a_child_that_ignores_sigterm(tmp_path: Path) -> Non
     child = BlockingChild("stubborn", py(STUBBORN), log=tmp_path / "s.log")
     child.wait_ready()
     assert child.stop(grace=0.5) == -signal.SIGKILL
+
+
+def test_free_port_is_bindable_and_outside_the_ephemeral_range() -> None:
+    """Outgoing connections take their source ports from the ephemeral range; a port
+    handed out there can be taken before the child binds it."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(1024 <= p < low for p in ports)
+    assert len(ports) > 1  # random, so two callers rarely get the same one
+    for p in list(ports)[:3]:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))

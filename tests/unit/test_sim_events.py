@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
-import socket
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -33,6 +32,7 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
+from bench.procs import free_port
 from bench.sim.fleet import SimFleet
 from bench.sim.kv_events import KvEventHub, offset_endpoint, should_bind
 from bench.sim.kv_wire import EventEncoder, get_format
@@ -198,12 +198,6 @@ def test_hub_groups_sglang_removals_per_node_and_vllm_per_hash() -> None:
 
 
 # -- live sims -------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass

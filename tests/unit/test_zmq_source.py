@@ -25,6 +25,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from bench.procs import free_port
 from bus.backoff import ExponentialBackoff, NoBackoff
 from listener.engine_events import BlockStored, EventBatch, normalize_hash
 from listener.zmq_source import (
@@ -257,12 +258,6 @@ async def engine_factory(
     yield make
     for engine in engines:
         await engine.close()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # --------------------------------------------------------------------------------------------
