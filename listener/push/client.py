@@ -31,7 +31,6 @@ from bus.backoff import Backoff, ExponentialBackoff
 
 from ..stream import EventHub
 from .config import EventBusClientConfig
-from .threaded import ThreadedStub
 from .writer import StreamWriter
 
 __all__ = ["EventBusClient", "SessionEnded", "SessionRefused"]
@@ -99,7 +98,6 @@ class EventBusClient:
         self._backoff = backoff or ExponentialBackoff(base, max(base, MAX_BACKOFF_S), 0.2)
         self._draining = False
         self._call: grpc.aio.StreamStreamCall | None = None
-        self._stream_stub: ThreadedStub | None = None
         self._writers: dict[str, tuple[StreamWriter, asyncio.Task[None]]] = {}
         self._done_draining = asyncio.Event()
         self._welcomed = False
@@ -187,14 +185,10 @@ class EventBusClient:
         options: list[tuple[str, int | str]] = list(_KEEPALIVE)
         if cfg.tls_server_name:
             options.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
-        # Streams go over a second, synchronous channel: gRPC's own thread then does their
-        # serialization, copies and TLS, off the loop that ingests engine events (threaded).
-        sync_channel = grpc.secure_channel(cfg.target, creds, options=options)
         async with grpc.aio.secure_channel(cfg.target, creds, options=options) as channel:
             stub = pb_grpc.EventBusStub(channel)
             call = stub.Session(metadata=metadata)
             self._call = call
-            self._stream_stub = ThreadedStub(sync_channel, asyncio.get_running_loop())
             try:
                 hello = pb.Hello(
                     client_id=cfg.client_id, role=pb.ROLE_KV_LISTENER, sources=self.sources
@@ -223,7 +217,6 @@ class EventBusClient:
                 self._call = None
                 if not call.done():
                     call.cancel()
-                sync_channel.close()
 
     async def _serve(
         self,
@@ -243,7 +236,7 @@ class EventBusClient:
                 if self._draining:
                     continue  # the router stops asking once it saw Draining
                 writer = StreamWriter(
-                    self._stream_stub,
+                    stub,
                     metadata,
                     self.hub,
                     sub,

@@ -22,11 +22,11 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
-from typing import Any
 
 import grpc
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
 
 from ..sse_server import sse_chunks
 from ..stream import EventHub, UnknownBackendError
@@ -45,8 +45,7 @@ class StreamWriter:
     """Serves one Subscribe until it ends; :meth:`stop` ends it with a reason.
 
     Args:
-        stub: Has ``Stream(metadata=...)`` returning a call with grpc.aio's client-streaming
-            surface: the aio stub, or ``threaded.ThreadedStub`` (what the client passes).
+        stub: EventBus stub on the session's channel.
         metadata: Call metadata (the bearer token, if any).
         hub: The listener's event hub.
         subscribe: The router's request.
@@ -57,7 +56,7 @@ class StreamWriter:
 
     def __init__(
         self,
-        stub: Any,
+        stub: pb_grpc.EventBusStub,
         metadata: Sequence[tuple[str, str]],
         hub: EventHub,
         subscribe: pb.Subscribe,
@@ -127,16 +126,20 @@ class StreamWriter:
                 pb.CloseReason.Name(reason),
                 resp.bytes_received,
             )
-        except grpc.RpcError as exc:  # aio's AioRpcError, or the sync call's error
-            code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+        except grpc.aio.AioRpcError as exc:
             log.info(
                 "event bus: stream %s of %s ended by the router: %s: %s",
                 self.stream_id,
                 self.source,
-                code().name if callable(code) else "?",
-                details() if callable(details) else exc,
+                exc.code().name,
+                exc.details(),
             )
-        except (grpc.aio.UsageError, ConnectionError, asyncio.InvalidStateError) as exc:
+        except (
+            grpc.aio.UsageError,
+            grpc.RpcError,
+            ConnectionError,
+            asyncio.InvalidStateError,
+        ) as exc:
             log.info("event bus: stream %s of %s failed: %s", self.stream_id, self.source, exc)
         finally:
             if self._sub is not None:
@@ -155,19 +158,15 @@ class StreamWriter:
         async with contextlib.aclosing(
             sse_chunks(sub, self.heartbeat_interval, batch_limit)  # type: ignore[arg-type]
         ) as chunks:
-            write_data = getattr(call, "write_data", None)  # threaded: copies off the loop
             async for chunk in chunks:
                 for i in range(0, len(chunk), max_bytes):
-                    end = min(i + max_bytes, len(chunk))
-                    if write_data is not None:
-                        await write_data(chunk, i, end)
-                    else:
-                        # Set in place: StreamRequest(data=StreamData(...)) copies the nested
-                        # message (and its payload) once more.
-                        req = pb.StreamRequest()
-                        req.data.data = chunk if end - i == len(chunk) else chunk[i:end]
-                        await call.write(req)
-                    self.bytes_sent += end - i
+                    part = chunk if len(chunk) <= max_bytes else chunk[i : i + max_bytes]
+                    # Set in place: StreamRequest(data=StreamData(...)) copies the nested
+                    # message (and its payload) once more.
+                    req = pb.StreamRequest()
+                    req.data.data = part
+                    await call.write(req)
+                    self.bytes_sent += len(part)
                     self.messages_sent += 1
                 if len(chunk) < max_bytes and linger > 0 and self._stop_reason is None:
                     # Caught up: wait for more to batch, unless stop() ends the stream.
