@@ -21,7 +21,7 @@ import orjson
 
 from bus.sse import SseOverflow, SseParser
 
-from .native import TranslationError
+from .native import TranslationError, answer_parts, call_id
 from .usage import anthropic_usage, openai_usage
 
 __all__ = ["AnthropicStream", "anthropic_error_body", "message_response", "to_generate_request"]
@@ -185,33 +185,24 @@ def _usage(meta: Any) -> dict[str, int]:
     )
 
 
-def _tool_id(fc: Mapping[str, Any]) -> str:
-    cid = fc.get("id")
-    return cid if isinstance(cid, str) and cid else "toolu_" + secrets.token_hex(12)
-
-
 def message_response(resp: Mapping[str, Any], model: str) -> dict[str, Any]:
     """An Anthropic ``message`` from a GenerateContentResponse (first candidate)."""
     cands = resp.get("candidates")
     cand = cands[0] if isinstance(cands, list) and cands and isinstance(cands[0], dict) else {}
-    content = cand.get("content")
-    parts = content.get("parts") if isinstance(content, dict) else None
     blocks: list[dict[str, Any]] = []
-    for part in parts if isinstance(parts, list) else []:
-        if not isinstance(part, dict) or part.get("thought"):
-            continue
-        if isinstance(part.get("text"), str):
+    for kind, value in answer_parts(cand):
+        if kind == "text":
             if blocks and blocks[-1]["type"] == "text":
-                blocks[-1]["text"] += part["text"]
+                blocks[-1]["text"] += value
             else:
-                blocks.append({"type": "text", "text": part["text"]})
-        fc = part.get("functionCall")
-        if isinstance(fc, dict) and isinstance(fc.get("name"), str):
+                blocks.append({"type": "text", "text": value})
+        else:
+            fc = value
             args = fc.get("args")
             blocks.append(
                 {
                     "type": "tool_use",
-                    "id": _tool_id(fc),
+                    "id": call_id(fc, "toolu_"),
                     "name": fc["name"],
                     "input": args if isinstance(args, dict) else {},
                 }
@@ -353,21 +344,18 @@ class AnthropicStream:
             cand = cands[0] if isinstance(cands, list) and cands else None
             if not isinstance(cand, dict):
                 continue
-            content = cand.get("content")
-            parts = content.get("parts") if isinstance(content, dict) else None
-            for part in parts if isinstance(parts, list) else []:
-                if not isinstance(part, dict) or part.get("thought"):
-                    continue
-                if isinstance(part.get("text"), str) and part["text"]:
-                    if self._block != "text":
-                        self._open("text", {"type": "text", "text": ""}, out)
-                    self._delta({"type": "text_delta", "text": part["text"]}, out)
-                fc = part.get("functionCall")
-                if isinstance(fc, dict) and isinstance(fc.get("name"), str):
+            for kind, value in answer_parts(cand):
+                if kind == "text":
+                    if value:
+                        if self._block != "text":
+                            self._open("text", {"type": "text", "text": ""}, out)
+                        self._delta({"type": "text_delta", "text": value}, out)
+                else:
+                    fc = value
                     self._tools = True
                     block = {
                         "type": "tool_use",
-                        "id": _tool_id(fc),
+                        "id": call_id(fc, "toolu_"),
                         "name": fc["name"],
                         "input": {},
                     }

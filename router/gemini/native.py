@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import orjson
@@ -152,8 +152,8 @@ def _contents(
             if parts:
                 add("model", parts)
         elif role == "tool":
-            call_id = msg.get("tool_call_id")
-            name = call_names.get(call_id) if isinstance(call_id, str) else None
+            answered = msg.get("tool_call_id")
+            name = call_names.get(answered) if isinstance(answered, str) else None
             if name is None:
                 raise TranslationError(
                     f"{where}.tool_call_id does not name an earlier assistant tool call", where
@@ -260,26 +260,39 @@ def to_generate_request(
     return req
 
 
-def _call_id(fc: Mapping[str, Any]) -> str:
-    cid = fc.get("id")
-    return cid if isinstance(cid, str) and cid else "call_" + secrets.token_hex(12)
-
-
-def _message(candidate: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
-    content = candidate.get("content")
+def answer_parts(candidate: Any) -> Iterator[tuple[str, Any]]:
+    """A Gemini candidate's answer in order: ``("text", str)`` and ``("call", functionCall)``
+    (a dict whose ``name`` is a string). Thought parts and malformed parts are skipped.
+    The OpenAI and the Anthropic translations, whole and streamed, all read it this way."""
+    content = candidate.get("content") if isinstance(candidate, dict) else None
     parts = content.get("parts") if isinstance(content, dict) else None
-    texts: list[str] = []
-    calls: list[dict[str, Any]] = []
     for part in parts if isinstance(parts, list) else []:
         if not isinstance(part, dict) or part.get("thought"):
             continue
         if isinstance(part.get("text"), str):
-            texts.append(part["text"])
+            yield "text", part["text"]
         fc = part.get("functionCall")
         if isinstance(fc, dict) and isinstance(fc.get("name"), str):
+            yield "call", fc
+
+
+def call_id(fc: Mapping[str, Any], prefix: str = "call_") -> str:
+    """The functionCall's own id, or a fresh one with ``prefix`` (Gemini may send none)."""
+    cid = fc.get("id")
+    return cid if isinstance(cid, str) and cid else prefix + secrets.token_hex(12)
+
+
+def _message(candidate: Mapping[str, Any]) -> tuple[dict[str, Any], str]:
+    texts: list[str] = []
+    calls: list[dict[str, Any]] = []
+    for kind, value in answer_parts(candidate):
+        if kind == "text":
+            texts.append(value)
+        else:
+            fc = value
             calls.append(
                 {
-                    "id": _call_id(fc),
+                    "id": call_id(fc),
                     "type": "function",
                     "function": {
                         "name": fc["name"],
@@ -424,23 +437,19 @@ class NativeStream:
             if index not in self._started:
                 self._started.add(index)
                 delta["role"] = "assistant"
-            content = cand.get("content")
-            parts = content.get("parts") if isinstance(content, dict) else None
             texts: list[str] = []
             calls: list[dict[str, Any]] = []
-            for part in parts if isinstance(parts, list) else []:
-                if not isinstance(part, dict) or part.get("thought"):
-                    continue
-                if isinstance(part.get("text"), str):
-                    texts.append(part["text"])
-                fc = part.get("functionCall")
-                if isinstance(fc, dict) and isinstance(fc.get("name"), str):
+            for kind, value in answer_parts(cand):
+                if kind == "text":
+                    texts.append(value)
+                else:
+                    fc = value
                     k = self._tool_index.get(index, 0)
                     self._tool_index[index] = k + 1
                     calls.append(
                         {
                             "index": k,
-                            "id": _call_id(fc),
+                            "id": call_id(fc),
                             "type": "function",
                             "function": {
                                 "name": fc["name"],
