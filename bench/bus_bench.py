@@ -301,18 +301,11 @@ def feeder_role(args: argparse.Namespace) -> int:
 def paced_role(args: argparse.Namespace) -> int:
     """Salted engine events at a fixed rate; ``warm`` = one event, ``go`` = the paced run,
     which prints the monotonic send time of each batch."""
-    from bench.ingest_bench import _SaltingEncoder
-    from bench.sim.kv_events import CapturePublisher, KvEventHub, ZmqPublisher
-    from bench.sim.kv_wire import get_format
-    from bench.sim.tokenizer import SimpleTokenizer
+    from bench.ingest_bench import salted_hub
+    from bench.sim.kv_events import CapturePublisher
 
     async def main() -> None:
-        fmt = get_format("vllm-0.33")
-        pub = ZmqPublisher(args.endpoint, hwm=100_000)
-        hub = KvEventHub(
-            block_size=16, fmt=fmt, publisher=pub, sample_ids=SimpleTokenizer().sample_ids
-        )
-        hub.encoder = _SaltingEncoder(hub.encoder, SALT_SECRET, BACKEND, 0, 1)
+        hub, pub = salted_hub(args.endpoint, "vllm-0.33", 100_000, (SALT_SECRET, BACKEND, 0))
         hub.start()
         print("READY", flush=True)
         loop = asyncio.get_running_loop()

@@ -271,6 +271,26 @@ class _SaltingEncoder:
         return self._enc.batch(ts, events, dp_rank)
 
 
+def salted_hub(
+    endpoint: str, fmt: str, hwm: int, salt: tuple[bytes, str, int] | None
+) -> tuple[Any, Any]:
+    """The simulator's KV event hub publishing on a ZMQ PUB at ``endpoint``: (hub, pub).
+    ``salt`` = (secret, backend, prefixes) puts a router-issued salt on every chain's
+    first block (``_SaltingEncoder``); None publishes unsalted."""
+    from bench.sim.kv_events import KvEventHub, ZmqPublisher
+    from bench.sim.kv_wire import get_format
+    from bench.sim.tokenizer import SimpleTokenizer
+
+    pub = ZmqPublisher(endpoint, hwm=hwm)
+    hub = KvEventHub(
+        block_size=16, fmt=get_format(fmt), publisher=pub, sample_ids=SimpleTokenizer().sample_ids
+    )
+    if salt is not None:
+        secret, backend, prefixes = salt
+        hub.encoder = _SaltingEncoder(hub.encoder, secret, backend, prefixes, 1)
+    return hub, pub
+
+
 def publisher_role(args: argparse.Namespace) -> int:
     """Hidden role: a sim-equivalent burst publisher controlled by stdin lines.
 
@@ -278,19 +298,10 @@ def publisher_role(args: argparse.Namespace) -> int:
     """
     import asyncio
 
-    from bench.sim.kv_events import KvEventHub, ZmqPublisher
-    from bench.sim.kv_wire import get_format
-    from bench.sim.tokenizer import SimpleTokenizer
-
     async def main() -> None:
-        fmt = get_format(args.format)
-        pub = ZmqPublisher(args.endpoint, hwm=args.hwm)
-        hub = KvEventHub(
-            block_size=16, fmt=fmt, publisher=pub, sample_ids=SimpleTokenizer().sample_ids
-        )
-        if args.salted:
-            secret = os.environ.get(SALT_ENV, "").encode() or SALT_SECRET
-            hub.encoder = _SaltingEncoder(hub.encoder, secret, args.backend, args.prefixes, 1)
+        secret = os.environ.get(SALT_ENV, "").encode() or SALT_SECRET
+        salt = (secret, args.backend, args.prefixes) if args.salted else None
+        hub, _ = salted_hub(args.endpoint, args.format, args.hwm, salt)
         hub.start()
         print("READY", flush=True)
         loop = asyncio.get_running_loop()
