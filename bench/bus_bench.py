@@ -73,7 +73,6 @@ from bench.ingest_bench import (
     free_port,
     warm_up,
 )
-from bench.procs import ChildExited
 
 __all__ = ["main"]
 
@@ -435,18 +434,8 @@ def _transport_stack(
     feeder_wrap: Sequence[str] = (),
 ) -> Iterator[tuple[Child, Router, int]]:
     """A feeder and a router consuming it (push or pull), connected: (feeder, router, n0).
-    Either may run under a wrapper (callgrind; see ``CALLGRIND_SLOWDOWN``). A router that
-    finds its port taken (``free_port`` races with other processes) is started again."""
-    for attempt in range(3):
-        try:
-            feeder, router = _transport_pair(
-                args, pki, workdir, push, f"{tag}-{attempt}" if attempt else tag,
-                router_wrap, feeder_wrap,
-            )  # fmt: skip
-            break
-        except ChildExited as exc:
-            if not _port_clash(exc) or attempt == 2:
-                raise
+    Either may run under a wrapper (callgrind; see ``CALLGRIND_SLOWDOWN``)."""
+    feeder, router = _transport_pair(args, pki, workdir, push, tag, router_wrap, feeder_wrap)
     try:
         yield feeder, router, router.wait_connected(900 if router_wrap else 120)
     finally:
@@ -527,34 +516,12 @@ def listener_yaml(pki: dict[str, Any], zmq_endpoint: str, bus_port: int | None) 
     return yaml.safe_dump(cfg)
 
 
-def _port_clash(exc: Exception) -> bool:
-    """A free_port() that another process bound before the router did (a benign race)."""
-    return isinstance(exc, ChildExited) and "Address already in use" in str(exc)
-
-
 def _e2e_stack(
     pki: dict[str, Any],
     workdir: Path,
     push: bool,
     tag: str,
     paced: argparse.Namespace | None = None,
-) -> tuple[Any, Listener, Router]:
-    for attempt in range(3):
-        try:
-            name = f"{tag}-{attempt}" if attempt else tag
-            return _e2e_stack_once(pki, workdir, push, name, paced)
-        except ChildExited as exc:
-            if not _port_clash(exc) or attempt == 2:
-                raise
-    raise AssertionError("unreachable")
-
-
-def _e2e_stack_once(
-    pki: dict[str, Any],
-    workdir: Path,
-    push: bool,
-    tag: str,
-    paced: argparse.Namespace | None,
 ) -> tuple[Any, Listener, Router]:
     bus_port = free_port()
     if paced is None:
