@@ -34,7 +34,7 @@ from bus.sse import encode_comment
 
 from .stream import EventHub, StatsProvider, Subscription
 
-__all__ = ["METRICS_CONTENT_TYPE", "ListenerMetrics", "SseServer", "numeric_leaves", "sse_chunks"]
+__all__ = ["METRICS_CONTENT_TYPE", "ListenerMetrics", "SseServer", "numeric_leaves", "sse_batches"]
 
 log = logging.getLogger("continuum.listener.sse")
 
@@ -53,27 +53,29 @@ def _error(status: int, message: str, type_: str) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
 
 
-async def sse_chunks(
+async def sse_batches(
     sub: Subscription, heartbeat_interval: float, batch_limit: int = 256
-) -> AsyncIterator[bytes]:
-    """The bytes of one subscription exactly as ``GET /events/{backend}`` sends them.
+) -> AsyncIterator[list[bytes]]:
+    """The records of one subscription exactly as ``GET /events/{backend}`` sends them.
 
-    Each chunk is the SSE records available at once (up to ``batch_limit``), or a
+    Each batch is the SSE records available at once (up to ``batch_limit``), or a
     heartbeat comment after ``heartbeat_interval`` seconds of idleness; it ends after the
-    subscription ends (the ``buffer_overflow`` error record included). The event bus
-    (``listener/push``) sends the same chunks as ``StreamData``, so both transports
-    carry the same bytes from one code path.
+    subscription ends (the ``buffer_overflow`` error record included). The SSE server
+    writes each batch joined into one chunk; the event bus (``listener/push``)
+    frames the same records into ``StreamData``, so both transports carry the same bytes
+    from one code path.
     """
+    heartbeat = [_HEARTBEAT]
     while True:
         try:
             async with asyncio.timeout(heartbeat_interval):
                 batch = await sub.batch(batch_limit)
         except TimeoutError:
-            yield _HEARTBEAT
+            yield heartbeat
             continue
         if not batch:
             return
-        yield b"".join(r.sse for r in batch)
+        yield [r.sse for r in batch]
 
 
 def numeric_leaves(prefix: str, value: Any) -> Iterator[tuple[str, float]]:
@@ -232,8 +234,8 @@ class SseServer:
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
         try:
             await resp.prepare(request)
-            async for chunk in sse_chunks(sub, self.heartbeat_interval, self._batch_limit):
-                await resp.write(chunk)
+            async for batch in sse_batches(sub, self.heartbeat_interval, self._batch_limit):
+                await resp.write(b"".join(batch))
             if sub.close_reason == "buffer_overflow":
                 log.warning("closed a slow subscriber of %s: buffer_overflow", backend)
             with contextlib.suppress(ConnectionError):

@@ -3,7 +3,8 @@
 ``config`` holds the ``event_bus`` section; ``client`` runs the session (Hello, then the
 router's Subscribe/Unsubscribe/Forbidden, Draining on SIGTERM, reconnect with backoff);
 ``writer`` serves one Subscribe as one Stream call, from the same code path as
-``GET /events/{backend}`` (``listener.sse_server.sse_chunks``), in batches.
+``GET /events/{backend}`` (``listener.sse_server.sse_batches``), in batches framed by
+``bus.stream_data``.
 """
 
 from .config import EventBusClientConfig

@@ -28,10 +28,11 @@ import grpc
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
 from bus.backoff import Backoff, ExponentialBackoff
+from bus.stream_data import encode_stream_request
 
 from ..stream import EventHub
 from .config import EventBusClientConfig
-from .writer import StreamWriter
+from .writer import OpenStream, StreamWriter
 
 __all__ = ["EventBusClient", "SessionEnded", "SessionRefused"]
 
@@ -64,6 +65,17 @@ async def _raise_status(call: grpc.aio.StreamStreamCall) -> None:
     code = await call.code()
     if code != grpc.StatusCode.OK:
         raise SessionEnded(code, await call.details() or "")
+
+
+def _stream_method(channel: grpc.aio.Channel) -> OpenStream:
+    """EventBus.Stream whose serializer lets the writer's pre-framed StreamData through
+    (``bus.stream_data``); the generated stub's would insist on a message object."""
+    return channel.stream_unary(
+        "/continuum.bus.v1.EventBus/Stream",
+        request_serializer=encode_stream_request,
+        response_deserializer=pb.StreamResponse.FromString,
+        _registered_method=True,
+    )
 
 
 def _read_text(path: str) -> bytes:
@@ -211,7 +223,7 @@ class EventBusClient:
                     cfg.url,
                     ", ".join(first.welcome.accepted_sources) or "nothing yet",
                 )
-                await self._serve(stub, call, metadata)
+                await self._serve(_stream_method(channel), call, metadata)
                 await _raise_status(call)
             finally:
                 self._call = None
@@ -220,7 +232,7 @@ class EventBusClient:
 
     async def _serve(
         self,
-        stub: pb_grpc.EventBusStub,
+        open_stream: OpenStream,
         call: grpc.aio.StreamStreamCall,
         metadata: list[tuple[str, str]],
     ) -> None:
@@ -236,7 +248,7 @@ class EventBusClient:
                 if self._draining:
                     continue  # the router stops asking once it saw Draining
                 writer = StreamWriter(
-                    stub,
+                    open_stream,
                     metadata,
                     self.hub,
                     sub,

@@ -1,13 +1,15 @@
 """One ``Subscribe`` served as one ``Stream`` call: StreamOpen, StreamData..., StreamClose.
 
-The bytes are ``sse_chunks`` of an ``EventHub`` subscription: the same records, ids,
+The bytes are the ``sse_batches`` of an ``EventHub`` subscription: the same records, ids,
 heartbeats and ``buffer_overflow`` error record as ``GET /events/{backend}`` with the
 same ``Last-Event-ID``. Batching: each StreamData carries every record available when it
-is sent; after a message smaller than ``batch_max_bytes`` the writer waits
+is sent, up to ``batch_max_bytes`` (a larger batch goes out in several messages; chunk
+boundaries carry no meaning); after a message smaller than ``batch_max_bytes`` the writer waits
 ``batch_linger_ms`` before the next, so under load messages carry hundreds of records
 (one gRPC message per event caps near 6k messages/s) while an idle stream adds at most
-the linger to an event's latency. Larger chunks are split at ``batch_max_bytes`` (chunk
-boundaries carry no meaning).
+the linger to an event's latency. The records are framed into the serialized
+StreamRequest by ``bus.stream_data``, so the call's serializer must be
+``encode_stream_request``.
 
 Close reasons: the subscription overflowed -> ``BUFFER_OVERFLOW``; the router sent
 Unsubscribe -> ``UNSUBSCRIBED``; the listener is draining or shutting down -> ``DRAINING``;
@@ -21,17 +23,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grpc
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
-from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+from bus.stream_data import encode_stream_data
 
-from ..sse_server import sse_chunks
+from ..sse_server import sse_batches
 from ..stream import EventHub, UnknownBackendError
 
-__all__ = ["StreamWriter"]
+__all__ = ["OpenStream", "StreamWriter"]
+
+OpenStream = Callable[..., grpc.aio.StreamUnaryCall]
+"""Starts a Stream call given ``metadata=``; its request serializer passes bytes through
+(``bus.stream_data.encode_stream_request``)."""
 
 log = logging.getLogger("continuum.listener.push")
 
@@ -45,7 +51,7 @@ class StreamWriter:
     """Serves one Subscribe until it ends; :meth:`stop` ends it with a reason.
 
     Args:
-        stub: EventBus stub on the session's channel.
+        open_stream: The session channel's Stream method (:data:`OpenStream`).
         metadata: Call metadata (the bearer token, if any).
         hub: The listener's event hub.
         subscribe: The router's request.
@@ -56,7 +62,7 @@ class StreamWriter:
 
     def __init__(
         self,
-        stub: pb_grpc.EventBusStub,
+        open_stream: OpenStream,
         metadata: Sequence[tuple[str, str]],
         hub: EventHub,
         subscribe: pb.Subscribe,
@@ -65,7 +71,7 @@ class StreamWriter:
         batch_max_bytes: int,
         linger_s: float,
     ) -> None:
-        self.stub = stub
+        self.open_stream = open_stream
         self.metadata = tuple(metadata)
         self.hub = hub
         self.stream_id = subscribe.stream_id
@@ -91,7 +97,7 @@ class StreamWriter:
     async def run(self) -> None:
         """Open the Stream call, send until the subscription ends, close it. Never raises
         for transport errors (logged); CancelledError propagates."""
-        call = self.stub.Stream(metadata=self.metadata)
+        call = self.open_stream(metadata=self.metadata)
         reason = pb.CLOSE_REASON_ERROR
         detail = ""
         try:
@@ -150,26 +156,33 @@ class StreamWriter:
     async def _pump(self, call: grpc.aio.StreamUnaryCall, sub: object) -> None:
         max_bytes = self.batch_max_bytes
         linger = self.linger_s
-        # Up to ~2.6x max_bytes of ~200-byte records per chunk: a chunk of max_bytes or more
+        # Up to ~2.6x max_bytes of ~200-byte records per batch: a batch of max_bytes or more
         # means a backlog, and then the writer does not linger (below). Smaller caps make
-        # every chunk "small" and put a linger after each message: at 1,024 records per
+        # every batch "small" and put a linger after each message: at 1,024 records per
         # 10 ms that capped a stream near 100k records/s.
         batch_limit = max(16, max_bytes // 96)
         async with contextlib.aclosing(
-            sse_chunks(sub, self.heartbeat_interval, batch_limit)  # type: ignore[arg-type]
-        ) as chunks:
-            async for chunk in chunks:
-                for i in range(0, len(chunk), max_bytes):
-                    part = chunk if len(chunk) <= max_bytes else chunk[i : i + max_bytes]
-                    # Set in place: StreamRequest(data=StreamData(...)) copies the nested
-                    # message (and its payload) once more.
-                    req = pb.StreamRequest()
-                    req.data.data = part
-                    await call.write(req)
-                    self.bytes_sent += len(part)
-                    self.messages_sent += 1
-                if len(chunk) < max_bytes and linger > 0 and self._stop_reason is None:
+            sse_batches(sub, self.heartbeat_interval, batch_limit)  # type: ignore[arg-type]
+        ) as batches:
+            async for records in batches:
+                # Joined first (a length per record in Python would cost more than the
+                # copy), then framed with a view per message: two copies of the payload.
+                payload = b"".join(records)
+                total = len(payload)
+                if total <= max_bytes:
+                    await self._send(call, payload)
+                else:
+                    view = memoryview(payload)
+                    for k in range(0, total, max_bytes):
+                        await self._send(call, view[k : k + max_bytes])
+                if total < max_bytes and linger > 0 and self._stop_reason is None:
                     # Caught up: wait for more to batch, unless stop() ends the stream.
                     with contextlib.suppress(TimeoutError):
                         async with asyncio.timeout(linger):
                             await self._stopping.wait()
+
+    async def _send(self, call: grpc.aio.StreamUnaryCall, payload: bytes | memoryview) -> None:
+        size = len(payload)
+        await call.write(encode_stream_data((payload,), size))
+        self.bytes_sent += size
+        self.messages_sent += 1

@@ -8,7 +8,8 @@ from typing import Any
 
 import grpc
 
-from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+from bus.stream_data import decode_stream_request
 
 from ..config.models import EventBusConfig
 from .hub import EventBusHub
@@ -27,6 +28,27 @@ _KEEPALIVE = (
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.http2.max_pings_without_data", 0),
 )
+
+
+def _add_servicer(servicer: EventBusServicer, server: Any) -> None:
+    """``bus_pb2_grpc.add_EventBusServicer_to_server`` with one change: Stream requests are
+    read by ``bus.stream_data.decode_stream_request``, which hands a data message's
+    payload over without two protobuf copies."""
+    handlers = {
+        "Session": grpc.stream_stream_rpc_method_handler(
+            servicer.Session,
+            request_deserializer=pb.SessionRequest.FromString,
+            response_serializer=pb.SessionResponse.SerializeToString,
+        ),
+        "Stream": grpc.stream_unary_rpc_method_handler(
+            servicer.Stream,
+            request_deserializer=decode_stream_request,
+            response_serializer=pb.StreamResponse.SerializeToString,
+        ),
+    }
+    name = "continuum.bus.v1.EventBus"
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
+    server.add_registered_method_handlers(name, handlers)
 
 
 class EventBusConfigError(RuntimeError):
@@ -72,7 +94,7 @@ class EventBusServer:
                 *_KEEPALIVE,
             ]
         )
-        pb_grpc.add_EventBusServicer_to_server(EventBusServicer(self.hub), server)
+        _add_servicer(EventBusServicer(self.hub), server)
         port = server.add_secure_port(self.config.listen, creds)
         await server.start()
         self._server = server

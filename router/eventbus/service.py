@@ -140,13 +140,13 @@ class EventBusServicer(pb_grpc.EventBusServicer):
 
     async def Stream(
         self,
-        request_iterator: AsyncIterator[pb.StreamRequest],
+        request_iterator: AsyncIterator[pb.StreamRequest | bytes],
         context: grpc.aio.ServicerContext[pb.StreamRequest, pb.StreamResponse],
     ) -> pb.StreamResponse:
         requests = aiter(request_iterator)
         first = await self._first(requests, context)
         principal = await self._principal(context)
-        if first is None or first.WhichOneof("kind") != "open":
+        if first is None or type(first) is bytes or first.WhichOneof("kind") != "open":
             await _abort(
                 context,
                 AuthError(
@@ -164,6 +164,10 @@ class EventBusServicer(pb_grpc.EventBusServicer):
         reason = "error"
         try:
             async for req in requests:
+                if type(req) is bytes:  # a data message's payload (bus.stream_data)
+                    slot.bytes_received += len(req)
+                    await channel.put(req)
+                    continue
                 kind = req.WhichOneof("kind")
                 if kind == "data":
                     data = req.data.data

@@ -12,6 +12,7 @@ from typing import Any
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 from bus.events import KvEvent
+from bus.stream_data import decode_stream_request, encode_stream_request
 from listener.push.writer import StreamWriter
 from listener.stream import EventHub
 from tests.waiting import eventually
@@ -20,14 +21,18 @@ B = "vllm-1"
 
 
 class FakeCall:
-    """The client side of one Stream call, as ``grpc.aio`` gives it; records what is sent."""
+    """The client side of one Stream call, as ``grpc.aio`` gives it; records what is sent,
+    through the serializer and deserializer the real call and server use."""
 
     def __init__(self) -> None:
         self.requests: list[pb.StreamRequest] = []
         self.data = bytearray()
         self._done = asyncio.Event()
 
-    async def write(self, req: pb.StreamRequest) -> None:
+    async def write(self, req: pb.StreamRequest | bytes) -> None:
+        wire = encode_stream_request(req)
+        req = pb.StreamRequest.FromString(wire)
+        assert decode_stream_request(wire) in (req, req.data.data)
         self.requests.append(req)
         if req.WhichOneof("kind") == "data":
             self.data += req.data.data
@@ -70,7 +75,7 @@ async def test_a_backlog_goes_out_in_full_messages_without_lingering() -> None:
     stub = FakeStub()
     max_bytes = 64 * 1024
     writer = StreamWriter(
-        stub,  # type: ignore[arg-type]
+        stub.Stream,  # type: ignore[arg-type]
         [],
         hub,
         pb.Subscribe(stream_id="s", source=B, last_event_id=start),
@@ -84,10 +89,44 @@ async def test_a_backlog_goes_out_in_full_messages_without_lingering() -> None:
         await eventually(lambda: len(stub.call.data) >= len(expected), 30, what="the backlog")
         assert bytes(stub.call.data) == expected
         sizes = [len(r.data.data) for r in stub.call.requests if r.WhichOneof("kind") == "data"]
-        assert max(sizes) == max_bytes  # batched up to the cap ...
+        record = len(expected) // n
+        assert max_bytes - 2 * record < max(sizes) <= max_bytes  # batched up to the cap ...
         assert len(sizes) < 2 * len(expected) // max_bytes  # ... not a message per record
         assert stub.call.requests[0].WhichOneof("kind") == "open"
     finally:
         writer.stop(pb.CLOSE_REASON_DRAINING)
         await asyncio.wait_for(task, 5)
     assert stub.call.requests[-1].close.reason == pb.CLOSE_REASON_DRAINING
+
+
+async def test_records_over_the_cap_are_cut_and_the_bytes_still_match() -> None:
+    """A record larger than ``batch_max_bytes`` (a big resync snapshot, say) goes out in
+    pieces; chunk boundaries carry no meaning, so the concatenation must still be exact."""
+    hub = EventHub(history_size=1_000, queue_size=1_000)
+    hub.add_backend(B)
+    n = 50
+    for i in range(1, n + 1):
+        hub.publish(B, KvEvent("cache_created", B, f"{i:064x}", 16, "gpu"))
+    start = f"{hub.epoch}-0"
+    expected = b"".join(r.sse for r in hub.subscribe(B, start).ready(limit=n + 10))
+    record = len(expected) // n
+    stub = FakeStub()
+    max_bytes = record // 3  # every record is over the cap
+    writer = StreamWriter(
+        stub.Stream,  # type: ignore[arg-type]
+        [],
+        hub,
+        pb.Subscribe(stream_id="s", source=B, last_event_id=start),
+        heartbeat_interval=15.0,
+        batch_max_bytes=max_bytes,
+        linger_s=0.0,
+    )
+    task = asyncio.create_task(writer.run())
+    try:
+        await eventually(lambda: len(stub.call.data) >= len(expected), 30, what="the records")
+        assert bytes(stub.call.data) == expected
+        sizes = [len(r.data.data) for r in stub.call.requests if r.WhichOneof("kind") == "data"]
+        assert max(sizes) <= max_bytes and len(sizes) >= 3 * n
+    finally:
+        writer.stop(pb.CLOSE_REASON_DRAINING)
+        await asyncio.wait_for(task, 5)

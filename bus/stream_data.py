@@ -1,0 +1,84 @@
+"""The wire bytes of ``StreamRequest{data: StreamData{data: ...}}``, framed by hand.
+
+Why: a StreamData payload is nearly all of the event bus's bytes. Through protobuf, the
+listener copied it into the message field and again to serialize it, and the router
+copied it twice more (parse, field read). Framed here, the listener joins the two-varint
+header with the payload (or a view of part of it) in one ``bytes.join``, and the router
+slices the payload out of the canonical encoding. Everything else (StreamOpen,
+StreamClose, and any other encoding of a data message a different client may send) goes
+through protobuf, so the wire format is exactly the one ``proto/`` declares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from ._gen.continuum.bus.v1 import bus_pb2 as pb
+
+__all__ = ["decode_stream_request", "encode_stream_data", "encode_stream_request"]
+
+# StreamRequest.data is field 2, StreamData.data field 1; both length-delimited (wire
+# type 2), so their tags are (2 << 3) | 2 and (1 << 3) | 2.
+_DATA_TAG = 0x12
+_BYTES_TAG = 0x0A
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
+    """(value, position after it); (-1, pos) when ``buf`` ends inside it or it runs past
+    ten bytes (no canonical length does)."""
+    value = shift = 0
+    end = min(len(buf), pos + 10)
+    while pos < end:
+        b = buf[pos]
+        pos += 1
+        value |= (b & 0x7F) << shift
+        if b < 0x80:
+            return value, pos
+        shift += 7
+    return -1, pos
+
+
+def encode_stream_data(parts: Sequence[bytes | memoryview], size: int | None = None) -> bytes:
+    """The serialized ``StreamRequest`` whose StreamData holds ``b"".join(parts)``.
+
+    Byte for byte what ``StreamRequest(data=StreamData(data=...)).SerializeToString()``
+    gives. ``size`` is ``sum(map(len, parts))`` when the caller already has it.
+    """
+    if size is None:
+        size = sum(map(len, parts))
+    if size == 0:
+        return bytes((_DATA_TAG, 0))  # proto3 leaves an empty bytes field out
+    inner = _varint(size)
+    outer = _varint(1 + len(inner) + size)
+    return b"".join((bytes((_DATA_TAG,)), outer, bytes((_BYTES_TAG,)), inner, *parts))
+
+
+def encode_stream_request(msg: pb.StreamRequest | bytes) -> bytes:
+    """Request serializer of the Stream call: bytes from :func:`encode_stream_data` pass
+    through as they are, messages are serialized."""
+    if type(msg) is bytes:
+        return msg
+    return msg.SerializeToString()  # type: ignore[union-attr]
+
+
+def decode_stream_request(raw: bytes) -> bytes | pb.StreamRequest:
+    """Request deserializer of the Stream call: the payload itself when ``raw`` is the
+    canonical encoding of a non-empty data message (what :func:`encode_stream_data`
+    makes), else the parsed ``StreamRequest`` (which raises ``DecodeError`` on bytes
+    that are not one, as the generated deserializer does)."""
+    if raw[:1] == b"\x12":
+        outer, pos = _read_varint(raw, 1)
+        if outer == len(raw) - pos and raw[pos : pos + 1] == b"\x0a":
+            inner, start = _read_varint(raw, pos + 1)
+            if inner == len(raw) - start and inner > 0:
+                return raw[start:]
+    return pb.StreamRequest.FromString(raw)
