@@ -10,11 +10,13 @@ import gc
 import statistics
 import time
 from collections.abc import Callable, Iterable, Sequence
+from math import comb
 from typing import Any
 
 __all__ = [
     "fmt_float",
     "median",
+    "median_interval",
     "paired_ratio",
     "render_table",
     "time_interleaved",
@@ -74,6 +76,26 @@ def time_interleaved(
 def paired_ratio(values: Sequence[float], baseline: Sequence[float]) -> float:
     """Median over rounds of ``values[r] / baseline[r]``."""
     return median(v / b for v, b in zip(values, baseline, strict=True) if b > 0)
+
+
+def median_interval(values: Iterable[float], level: float = 0.95) -> tuple[float, float]:
+    """Distribution-free confidence interval of the median: the order statistics
+    ``x(k)`` and ``x(n+1-k)`` with ``k`` the largest for which ``P(Binomial(n, 1/2) < k)``
+    is at most ``(1 - level) / 2``. Assumes nothing of the distribution (noise on a
+    shared machine is skewed). NaNs when there are too few values for ``level``."""
+    xs = sorted(values)
+    n = len(xs)
+    tail = (1.0 - level) / 2
+    k = cdf = 0
+    while k < n:
+        p = comb(n, k) / 2**n
+        if cdf + p > tail:
+            break
+        cdf += p
+        k += 1
+    if k == 0:
+        return float("nan"), float("nan")
+    return xs[k - 1], xs[n - k]
 
 
 def fmt_float(value: float, digits: int = 2) -> str:

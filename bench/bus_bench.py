@@ -61,7 +61,7 @@ from typing import Any
 import grpc
 import yaml
 
-from bench._table import median, paired_ratio, render_table, verdict
+from bench._table import median, median_interval, paired_ratio, render_table, verdict
 from bench.ingest_bench import (
     SALT_ENV,
     SALT_SECRET,
@@ -595,39 +595,59 @@ def run_interleaved(
     workdir: Path,
     row: str,
     modes: Sequence[tuple[str, bool]],
-) -> dict[str, list[float]]:
+) -> dict[str, dict[str, list[float]]]:
     """Push and pull stacks both alive, bursts alternating between them (ABBA...), so each
     pair of runs is seconds apart: this machine's speed drifts by +-20 % over seconds
     (a bare CPU loop shows it), which swamps one-after-the-other runs of fresh processes.
+    The pairs are spread over ``args.restarts`` fresh pairs of stacks: two identical
+    stacks started once can differ by 10 % for their whole life (hash seeds, memory
+    layout, which core each process lands on), which only new processes average out.
 
     ``row`` is ``transport`` (``args.events`` per burst) or ``e2e`` (``args.e2e_batches``
-    batches of 8); ``modes`` names two stacks and says which one pushes. Returns events/s
-    per burst, by name, in pair order. Pull against pull (``--control``) shows how far
-    apart two identical stacks measure: the noise floor of the push/pull ratio.
+    batches of 8); ``modes`` names two stacks and says which one pushes. Returns, by name
+    and in pair order, events/s per burst (``rate``) and the CPU time per event of the
+    whole stack (``cpu_us``: every process of it, all threads): on two cores both
+    processes of a stack are busy, so the work per event, not one process's, sets the
+    pace (the e2e row leaves out the engine simulator, the same in both). Pull against
+    pull (``--control``) shows how far apart two identical stacks measure: the noise
+    floor of the push/pull ratios.
     """
-    rates: dict[str, list[float]] = {name: [] for name, _ in modes}
-    with contextlib.ExitStack() as stack:
-        bursts: dict[str, Callable[[], float]] = {}
-        for name, push in modes:
-            tag = f"il-{row}-{name}"
-            if row == "transport":
-                feeder, router, _ = stack.enter_context(
-                    _transport_stack(args, pki, workdir, push, tag)
-                )
-                bursts[name] = functools.partial(_transport_burst, args, feeder, router)
-            else:
-                pub, lst, router = _e2e_stack(pki, workdir, push, tag)
-                stack.callback(pub.stop)
-                stack.callback(lst.stop)
-                stack.callback(router.stop)
-                bursts[name] = functools.partial(_e2e_burst, args, pub, lst, router)
-        names = [name for name, _ in modes]
-        for k in range(args.pairs):
-            for name in names if k % 2 == 0 else names[::-1]:
-                rates[name].append(bursts[name]())
-            if args.verbose:
-                print(row, k, {n: round(v[-1]) for n, v in rates.items()}, flush=True)
-    return rates
+    out: dict[str, dict[str, list[float]]] = {name: {"rate": [], "cpu_us": []} for name, _ in modes}
+    events = args.events if row == "transport" else args.e2e_batches * 8
+    names = [name for name, _ in modes]
+    restarts = max(1, min(args.restarts, args.pairs))
+    k = 0
+    for restart in range(restarts):
+        with contextlib.ExitStack() as stack:
+            bursts: dict[str, Callable[[], float]] = {}
+            pids: dict[str, list[int]] = {}
+            # Started in turn A first, then B first: the stack started first measured a few
+            # percent slower over a whole run of pull-against-pull pairs.
+            for name, push in modes if restart % 2 == 0 else modes[::-1]:
+                tag = f"il-{row}-{name}-{restart}"
+                if row == "transport":
+                    feeder, router, _ = stack.enter_context(
+                        _transport_stack(args, pki, workdir, push, tag)
+                    )
+                    bursts[name] = functools.partial(_transport_burst, args, feeder, router)
+                    pids[name] = [feeder.pid, router.child.pid]
+                else:
+                    pub, lst, router = _e2e_stack(pki, workdir, push, tag)
+                    stack.callback(pub.stop)
+                    stack.callback(lst.stop)
+                    stack.callback(router.stop)
+                    bursts[name] = functools.partial(_e2e_burst, args, pub, lst, router)
+                    pids[name] = [lst.pid, router.child.pid]  # the engine simulator is not ours
+            for _ in range((args.pairs - k) // (restarts - restart)):
+                for name in names if k % 2 == 0 else names[::-1]:
+                    cpu0 = sum(cpu_seconds(p) for p in pids[name])
+                    out[name]["rate"].append(bursts[name]())
+                    cpu = sum(cpu_seconds(p) for p in pids[name]) - cpu0
+                    out[name]["cpu_us"].append(cpu / events * 1e6)
+                if args.verbose:
+                    print(row, k, {n: round(v["rate"][-1]) for n, v in out.items()}, flush=True)
+                k += 1
+    return out
 
 
 def _transport_burst(args: argparse.Namespace, feeder: Child, router: Router) -> float:
@@ -911,27 +931,46 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
         print()
         print(
             f"Interleaved: two stacks alive at once, {args.pairs} pairs of bursts alternating "
-            "ABBA (a pair's runs are seconds apart and see the machine alike); A/B per pair"
+            "ABBA (a pair's runs are seconds apart and see the machine alike); A/B per pair, "
+            "median and its distribution-free 95 % confidence interval. Stack CPU/ev: CPU "
+            "time of the stack's processes (transport: feeder + router; e2e: listener + "
+            "router), all threads, per event"
         )
         print()
         rows = []
-        for label, rates in res["interleaved"].items():
-            ratios = sorted(a / b for a, b in zip(rates["A"], rates["B"], strict=True))
-            q1, q3 = ratios[len(ratios) // 4], ratios[(3 * len(ratios)) // 4]
-            ratio = median(ratios)
+        for label, runs in res["interleaved"].items():
+            a, b = runs["A"], runs["B"]
+            ratios = [x / y for x, y in zip(a["rate"], b["rate"], strict=True)]
+            lo, hi = median_interval(ratios)
+            work = [x / y for x, y in zip(a["cpu_us"], b["cpu_us"], strict=True) if y > 0]
+            wlo, whi = median_interval(work)
             rows.append(
                 [
                     label,
-                    f"{median(rates['A']):,.0f}",
-                    f"{median(rates['B']):,.0f}",
-                    f"{ratio:.3f}",
-                    f"{q1:.3f} .. {q3:.3f}",
+                    f"{median(a['rate']):,.0f}",
+                    f"{median(b['rate']):,.0f}",
+                    f"{median(ratios):.3f}",
+                    f"{lo:.3f} .. {hi:.3f}",
                     f"{sum(r >= 1.0 for r in ratios)}/{len(ratios)}",
+                    f"{median(a['cpu_us']):.1f} / {median(b['cpu_us']):.1f}",
+                    f"{median(work):.3f}",
+                    f"{wlo:.3f} .. {whi:.3f}",
                 ]
             )
         print(
             render_table(
-                ["row", "A ev/s", "B ev/s", "A/B (median)", "quartiles", "pairs A >= B"], rows
+                [
+                    "row",
+                    "A ev/s",
+                    "B ev/s",
+                    "A/B ev/s",
+                    "95% CI",
+                    "pairs A >= B",
+                    "stack CPU us/ev A / B",
+                    "A/B CPU",
+                    "95% CI",
+                ],
+                rows,
             )
         )
     ins = res.get("instructions")
@@ -999,6 +1038,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="count instructions per event of each row's bottleneck under callgrind (~4 min)",
+    )
+    p.add_argument(
+        "--restarts",
+        type=int,
+        default=6,
+        help="fresh pairs of stacks the interleaved pairs are spread over",
     )
     p.add_argument("--callgrind-events", type=int, default=20_000, help=argparse.SUPPRESS)
     p.add_argument("--json", metavar="FILE")
