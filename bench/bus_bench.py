@@ -25,10 +25,11 @@ per event of the bottleneck process, all threads and its main thread (the event 
 **Interleaved** (``--pairs``): this machine's speed drifts by +-20 % within seconds (a
 bare CPU loop shows it), more than anything that separates push from pull, so the rounds
 above, minutes apart, cannot order them. Here a push stack and a pull stack stay alive
-side by side and take turns (ABBA...), so the two runs of a pair are seconds apart; the
-push/pull ratio per pair is reported with its quartiles. ``--control`` runs the same with
-two pull stacks: the spread two identical stacks show is the floor below which a push/pull
-difference means nothing.
+side by side and take turns (ABBA...), so the two runs of a pair are seconds apart, over
+``--restarts`` fresh pairs of stacks; the push/pull ratio per pair (events/s, and CPU per
+event of the stack's processes) is reported as a median with its 95 % confidence
+interval. ``--control`` runs the same with two pull stacks: the spread two identical
+stacks show is the floor below which a push/pull difference means nothing.
 
 **Lag**: the engine side publishes at a paced 10,000 events/s (batches of 8 every
 0.8 ms, each batch a whole salted 8-block chain) for a few seconds; the bench polls the
@@ -36,8 +37,8 @@ router's applied-event count every 5 ms and takes, per event, (first poll at whi
 router has applied its record) - (its batch's send time), on the shared monotonic clock.
 Reported p50/p99/max, push and pull.
 
-Run: ``.venv/bin/python -m bench.bus_bench [--events 100000] [--repeats 3] [--pairs 10]
-[--json F]``
+Run: ``.venv/bin/python -m bench.bus_bench [--events 100000] [--repeats 3] [--pairs 24]
+[--restarts 6] [--json F]``
 """
 
 from __future__ import annotations
@@ -1024,7 +1025,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument(
         "--pairs",
         type=int,
-        default=10,
+        default=24,
         help="interleaved push/pull burst pairs on live stacks, per row (0: skip)",
     )
     p.add_argument(
@@ -1075,6 +1076,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = bench(args)
     report(args, res)
     if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(res, indent=2))
     return 0
 
