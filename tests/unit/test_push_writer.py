@@ -62,18 +62,24 @@ class FakeStub:
         return self.call
 
 
-async def test_a_backlog_goes_out_in_full_messages_without_lingering() -> None:
-    hub = EventHub(history_size=100_000, queue_size=100_000)
+def history(n: int) -> tuple[EventHub, str, bytes]:
+    """A hub holding ``n`` events, the event ID that replays all of them (as a resuming
+    router would ask) and the SSE bytes that replay must give."""
+    hub = EventHub(history_size=max(n, 1_000), queue_size=max(n, 1_000))
     hub.add_backend(B)
-    n = 20_000
     for i in range(1, n + 1):
         hub.publish(B, KvEvent("cache_created", B, f"{i:064x}", 16, "gpu"))
-    start = f"{hub.epoch}-0"  # replay the whole history, as a resuming router would ask
+    start = f"{hub.epoch}-0"
     expected = b"".join(r.sse for r in hub.subscribe(B, start).ready(limit=n + 10))
     assert expected.count(b"\n\n") == n
+    return hub, start, expected
 
+
+async def replay(
+    hub: EventHub, start: str, expected: bytes, max_bytes: int, linger_s: float
+) -> list[pb.StreamRequest]:
+    """Runs a writer from ``start`` until it has sent ``expected``; its requests."""
     stub = FakeStub()
-    max_bytes = 64 * 1024
     writer = StreamWriter(
         stub.Stream,  # type: ignore[arg-type]
         [],
@@ -81,52 +87,41 @@ async def test_a_backlog_goes_out_in_full_messages_without_lingering() -> None:
         pb.Subscribe(stream_id="s", source=B, last_event_id=start),
         heartbeat_interval=15.0,
         batch_max_bytes=max_bytes,
-        linger_s=1000.0,
+        linger_s=linger_s,
     )
     task = asyncio.create_task(writer.run())
     try:
-        # A readiness wait: it only fails if the writer lingered with a backlog left.
-        await eventually(lambda: len(stub.call.data) >= len(expected), 30, what="the backlog")
+        # A readiness wait: with a long linger it only fails if the writer lingered with
+        # a backlog left.
+        await eventually(lambda: len(stub.call.data) >= len(expected), 30, what="the records")
         assert bytes(stub.call.data) == expected
-        sizes = [len(r.data.data) for r in stub.call.requests if r.WhichOneof("kind") == "data"]
-        record = len(expected) // n
-        assert max_bytes - 2 * record < max(sizes) <= max_bytes  # batched up to the cap ...
-        assert len(sizes) < 2 * len(expected) // max_bytes  # ... not a message per record
-        assert stub.call.requests[0].WhichOneof("kind") == "open"
     finally:
         writer.stop(pb.CLOSE_REASON_DRAINING)
         await asyncio.wait_for(task, 5)
+    assert stub.call.requests[0].WhichOneof("kind") == "open"
     assert stub.call.requests[-1].close.reason == pb.CLOSE_REASON_DRAINING
+    return stub.call.requests
+
+
+def data_sizes(requests: list[pb.StreamRequest]) -> list[int]:
+    return [len(r.data.data) for r in requests if r.WhichOneof("kind") == "data"]
+
+
+async def test_a_backlog_goes_out_in_full_messages_without_lingering() -> None:
+    n = 20_000
+    hub, start, expected = history(n)
+    max_bytes = 64 * 1024
+    sizes = data_sizes(await replay(hub, start, expected, max_bytes, linger_s=1000.0))
+    record = len(expected) // n
+    assert max_bytes - 2 * record < max(sizes) <= max_bytes  # batched up to the cap ...
+    assert len(sizes) < 2 * len(expected) // max_bytes  # ... not a message per record
 
 
 async def test_records_over_the_cap_are_cut_and_the_bytes_still_match() -> None:
     """A record larger than ``batch_max_bytes`` (a big resync snapshot, say) goes out in
     pieces; chunk boundaries carry no meaning, so the concatenation must still be exact."""
-    hub = EventHub(history_size=1_000, queue_size=1_000)
-    hub.add_backend(B)
     n = 50
-    for i in range(1, n + 1):
-        hub.publish(B, KvEvent("cache_created", B, f"{i:064x}", 16, "gpu"))
-    start = f"{hub.epoch}-0"
-    expected = b"".join(r.sse for r in hub.subscribe(B, start).ready(limit=n + 10))
-    record = len(expected) // n
-    stub = FakeStub()
-    max_bytes = record // 3  # every record is over the cap
-    writer = StreamWriter(
-        stub.Stream,  # type: ignore[arg-type]
-        [],
-        hub,
-        pb.Subscribe(stream_id="s", source=B, last_event_id=start),
-        heartbeat_interval=15.0,
-        batch_max_bytes=max_bytes,
-        linger_s=0.0,
-    )
-    task = asyncio.create_task(writer.run())
-    try:
-        await eventually(lambda: len(stub.call.data) >= len(expected), 30, what="the records")
-        assert bytes(stub.call.data) == expected
-        sizes = [len(r.data.data) for r in stub.call.requests if r.WhichOneof("kind") == "data"]
-        assert max(sizes) <= max_bytes and len(sizes) >= 3 * n
-    finally:
-        writer.stop(pb.CLOSE_REASON_DRAINING)
-        await asyncio.wait_for(task, 5)
+    hub, start, expected = history(n)
+    max_bytes = len(expected) // n // 3  # every record is over the cap
+    sizes = data_sizes(await replay(hub, start, expected, max_bytes, linger_s=0.0))
+    assert max(sizes) <= max_bytes and len(sizes) >= 3 * n
