@@ -11,16 +11,14 @@ through protobuf, so the wire format is exactly the one ``proto/`` declares.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from ._gen.continuum.bus.v1 import bus_pb2 as pb
 
 __all__ = ["decode_stream_request", "encode_stream_data", "encode_stream_request"]
 
 # StreamRequest.data is field 2, StreamData.data field 1; both length-delimited (wire
 # type 2), so their tags are (2 << 3) | 2 and (1 << 3) | 2.
-_DATA_TAG = 0x12
-_BYTES_TAG = 0x0A
+_DATA_TAG = b"\x12"
+_BYTES_TAG = b"\x0a"
 
 
 def _varint(n: int) -> bytes:
@@ -47,19 +45,15 @@ def _read_varint(buf: bytes, pos: int) -> tuple[int, int]:
     return -1, pos
 
 
-def encode_stream_data(parts: Sequence[bytes | memoryview], size: int | None = None) -> bytes:
-    """The serialized ``StreamRequest`` whose StreamData holds ``b"".join(parts)``.
-
-    Byte for byte what ``StreamRequest(data=StreamData(data=...)).SerializeToString()``
-    gives. ``size`` is ``sum(map(len, parts))`` when the caller already has it.
-    """
-    if size is None:
-        size = sum(map(len, parts))
+def encode_stream_data(payload: bytes | memoryview) -> bytes:
+    """The serialized ``StreamRequest`` whose StreamData holds ``payload``: byte for byte
+    what ``StreamRequest(data=StreamData(data=payload)).SerializeToString()`` gives."""
+    size = len(payload)
     if size == 0:
-        return bytes((_DATA_TAG, 0))  # proto3 leaves an empty bytes field out
+        return _DATA_TAG + b"\x00"  # proto3 leaves an empty bytes field out
     inner = _varint(size)
     outer = _varint(1 + len(inner) + size)
-    return b"".join((bytes((_DATA_TAG,)), outer, bytes((_BYTES_TAG,)), inner, *parts))
+    return b"".join((_DATA_TAG, outer, _BYTES_TAG, inner, payload))
 
 
 def encode_stream_request(msg: pb.StreamRequest | bytes) -> bytes:
@@ -75,9 +69,9 @@ def decode_stream_request(raw: bytes) -> bytes | pb.StreamRequest:
     canonical encoding of a non-empty data message (what :func:`encode_stream_data`
     makes), else the parsed ``StreamRequest`` (which raises ``DecodeError`` on bytes
     that are not one, as the generated deserializer does)."""
-    if raw[:1] == b"\x12":
+    if raw[:1] == _DATA_TAG:
         outer, pos = _read_varint(raw, 1)
-        if outer == len(raw) - pos and raw[pos : pos + 1] == b"\x0a":
+        if outer == len(raw) - pos and raw[pos : pos + 1] == _BYTES_TAG:
             inner, start = _read_varint(raw, pos + 1)
             if inner == len(raw) - start and inner > 0:
                 return raw[start:]

@@ -182,7 +182,6 @@ class StreamWriter:
                             await self._stopping.wait()
 
     async def _send(self, call: grpc.aio.StreamUnaryCall, payload: bytes | memoryview) -> None:
-        size = len(payload)
-        await call.write(encode_stream_data((payload,), size))
-        self.bytes_sent += size
+        await call.write(encode_stream_data(payload))
+        self.bytes_sent += len(payload)
         self.messages_sent += 1

@@ -164,29 +164,27 @@ class EventBusServicer(pb_grpc.EventBusServicer):
         reason = "error"
         try:
             async for req in requests:
-                if type(req) is bytes:  # a data message's payload (bus.stream_data)
-                    slot.bytes_received += len(req)
-                    await channel.put(req)
-                    continue
-                kind = req.WhichOneof("kind")
-                if kind == "data":
+                # bus.stream_data hands a canonical data message over as its payload.
+                data = req if type(req) is bytes else None
+                if data is None:
+                    kind = req.WhichOneof("kind")
+                    if kind == "close":
+                        reason = CLOSE_REASONS.get(req.close.reason, "error")
+                        detail = req.close.detail[:500]
+                        break
+                    if kind != "data":
+                        channel.close("protocol error")
+                        await _abort(
+                            context,
+                            AuthError(
+                                grpc.StatusCode.INVALID_ARGUMENT,
+                                "a second StreamOpen" if kind == "open" else "empty StreamRequest",
+                            ),
+                        )
                     data = req.data.data
-                    slot.bytes_received += len(data)
-                    if data:
-                        await channel.put(data)
-                elif kind == "close":
-                    reason = CLOSE_REASONS.get(req.close.reason, "error")
-                    detail = req.close.detail[:500]
-                    break
-                else:
-                    channel.close("protocol error")
-                    await _abort(
-                        context,
-                        AuthError(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            "a second StreamOpen" if kind == "open" else "empty StreamRequest",
-                        ),
-                    )
+                slot.bytes_received += len(data)
+                if data:
+                    await channel.put(data)
             else:
                 detail = "the listener half-closed without StreamClose"
         except ChannelClosed as closed:
