@@ -106,7 +106,8 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
     await router.start()
     host, port = parse_hostport(config.server.listen)
     port = _resolve_port(host, port)
-    http = EmbeddedServer(RSGIApp(router.handle, config.server.max_body_bytes), host, port)
+    app = RSGIApp(router.handle, config.server.max_body_bytes)
+    http = EmbeddedServer(app, host, port)
     await http.start()
     grpc_server = None
     announce = f"READY http={host}:{port}"
@@ -139,11 +140,16 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
     log.info("listening on http://%s:%d", host, port)
     print(announce, flush=True)
     await stop.wait()
-    log.info("shutting down")
+    grace = config.server.shutdown_grace_ms / 1000
+    log.info("shutting down: %d requests in flight, up to %gs to finish", app.in_flight, grace)
     watcher.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await watcher
-    await http.stop()
+    app.close()
+    left = await app.drain(grace)
+    if left:
+        log.warning("shutting down: %d requests still in flight after %gs are cut", left, grace)
+    await http.stop(grace=0.5 if left else 10.0)
     if grpc_server is not None:
         await grpc_server.stop(grace=2)  # type: ignore[attr-defined]
     await router.stop()  # the KV consumers first: their bus streams end as unsubscribed

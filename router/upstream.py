@@ -139,9 +139,11 @@ class UpstreamClient:
 
         ``client_timeout`` (from :meth:`probe_timeout`) is a total deadline in seconds.
         """
-        assert self._client is not None, "UpstreamClient.start() was not awaited"
+        client = self._client
+        if client is None:  # closed at shutdown, after the grace for requests in flight
+            raise UpstreamConnectError(backend, "the router is shutting down")
         try:
-            resp = await self._client.request(method, url, headers, body, client_timeout)
+            resp = await client.request(method, url, headers, body, client_timeout)
         except ConnectError as exc:
             raise UpstreamConnectError(backend, str(exc)) from None
         except HttpTimeout:

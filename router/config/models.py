@@ -85,6 +85,9 @@ class ServerConfig(_Section):
     """TCP/TLS connect timeout to a backend; a connect failure retries the next candidate."""
     request_timeout_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 300_000
     """Upstream time to the response headers (and between stream chunks); over it: 504."""
+    shutdown_grace_ms: Annotated[int, Field(ge=0, le=600_000)] = 5_000
+    """On SIGTERM/SIGINT: new requests get 503 at once, requests in flight (streams too)
+    get this long to finish; then the rest are cut and the process exits."""
 
     @field_validator("listen", "grpc_listen")
     @classmethod

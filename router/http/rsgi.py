@@ -27,6 +27,10 @@ _TOO_LARGE = (
     b'{"error":{"message":"request body exceeds the configured limit",'
     b'"type":"invalid_request_error","param":null,"code":"request_too_large"}}'
 )
+_SHUTTING_DOWN = (
+    b'{"error":{"message":"the router is shutting down; retry on another instance",'
+    b'"type":"service_unavailable","param":null,"code":"shutting_down"}}'
+)
 _JSON = [("content-type", "application/json")]
 
 
@@ -55,15 +59,51 @@ class _Headers:
 
 
 class RSGIApp:
-    """Adapts a ``Handler`` to RSGI: body limit, streaming, client-disconnect cancel."""
+    """Adapts a ``Handler`` to RSGI: body limit, streaming, client-disconnect cancel, and
+    a graceful stop (:meth:`close`, then :meth:`drain`).
+
+    granian's embedded server does not wait for the handlers it started when it stops,
+    and they run on this loop after it: a request still relaying when the router closes
+    its backend connections would fail half-way. So the router stops taking requests
+    first (503 ``shutting_down``, which a load balancer retries elsewhere), waits for the
+    ones in flight, and only then stops the server and closes its clients.
+    """
 
     def __init__(self, handler: Handler, max_body_bytes: int) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
+        self.closing = False
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def close(self) -> None:
+        """Answer every new request with 503 from now on."""
+        self.closing = True
+
+    async def drain(self, grace: float) -> int:
+        """Wait up to ``grace`` s for the requests in flight to end; how many are left."""
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(grace):
+                await self._idle.wait()
+        return self.in_flight
 
     async def __rsgi__(self, scope: Any, proto: Any) -> None:
         if scope.proto != "http":
             return
+        if self.closing:
+            proto.response_bytes(503, [*_JSON, ("connection", "close")], _SHUTTING_DOWN)
+            return
+        self.in_flight += 1
+        self._idle.clear()
+        try:
+            await self._serve(scope, proto)
+        finally:
+            self.in_flight -= 1
+            if not self.in_flight:
+                self._idle.set()
+
+    async def _serve(self, scope: Any, proto: Any) -> None:
         headers = scope.headers
         limit = self.max_body_bytes
         clen = headers.get("content-length")
@@ -172,9 +212,10 @@ class EmbeddedServer:
                 await writer.wait_closed()
             return
 
-    async def stop(self) -> None:
+    async def stop(self, grace: float = 10.0) -> None:
+        """Stop accepting; connections still answering get ``grace`` s, then are cut."""
         if self._task is None:
             return
         self._server.stop()
         with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(self._task, 10)
+            await asyncio.wait_for(self._task, grace)

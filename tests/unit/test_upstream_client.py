@@ -775,3 +775,15 @@ async def test_tls_untrusted_certificate_is_a_connect_error(
             await c.request("cloud", "GET", url + "/echo", {})
         assert "certificate" in ei.value.detail.lower()
         await c.close()
+
+
+@both_loops
+async def test_a_closed_client_refuses_like_an_unreachable_backend() -> None:
+    """A request that reaches the client after shutdown closed it (past the drain grace)
+    fails as a connect error, which the proxy answers 502 with an OpenAI body, instead of
+    an AssertionError and a traceback in the log."""
+    c = UpstreamClient(connect_timeout_s=1.0, read_timeout_s=1.0)
+    await c.start()
+    await c.close()
+    with pytest.raises(UpstreamConnectError, match="shutting down"):
+        await c.request("b", "POST", "http://127.0.0.1:9/v1/chat/completions", {}, b"{}")
