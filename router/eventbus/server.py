@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
 from bus.stream_data import decode_stream_request
 
 from ..config.models import EventBusConfig
@@ -33,20 +33,22 @@ _KEEPALIVE = (
 def _add_servicer(servicer: EventBusServicer, server: Any) -> None:
     """``bus_pb2_grpc.add_EventBusServicer_to_server`` with one change: Stream requests are
     read by ``bus.stream_data.decode_stream_request``, which hands a data message's
-    payload over without two protobuf copies."""
-    handlers = {
-        "Session": grpc.stream_stream_rpc_method_handler(
-            servicer.Session,
-            request_deserializer=pb.SessionRequest.FromString,
-            response_serializer=pb.SessionResponse.SerializeToString,
-        ),
-        "Stream": grpc.stream_unary_rpc_method_handler(
-            servicer.Stream,
-            request_deserializer=decode_stream_request,
-            response_serializer=pb.StreamResponse.SerializeToString,
-        ),
-    }
-    name = "continuum.bus.v1.EventBus"
+    payload over without two protobuf copies. The generated function builds the method
+    table (names, serializers); it registers it on a recorder, and the table goes to the
+    server with that one deserializer replaced."""
+    recorded: dict[str, dict[str, Any]] = {}
+
+    class _Recorder:
+        def add_generic_rpc_handlers(self, handlers: Any) -> None:
+            pass  # made again below from the amended table
+
+        def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
+            recorded[name] = handlers
+
+    pb_grpc.add_EventBusServicer_to_server(servicer, _Recorder())
+    [(name, handlers)] = recorded.items()
+    stream = handlers["Stream"]._replace(request_deserializer=decode_stream_request)
+    handlers = {**handlers, "Stream": stream}
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, handlers),))
     server.add_registered_method_handlers(name, handlers)
 
