@@ -1,55 +1,231 @@
-"""Admin JSON documents, shaped exactly as the reference documentation shows them."""
+"""``/admin/*``: every admin route and its JSON document, in one place.
+
+Documents are shaped exactly as the reference documentation shows them (field names,
+string-formatted rates). Every ``/admin`` path, known or not, is behind the admin token
+(:meth:`AdminApi.authorize`, checked by the dispatcher before routing). A feature that is
+off answers its stats route with ``{"enabled": false}`` (the Gemini context cache: its
+whole document with zero counts) and its mutating routes with 409, except the Gemini
+clear, which answers the reference's ``{"success": false, "error": ...}``.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
-if TYPE_CHECKING:
-    from .app import Router
+import orjson
 
-__all__ = ["gemini_context_cache_stats", "prefix_routing_stats"]
+from .admin_auth import AdminToken
+from .cache.service import ResponseCacheService
+from .config import RouterConfig
+from .errors import openai_error
+from .gemini import GeminiService
+from .gemini.manager import Counters
+from .http.types import Request, Response
+from .kvindex.runtime import KvRuntime
+from .pool import BackendPool
+from .selection import RoutingCounts
 
+__all__ = ["AdminApi"]
 
-def prefix_routing_stats(router: Router) -> dict[str, Any]:
-    """GET /admin/prefix-routing/stats. ``overflow_rate`` is a string with 4 decimals."""
-    pr = router.config.prefix_routing
-    counts = router.selector.counts
-    total = counts.total
-    return {
-        "enabled": pr.enabled,
-        "config": {
-            "max_prefix_length": pr.max_prefix_length,
-            "load_factor_epsilon": pr.load_factor_epsilon,
-            "virtual_nodes": pr.virtual_nodes,
-            "anthropic_cache_control_injection": pr.anthropic_cache_control_injection,
-        },
-        "routing_decisions": {
-            "total": total,
-            "prefix_hash": counts.prefix_hash,
-            "overflow": counts.overflow,
-            "fallback": counts.fallback,
-            "overflow_rate": f"{(counts.overflow / total) if total else 0.0:.4f}",
-        },
-        "backend_distribution": [
-            {"backend": b.name, "in_flight_requests": b.in_flight} for b in router.pool.backends
-        ],
-        "unique_prefixes": counts.unique.count(),
-    }
+_JSON_HEADERS = [("content-type", "application/json")]
+
+Route = Callable[[Request], Awaitable[Response]]
 
 
-def gemini_context_cache_stats(router: Router) -> dict[str, Any]:
-    """GET /admin/gemini-context-cache/stats: the same shape whether enabled or not."""
-    cache = router.gemini.cache if router.gemini is not None else None
-    if cache is not None:
-        return cache.stats()
-    from .gemini.manager import Counters
+def _json(doc: Mapping[str, Any]) -> Response:
+    return Response(200, orjson.dumps(doc), list(_JSON_HEADERS))
 
-    return {
-        "enabled": False,
-        "config": router.config.gemini_context_cache.model_dump(),
-        "entries": 0,
-        "negative_entries": 0,
-        "in_flight": 0,
-        "backends": {},
-        "counters": Counters().as_dict(),
-    }
+
+def _disabled() -> Response:
+    return _json({"enabled": False})
+
+
+class AdminApi:
+    """The admin routes over the parts they report on.
+
+    Args:
+        config: the running config, read per request.
+        token: the admin bearer token.
+        pool: backends and their in-flight counts.
+        counts: PrefixAwareHash's decisions (``Selector.counts``).
+        cache: the response cache service, when built.
+        kv: Tier 4, when enabled.
+        gemini: the Gemini service, when configured.
+    """
+
+    def __init__(
+        self,
+        *,
+        config: Callable[[], RouterConfig],
+        token: AdminToken,
+        pool: BackendPool,
+        counts: RoutingCounts,
+        cache: ResponseCacheService | None = None,
+        kv: KvRuntime | None = None,
+        gemini: GeminiService | None = None,
+    ) -> None:
+        self._config = config
+        self._token = token
+        self._pool = pool
+        self._counts = counts
+        self._cache = cache
+        self._kv = kv
+        self._gemini = gemini
+
+    def routes(self) -> dict[tuple[str, str], Route]:
+        return {
+            ("GET", "/admin/prefix-routing/stats"): self.prefix_routing_stats,
+            ("GET", "/admin/kv-index/stats"): self.kv_stats,
+            ("GET", "/admin/kv-index/backends"): self.kv_backends,
+            ("POST", "/admin/kv-index/clear"): self.kv_clear,
+            ("GET", "/admin/response-cache/stats"): self.cache_stats,
+            ("POST", "/admin/response-cache/invalidate"): self.cache_invalidate,
+            ("GET", "/admin/gemini-context-cache/stats"): self.gemini_stats,
+            ("POST", "/admin/gemini-context-cache/clear"): self.gemini_clear,
+        }
+
+    def authorize(self, req: Request) -> Response | None:
+        """None when the request may proceed, else the 401 to answer with."""
+        if self._token.allows(req.headers.get("authorization")):
+            return None
+        return openai_error(
+            401,
+            "admin endpoints require 'Authorization: Bearer <admin token>'",
+            "authentication_error",
+            "unauthorized",
+            headers=[("www-authenticate", "Bearer")],
+        )
+
+    # -- Tier 1 --------------------------------------------------------------------
+
+    async def prefix_routing_stats(self, req: Request) -> Response:
+        """``overflow_rate`` is a string with 4 decimals."""
+        pr = self._config().prefix_routing
+        counts = self._counts
+        total = counts.total
+        return _json(
+            {
+                "enabled": pr.enabled,
+                "config": {
+                    "max_prefix_length": pr.max_prefix_length,
+                    "load_factor_epsilon": pr.load_factor_epsilon,
+                    "virtual_nodes": pr.virtual_nodes,
+                    "anthropic_cache_control_injection": pr.anthropic_cache_control_injection,
+                },
+                "routing_decisions": {
+                    "total": total,
+                    "prefix_hash": counts.prefix_hash,
+                    "overflow": counts.overflow,
+                    "fallback": counts.fallback,
+                    "overflow_rate": f"{(counts.overflow / total) if total else 0.0:.4f}",
+                },
+                "backend_distribution": [
+                    {"backend": b.name, "in_flight_requests": b.in_flight}
+                    for b in self._pool.backends
+                ],
+                "unique_prefixes": counts.unique.count(),
+            }
+        )
+
+    # -- Tier 4 --------------------------------------------------------------------
+
+    async def kv_stats(self, req: Request) -> Response:
+        if self._kv is None:
+            return _disabled()
+        return _json(await self._kv.admin_stats())
+
+    async def kv_backends(self, req: Request) -> Response:
+        if self._kv is None:
+            return _disabled()
+        return _json(self._kv.admin_backends())
+
+    async def kv_clear(self, req: Request) -> Response:
+        if self._kv is None:
+            return openai_error(409, "the KV cache index is not enabled", code="kv_index_disabled")
+        return _json(await self._kv.clear())
+
+    # -- Tiers 2 and 3 -------------------------------------------------------------
+
+    async def cache_stats(self, req: Request) -> Response:
+        cache = self._cache
+        if cache is None:
+            return _disabled()
+        cfg = cache.config
+        st = await cache.store.stats()
+        hits, misses, skips = cache.hits, cache.misses, cache.skips
+        looked = hits + misses
+        doc: dict[str, Any] = {
+            "enabled": cfg.enabled,
+            "backend_type": cfg.backend,
+            "entries": getattr(st, "entries", 0) or 0,
+            "capacity": cfg.capacity,
+            "requests": {"hit": hits, "miss": misses, "skip": skips, "total": looked + skips},
+            "hit_rate": f"{(hits / looked) if looked else 0.0:.4f}",
+            "evictions": getattr(st, "evictions", 0),
+            "size_bytes": getattr(st, "size_bytes", 0) or 0,
+            "config": {
+                "backend": cfg.backend,
+                "ttl": cfg.ttl,
+                "capacity": cfg.capacity,
+                "max_response_size": cfg.max_response_size,
+                "max_stream_buffer_size": cfg.max_stream_buffer_size,
+            },
+        }
+        if cfg.backend == "redis":
+            errors = getattr(st, "errors_by_kind", None) or {}
+            doc["redis"] = {
+                "connections": getattr(st, "connections", {"active": 0, "idle": 0}),
+                "fallback_active": bool(getattr(st, "fallback_active", False)),
+                "errors": {
+                    "connection": errors.get("connection", 0),
+                    "timeout": errors.get("timeout", 0),
+                    "other": errors.get("other", 0),
+                },
+            }
+        return _json(doc)
+
+    async def cache_invalidate(self, req: Request) -> Response:
+        """``{"clear_all": true}`` or ``{"key": "<64 hex>"}``."""
+        cache = self._cache
+        if cache is None:
+            return openai_error(409, "the response cache is not enabled", code="cache_disabled")
+        try:
+            body = orjson.loads(req.body)
+        except orjson.JSONDecodeError as exc:
+            return openai_error(400, f"request body is not valid JSON: {exc}", code="invalid_json")
+        if not isinstance(body, dict):
+            return openai_error(400, "request body must be a JSON object", code="invalid_json")
+        if body.get("clear_all") is True:
+            cleared = await cache.clear()
+            return _json({"success": True, "action": "clear_all", "cleared_entries": cleared})
+        key = body.get("key")
+        if isinstance(key, str) and len(key) == 64:
+            removed = await cache.delete(key.lower())
+            return _json({"success": True, "action": "key", "cleared_entries": int(removed)})
+        return openai_error(400, 'expected {"clear_all": true} or {"key": "<64 hex cache key>"}')
+
+    # -- Gemini --------------------------------------------------------------------
+
+    async def gemini_stats(self, req: Request) -> Response:
+        """The same shape whether the context cache is enabled or not."""
+        cache = self._gemini.cache if self._gemini is not None else None
+        if cache is not None:
+            return _json(cache.stats())
+        return _json(
+            {
+                "enabled": False,
+                "config": self._config().gemini_context_cache.model_dump(),
+                "entries": 0,
+                "negative_entries": 0,
+                "in_flight": 0,
+                "backends": {},
+                "counters": Counters().as_dict(),
+            }
+        )
+
+    async def gemini_clear(self, req: Request) -> Response:
+        cache = self._gemini.cache if self._gemini is not None else None
+        if cache is None:
+            return _json({"success": False, "error": "Gemini context cache is not enabled"})
+        return _json({"success": True, "cleared_entries": await cache.clear()})

@@ -5,14 +5,18 @@ reflection, so ``grpcurl`` can list and call it. Read RPCs never change the inde
 LRU order or the routing counters (Score computes what the router *would* decide).
 ``Clear`` changes state, so it needs the admin token as call credentials
 (``authorization: Bearer <token>`` metadata) when one is configured.
+
+Collaborators, each what it reads: Tier 4 (``KvRuntime``, None when the index is off:
+every call then answers FAILED_PRECONDITION), the backend pool (Score's candidates), the
+running ``prefix_routing.max_prefix_length`` (Score of a request) and the admin token.
 """
 
 from __future__ import annotations
 
-import hmac
 import re
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
 import grpc
 import orjson
@@ -21,12 +25,11 @@ from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from bus.prefix_key import extract_prefix_key
 
+from .admin_auth import AdminToken
 from .kvindex.base import Tier
+from .kvindex.runtime import KvRuntime
 from .kvindex.scorer import Prepared
-from .pool import ENDPOINT_TYPES
-
-if TYPE_CHECKING:
-    from .app import Router
+from .pool import ENDPOINT_TYPES, BackendPool
 
 __all__ = ["SERVICE_NAME", "KvIndexServicer"]
 
@@ -46,17 +49,27 @@ def _unix_ms(t: Any) -> int:
 
 
 class KvIndexServicer(pb_grpc.KvIndexServicer):
-    def __init__(self, router: Router) -> None:
-        self.router = router
+    def __init__(
+        self,
+        kv: KvRuntime | None,
+        pool: BackendPool,
+        max_prefix_length: Callable[[], int],
+        token: AdminToken,
+    ) -> None:
+        self._kv = kv
+        self._pool = pool
+        self._max_prefix_length = max_prefix_length
+        self._token = token
 
-    async def _require_kv(self, context: grpc.aio.ServicerContext) -> Any:
-        kv = self.router.kv
+    async def _require_kv(self, context: grpc.aio.ServicerContext) -> KvRuntime:
+        kv = self._kv
         if kv is None:
             await context.abort(
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the KV cache index is not enabled (kv_cache_index.enabled and "
                 "prefix_routing.enabled)",
             )
+            raise AssertionError("unreachable: abort raises")
         return kv
 
     @staticmethod
@@ -87,7 +100,6 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
 
     async def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreResponse:
         kv = await self._require_kv(context)
-        router = self.router
         which = request.WhichOneof("key")
         model: str | None = None
         if which == "prefix_hash":
@@ -109,7 +121,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             key = extract_prefix_key(
                 body,
                 model=model,
-                max_prefix_length=router.config.prefix_routing.max_prefix_length,
+                max_prefix_length=self._max_prefix_length(),
             )
             if key is None:
                 await context.abort(
@@ -119,12 +131,12 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         else:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prefix_hash or request")
         if model is not None:
-            candidates, _ = router.pool.candidates(model, "chat")
+            candidates, _ = self._pool.candidates(model, "chat")
         else:  # every backend a chat request could be routed to
             types = ENDPOINT_TYPES["chat"]
             candidates = tuple(
                 b
-                for b in router.pool.backends
+                for b in self._pool.backends
                 if b.healthy and b.config.enabled and not b.config.internal and b.type in types
             )
         scorer = kv.scorer
@@ -203,11 +215,9 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         )
 
     async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
-        token = self.router.admin_token
-        if token is not None:
+        if self._token.required:
             meta = dict(context.invocation_metadata() or ())
-            scheme, _, given = str(meta.get("authorization", "")).partition(" ")
-            if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
+            if not self._token.allows(str(meta.get("authorization", ""))):
                 await context.abort(
                     grpc.StatusCode.UNAUTHENTICATED,
                     "Clear needs the admin token: metadata 'authorization: Bearer <token>'",

@@ -54,7 +54,13 @@ async def _start_grpc(router: Router, config: RouterConfig) -> tuple[object, int
     server = grpc.aio.server()
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    kvindex_pb2_grpc.add_KvIndexServicer_to_server(KvIndexServicer(router), server)
+    servicer = KvIndexServicer(
+        router.kv,
+        router.pool,
+        lambda: router.config.prefix_routing.max_prefix_length,
+        router.admin_token,
+    )
+    kvindex_pb2_grpc.add_KvIndexServicer_to_server(servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     await health_servicer.set(
         SERVICE_NAME,

@@ -46,6 +46,7 @@ from ..config.models import (
     SemanticCacheConfig,
     parse_duration,
 )
+from ..openai_api import bearer_headers, embeddings_path
 from ..upstream import UpstreamError
 
 if TYPE_CHECKING:
@@ -456,10 +457,8 @@ class SemanticCache:
         b = self.pool.get(sem.backend or "")
         if b is None or not b.config.enabled or not b.healthy or b.type not in _EMBEDDING_TYPES:
             return self._failed(f"backend {sem.backend!r} is not available for embeddings")
-        path = "/v1beta/openai/embeddings" if b.type == "gemini" else "/v1/embeddings"
-        headers = {"content-type": "application/json", "accept-encoding": "identity"}
-        if b.api_key:
-            headers["authorization"] = f"Bearer {b.api_key}"
+        path = embeddings_path(b)
+        headers = bearer_headers(b)
         payload = orjson.dumps({"model": sem.embedding_model, "input": text})
         timeout = sem.embedding_timeout_ms / 1000
         try:

@@ -166,58 +166,16 @@ class ResponseCacheService:
     def limit(self, stream: bool) -> int:
         return self.config.max_stream_buffer_size if stream else self.config.max_response_size
 
-    async def admin_stats(self) -> dict[str, Any]:
-        cfg = self.config
-        st = await self.store.stats()
-        total = self.hits + self.misses + self.skips
-        looked = self.hits + self.misses
-        out: dict[str, Any] = {
-            "enabled": cfg.enabled,
-            "backend_type": cfg.backend,
-            "entries": getattr(st, "entries", 0) or 0,
-            "capacity": cfg.capacity,
-            "requests": {
-                "hit": self.hits,
-                "miss": self.misses,
-                "skip": self.skips,
-                "total": total,
-            },
-            "hit_rate": f"{(self.hits / looked) if looked else 0.0:.4f}",
-            "evictions": getattr(st, "evictions", 0),
-            "size_bytes": getattr(st, "size_bytes", 0) or 0,
-            "config": {
-                "backend": cfg.backend,
-                "ttl": cfg.ttl,
-                "capacity": cfg.capacity,
-                "max_response_size": cfg.max_response_size,
-                "max_stream_buffer_size": cfg.max_stream_buffer_size,
-            },
-        }
-        if cfg.backend == "redis":
-            errors = getattr(st, "errors_by_kind", None) or {}
-            out["redis"] = {
-                "connections": getattr(st, "connections", {"active": 0, "idle": 0}),
-                "fallback_active": bool(getattr(st, "fallback_active", False)),
-                "errors": {
-                    "connection": errors.get("connection", 0),
-                    "timeout": errors.get("timeout", 0),
-                    "other": errors.get("other", 0),
-                },
-            }
-        return out
+    async def clear(self) -> int:
+        """Forget every stored answer (and every semantic vector); returns how many went."""
+        cleared = await self.store.clear()
+        if self.semantic is not None:
+            self.semantic.clear()
+        return cleared
 
-    async def invalidate(self, request: Mapping[str, Any]) -> dict[str, Any] | None:
-        """``{"clear_all": true}`` or ``{"key": "<64 hex>"}``; None for a bad request."""
-        if request.get("clear_all") is True:
-            cleared = await self.store.clear()
-            if self.semantic is not None:
-                self.semantic.clear()
-            return {"success": True, "action": "clear_all", "cleared_entries": cleared}
-        key = request.get("key")
-        if isinstance(key, str) and len(key) == 64:
-            removed = await self.store.delete(key.lower())
-            return {"success": True, "action": "key", "cleared_entries": 1 if removed else 0}
-        return None
+    async def delete(self, key: str) -> bool:
+        """Forget the answer stored under one exact key (64 lowercase hex)."""
+        return bool(await self.store.delete(key))
 
     async def close(self) -> None:
         for task in list(self._pending):

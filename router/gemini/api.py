@@ -28,6 +28,7 @@ import orjson
 __all__ = [
     "CACHED_CONTENTS_PATH",
     "OPENAI_CHAT_PATH",
+    "OPENAI_EMBEDDINGS_PATH",
     "CachedContent",
     "error_message",
     "generate_path",
@@ -42,6 +43,7 @@ __all__ = [
 ]
 
 OPENAI_CHAT_PATH = "/v1beta/openai/chat/completions"
+OPENAI_EMBEDDINGS_PATH = "/v1beta/openai/embeddings"
 CACHED_CONTENTS_PATH = "/v1beta/cachedContents"
 _NAME_RE = re.compile(r"^cachedContents/[A-Za-z0-9_.-]{1,128}\Z")
 _TS_RE = re.compile(r"^(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(?:\.(\d{1,9}))?(Z|[+-]\d{2}:\d{2})\Z")

@@ -1,33 +1,34 @@
-"""Chat completions towards ``type: gemini`` backends: one object per request.
+"""Requests towards ``type: gemini`` backends: one adapter object per request.
 
 ``GeminiService`` lives as long as the router (it exists only when the context cache or
-the native API is configured); ``GeminiChat`` is made per request by the chat handler and
-plugs into the proxy's hooks: the path, headers and body for the chosen backend, the
-whole-body and stream transforms, and the one retry after a stale cache reference.
-Backends of other types pass through every hook untouched, so a model served by gemini
-and openai backends side by side still works. The same hooks serve Anthropic Messages
-bodies (``dialect="anthropic"``), which always use the native API.
+the native API is configured); ``GeminiChat`` is made per request by the chat and
+messages dialects, and the forwarder uses it as the request's
+:class:`~router.forwarder.UpstreamFormat` for gemini backends only (other backends of the
+same model keep the dialect's own format): the path, headers and body for the chosen
+backend, the whole-body and stream transforms, and the one retry after a stale cache
+reference. On the OpenAI-compatible path (no native API) its path and headers are the
+dialect's (``base``). The same adapter serves Anthropic Messages bodies
+(``dialect="anthropic"``), which always use the native API.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import orjson
 
+from ..config import GeminiContextCacheConfig
+from ..forward_spec import ForwardSpec, UpstreamFormat
+from ..pool import Backend
+from ..upstream import UpstreamClient
 from . import anthropic
-from .api import OPENAI_CHAT_PATH, generate_path, is_stale_reference, native_headers
+from .api import generate_path, is_stale_reference, native_headers
 from .entries import CacheEntry
 from .manager import Eligible, GeminiContextCache, eligible_anthropic_prefix, eligible_prefix
 from .native import NativeStream, TranslationError, chat_completion, openai_error_body
 from .native import to_generate_request as _to_native
 from .usage import UsageRecord, cached_tokens_of, fill_cached_tokens, openai_usage
-
-if TYPE_CHECKING:
-    from ..config import GeminiContextCacheConfig
-    from ..pool import Backend
-    from ..upstream import UpstreamClient
 
 __all__ = ["GeminiChat", "GeminiService", "TranslationError"]
 
@@ -54,13 +55,20 @@ class GeminiService:
         self.on_usage = on_usage
 
     def chat(
-        self, body: dict[str, Any], model: str, stream: bool, dialect: Dialect = "openai"
+        self,
+        body: dict[str, Any],
+        model: str,
+        stream: bool,
+        base: UpstreamFormat,
+        dialect: Dialect = "openai",
     ) -> GeminiChat:
         """Per-request state; raises TranslationError when the native form is impossible.
 
-        ``dialect="anthropic"`` is an Anthropic Messages body, always sent natively.
+        ``base`` is the dialect's own format (its path and headers serve the
+        OpenAI-compatible path); ``dialect="anthropic"`` is an Anthropic Messages body,
+        always sent natively.
         """
-        return GeminiChat(self, body, model, stream, dialect)
+        return GeminiChat(self, body, model, stream, base, dialect)
 
     async def close(self) -> None:
         if self.cache is not None:
@@ -68,7 +76,7 @@ class GeminiService:
 
 
 class GeminiChat:
-    """Hooks for one chat completion; see the module docstring."""
+    """The upstream format of one request for gemini backends; see the module docstring."""
 
     def __init__(
         self,
@@ -76,12 +84,13 @@ class GeminiChat:
         body: dict[str, Any],
         model: str,
         stream: bool,
+        base: UpstreamFormat,
         dialect: Dialect = "openai",
     ):
         self.service = service
-        self.body = body
+        self.base = base
         self.model = model
-        self.stream = stream
+        self.streaming = stream
         self.anthropic = dialect == "anthropic"
         self.native = self.anthropic or service.config.prefer_native_api
         cache = service.cache
@@ -100,16 +109,14 @@ class GeminiChat:
 
     # -- request side ------------------------------------------------------------------
 
-    def path(self, b: Backend, default: Callable[[Backend], str]) -> str:
-        if b.type != "gemini":
-            return default(b)
-        return generate_path(self.model, self.stream) if self.native else OPENAI_CHAT_PATH
+    def path(self, b: Backend) -> str:
+        return generate_path(self.model, self.streaming) if self.native else self.base.path(b)
 
-    def headers(self, b: Backend, base: dict[str, str]) -> dict[str, str]:
-        if b.type != "gemini" or not self.native:
-            return base
+    def headers(self, b: Backend, forwarded: Mapping[str, str]) -> dict[str, str]:
+        if not self.native:
+            return self.base.headers(b, forwarded)
         drop = _ANTHROPIC_HEADERS if self.anthropic else ("authorization",)
-        h = {k: v for k, v in base.items() if k not in drop}
+        h = {k: v for k, v in forwarded.items() if k not in drop}
         h.update(native_headers(b.api_key))
         return h
 
@@ -118,12 +125,13 @@ class GeminiChat:
             return anthropic.to_generate_request(body, cached_content=cached)
         return _to_native(body, cached_content=cached)
 
-    def rewrite(self, b: Backend, parsed: dict[str, Any], raw: bytes) -> bytes:
+    def body(self, b: Backend, spec: ForwardSpec) -> bytes:
         """The body for ``b``: with a live cache reference when there is one."""
+        parsed = spec.parsed
         entry = self._entry_for(b)
         if entry is None:
             self._used.pop(b.name, None)
-            return self._native_plain if self._native_plain is not None else raw
+            return self._native_plain if self._native_plain is not None else spec.body
         self._used[b.name] = entry
         assert entry.name is not None
         if self.native:
@@ -141,7 +149,7 @@ class GeminiChat:
 
     def _entry_for(self, b: Backend) -> CacheEntry | None:
         cache = self.service.cache
-        if b.type != "gemini" or cache is None:
+        if cache is None:
             return None
         first = b.name not in self._planned
         self._planned.add(b.name)
@@ -169,8 +177,6 @@ class GeminiChat:
 
     def transform(self, b: Backend, status: int, data: bytes) -> bytes:
         """A whole answer from ``b`` as the client should see it."""
-        if b.type != "gemini":
-            return data
         if self.native:
             if status != 200:
                 if self.anthropic:
@@ -206,9 +212,7 @@ class GeminiChat:
         self._account(b, usage)
         return orjson.dumps(doc) if entry is not None else data
 
-    def stream_chunks(self, b: Backend, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        if b.type != "gemini":
-            return chunks
+    def stream(self, b: Backend, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         if self.native:
             return self._native_stream(b, chunks)
         return self._compat_stream(b, chunks)

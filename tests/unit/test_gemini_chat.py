@@ -9,15 +9,26 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from router.config import BackendConfig, GeminiContextCacheConfig
+from router.config import BackendConfig, GeminiContextCacheConfig, RouterConfig
+from router.dialects import ChatCompletions
+from router.dialects.base import openai_errors
+from router.forward_spec import ForwardSpec
 from router.gemini.chat import GeminiService
 from router.gemini.entries import CacheEntry
 from router.gemini.usage import UsageRecord
 from router.pool import Backend
+from router.selection import SelectionContext
 
 MODEL = "gemini-2.5-flash"
 GEM = Backend(BackendConfig(name="g", url="http://g", type="gemini", models=[MODEL]), 0)
 VLLM = Backend(BackendConfig(name="v", url="http://v", type="vllm", models=[MODEL]), 1)
+BASE = ChatCompletions(
+    config=RouterConfig,
+    pool=None,  # type: ignore[arg-type]
+    forwarder=None,  # type: ignore[arg-type]
+    observe=lambda *a: None,
+)
+"""The chat dialect, the adapter's base on the OpenAI-compatible path (only path/headers)."""
 
 
 def service(records: list[UsageRecord], **cfg: Any) -> GeminiService:
@@ -45,25 +56,42 @@ async def _collect(it: AsyncIterator[bytes]) -> bytes:
     return b"".join([c async for c in it])
 
 
-def test_other_backends_pass_through() -> None:
+def spec_of(parsed: dict[str, Any], raw: bytes = b"raw", gemini: Any = None) -> ForwardSpec:
+    return ForwardSpec(
+        endpoint="chat",
+        body=raw,
+        parsed=parsed,
+        stream=False,
+        ctx=SelectionContext(MODEL),
+        forwarded={},
+        format=BASE,
+        error=openai_errors,
+        gemini=gemini,
+    )
+
+
+def test_other_backends_keep_the_dialect_format() -> None:
+    """The forwarder uses the adapter for gemini backends only; others pass through."""
     for native in (False, True):
-        chat = service([], prefer_native_api=native).chat(body(), MODEL, False)
-        assert chat.path(VLLM, lambda b: "/v1/chat/completions") == "/v1/chat/completions"
-        base = {"authorization": "Bearer x"}
-        assert chat.headers(VLLM, base) is base
-        assert chat.transform(VLLM, 200, b"{not json") == b"{not json"
-        assert not chat.retry(VLLM, 404, b"")
+        chat = service([], prefer_native_api=native).chat(body(), MODEL, False, BASE)
+        spec = spec_of(body(), gemini=chat)
+        assert spec.format_for(GEM) is chat
+        fmt = spec.format_for(VLLM)
+        assert fmt is BASE
+        assert fmt.path(VLLM) == "/v1/chat/completions"
+        assert fmt.headers(VLLM, {"x-trace": "1"})["x-trace"] == "1"
+        assert fmt.body(VLLM, spec) == b"raw"
+        assert fmt.transform(VLLM, 200, b"{not json") == b"{not json"
+        assert not fmt.retry(VLLM, 404, b"")
         it = _chunks([b"x"])
-        assert chat.stream_chunks(VLLM, it) is it
+        assert fmt.stream(VLLM, it) is it
 
 
 def test_gemini_paths_and_headers() -> None:
-    compat = service([]).chat(body(), MODEL, True)
-    assert compat.path(GEM, lambda b: "/unused") == "/v1beta/openai/chat/completions"
-    native = service([], prefer_native_api=True).chat(body(), "models/" + MODEL, True)
-    assert native.path(GEM, lambda b: "/unused") == (
-        f"/v1beta/models/{MODEL}:streamGenerateContent?alt=sse"
-    )
+    compat = service([]).chat(body(), MODEL, True, BASE)
+    assert compat.path(GEM) == "/v1beta/openai/chat/completions"
+    native = service([], prefer_native_api=True).chat(body(), "models/" + MODEL, True, BASE)
+    assert native.path(GEM) == (f"/v1beta/models/{MODEL}:streamGenerateContent?alt=sse")
     h = native.headers(GEM, {"authorization": "Bearer k", "x-trace": "1"})
     assert "authorization" not in h and h["x-trace"] == "1"
 
@@ -76,7 +104,7 @@ def _hit(chat: Any) -> CacheEntry:
 
 def test_compat_body_fills_cached_tokens_and_records_usage() -> None:
     records: list[UsageRecord] = []
-    chat = service(records).chat(body(), MODEL, False)
+    chat = service(records).chat(body(), MODEL, False, BASE)
     _hit(chat)
     answer = {"choices": [], "usage": {"prompt_tokens": 510, "completion_tokens": 3}}
     out = orjson.loads(chat.transform(GEM, 200, orjson.dumps(answer)))
@@ -107,9 +135,9 @@ async def test_compat_stream_patch_independent_of_chunking(cuts: list[int]) -> N
         pos += c
     parts.append(data[pos:])
     records: list[UsageRecord] = []
-    chat = service(records).chat(body(stream=True), MODEL, True)
+    chat = service(records).chat(body(stream=True), MODEL, True, BASE)
     _hit(chat)
-    out = await _collect(chat.stream_chunks(GEM, _chunks([p for p in parts if p])))
+    out = await _collect(chat.stream(GEM, _chunks([p for p in parts if p])))
     blocks = [b for b in out.split(b"\n\n") if b]
     assert blocks[-1] == b"data: [DONE]"
     usage = orjson.loads(blocks[-2][6:])["usage"]
@@ -119,27 +147,27 @@ async def test_compat_stream_patch_independent_of_chunking(cuts: list[int]) -> N
 
 
 async def test_compat_stream_without_boundaries_is_bounded() -> None:
-    chat = service([]).chat(body(stream=True), MODEL, True)
+    chat = service([]).chat(body(stream=True), MODEL, True, BASE)
     blob = b"x" * ((1 << 20) + 10)
-    out = [c async for c in chat.stream_chunks(GEM, _chunks([blob, b"tail"]))]
+    out = [c async for c in chat.stream(GEM, _chunks([blob, b"tail"]))]
     assert out[0] == blob and b"".join(out) == blob + b"tail"
 
 
 def test_cache_reference_rewrite() -> None:
-    chat = service([]).chat(body(extra_body={"google": {"x": 1}}), MODEL, False)
+    chat = service([]).chat(body(extra_body={"google": {"x": 1}}), MODEL, False, BASE)
     # No entry yet: the original bytes (the create runs in the background, not here).
     chat._entry_for = lambda b: _hit(chat)  # type: ignore[method-assign]
-    out = orjson.loads(chat.rewrite(GEM, body(extra_body={"google": {"x": 1}}), b"raw"))
+    out = orjson.loads(chat.body(GEM, spec_of(body(extra_body={"google": {"x": 1}}))))
     assert out["messages"] == [{"role": "user", "content": "hi"}]
     assert out["extra_body"] == {"google": {"x": 1, "cached_content": "cachedContents/abc"}}
-    native = service([], prefer_native_api=True).chat(body(), MODEL, False)
+    native = service([], prefer_native_api=True).chat(body(), MODEL, False, BASE)
     native._entry_for = lambda b: _hit(native)  # type: ignore[method-assign]
-    doc = orjson.loads(native.rewrite(GEM, body(), b"raw"))
+    doc = orjson.loads(native.body(GEM, spec_of(body())))
     assert doc["cachedContent"] == "cachedContents/abc" and "systemInstruction" not in doc
 
 
 def test_stale_reference_retries_once() -> None:
-    chat = service([]).chat(body(), MODEL, False)
+    chat = service([]).chat(body(), MODEL, False, BASE)
     assert chat.service.cache is not None
     _hit(chat)
     assert not chat.retry(GEM, 400, b'{"error": {"message": "bad"}}')  # not about the cache

@@ -503,12 +503,10 @@ async def test_expired_body_drops_the_vector(embed_server: EmbedServer, client: 
     assert r.result == "miss" and len(svc.semantic.index) == 0
 
 
-async def test_invalidate_clear_all_empties_the_index(
-    embed_server: EmbedServer, client: Any
-) -> None:
+async def test_clear_all_empties_the_index(embed_server: EmbedServer, client: Any) -> None:
     svc, _ = make_service(embed_server.url, client)
     await prime(svc, "What is the capital of France?")
-    assert await svc.invalidate({"clear_all": True}) is not None
+    assert await svc.clear() == 1
     assert svc.semantic is not None and len(svc.semantic.index) == 0
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 
-from router.anthropic_cache import has_cache_control, inject_cache_control, should_inject
+from router.dialects.cache_control import has_cache_control, inject_cache_control, should_inject
 
 EPH = {"type": "ephemeral"}
 

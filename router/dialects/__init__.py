@@ -1,0 +1,19 @@
+"""The client APIs the router speaks, one module each.
+
+* ``openai_chat``: ``POST /v1/chat/completions`` (response cache, prefix key, session
+  affinity, the cache-salt step of :mod:`.cache_salt`);
+* ``anthropic_messages``: ``POST /anthropic/v1/messages`` (the prompt-caching marker of
+  :mod:`.cache_control`; gemini backends through the Gemini adapter);
+* ``embeddings``: ``POST /v1/embeddings``.
+
+Each validates its requests, prepares a :class:`~router.forwarder.ForwardSpec`, and is the
+:class:`~router.forwarder.UpstreamFormat` for the backends that speak its API; ``base``
+holds what they share.
+"""
+
+from .anthropic_messages import AnthropicMessages
+from .cache_salt import CacheSalter
+from .embeddings import Embeddings
+from .openai_chat import ChatCompletions
+
+__all__ = ["AnthropicMessages", "CacheSalter", "ChatCompletions", "Embeddings"]

@@ -1,0 +1,94 @@
+"""What a dialect hands the forwarder: the request as data, and how it goes upstream.
+
+:class:`ForwardSpec` is plain data about one client request. :class:`UpstreamFormat` is
+how that request goes to one backend and how the backend's answer comes back: a dialect
+(``router.dialects``) is the format for the backends that speak its API, the Gemini
+adapter (``router.gemini.chat``) for ``type: gemini`` backends. The
+:class:`~router.forwarder.Forwarder` picks one per attempt with
+:meth:`ForwardSpec.format_for`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .http.types import Response
+from .pool import Backend, Endpoint
+from .selection import SelectionContext
+
+__all__ = ["CacheWrite", "ErrorFactory", "ForwardSpec", "UpstreamFormat"]
+
+ErrorFactory = Callable[[int, str, str | None], Response]
+"""``(status, message, code)`` -> an error response in the client's API shape."""
+
+
+class UpstreamFormat(Protocol):
+    """How one request goes to one backend, and how that backend's answer comes back.
+
+    A dialect implements it for the backends that speak the client's API; the Gemini
+    adapter for ``type: gemini`` backends. Every method gets the chosen backend.
+    """
+
+    def path(self, backend: Backend) -> str:
+        """The path appended to the backend's URL."""
+        ...
+
+    def headers(self, backend: Backend, forwarded: Mapping[str, str]) -> dict[str, str]:
+        """Request headers: the client's end-to-end ``forwarded`` ones plus the backend's."""
+        ...
+
+    def body(self, backend: Backend, spec: ForwardSpec) -> bytes:
+        """The request body for this backend (a retry on another backend starts clean)."""
+        ...
+
+    def retry(self, backend: Backend, status: int, data: bytes) -> bool:
+        """Whether a non-200 whole answer asks for the request to be sent again (once)."""
+        ...
+
+    def transform(self, backend: Backend, status: int, data: bytes) -> bytes:
+        """A whole answer body as the client should see it."""
+        ...
+
+    def stream(self, backend: Backend, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """A 200 stream's bytes as the client should see them."""
+        ...
+
+
+class CacheWrite(Protocol):
+    """The response cache's write-back of one request (``ResponseCacheService.writer_for``)."""
+
+    def __call__(self, data: bytes, stream: bool) -> None: ...
+
+
+@dataclass(slots=True)
+class ForwardSpec:
+    """Everything the forwarder needs about one request, prepared by its dialect."""
+
+    endpoint: Endpoint
+    """Metric label and candidate class: chat, anthropic, embeddings."""
+    body: bytes
+    """The body as the client sent it."""
+    parsed: dict[str, Any]
+    """``body`` parsed; never mutated (formats copy before rewriting)."""
+    stream: bool
+    ctx: SelectionContext
+    forwarded: Mapping[str, str]
+    """The client's end-to-end headers (hop-by-hop and credentials already dropped)."""
+    format: UpstreamFormat
+    """The dialect: how the request goes to a backend that speaks the client's API."""
+    error: ErrorFactory
+    """Errors in the client's API shape."""
+    gemini: UpstreamFormat | None = None
+    """The Gemini adapter of this request, used instead of ``format`` for gemini backends."""
+    store: CacheWrite | None = None
+    """Response cache write-back: called with a complete 200 body (``stream`` flag) that
+    fits ``store_limit``; never for errors, aborted or oversized streams."""
+    store_limit: int = 0
+    """Largest body (non-streaming) or stream (streaming) that may be stored."""
+
+    def format_for(self, backend: Backend) -> UpstreamFormat:
+        if self.gemini is not None and backend.type == "gemini":
+            return self.gemini
+        return self.format
