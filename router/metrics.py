@@ -10,7 +10,7 @@ collector instead of being updated per request.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import (
     CollectorRegistry,
@@ -23,8 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from .pool import BackendPool
+from .pool import BackendPool
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 

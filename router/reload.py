@@ -13,8 +13,8 @@ import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Protocol
 
-from .app import Router
 from .config import ConfigError, RouterConfig, load_config, log_warnings, restart_only_changes
 from .config.loader import keep_restart_only
 
@@ -23,11 +23,19 @@ __all__ = ["ConfigReloader"]
 log = logging.getLogger("continuum.reload")
 
 
+class Reloadable(Protocol):
+    """What a reload changes: the running config and whatever applies it (the router)."""
+
+    config: RouterConfig
+
+    def apply_config(self, config: RouterConfig) -> None: ...
+
+
 class ConfigReloader:
     def __init__(
         self,
         path: str | Path,
-        router: Router,
+        router: Reloadable,
         poll_interval_s: float = 1.0,
         *,
         on_apply: Sequence[Callable[[RouterConfig], None]] = (),

@@ -47,13 +47,11 @@ from ..config.models import (
     parse_duration,
 )
 from ..openai_api import bearer_headers, embeddings_path
-from ..upstream import UpstreamError
+from ..pool import BackendPool
+from ..upstream import UpstreamClient, UpstreamError
 
 if TYPE_CHECKING:
-    import numpy as np
-
-    from ..pool import BackendPool
-    from ..upstream import UpstreamClient
+    import numpy as np  # imported when the first vector is made: numpy costs at start-up
 
 __all__ = [
     "KEY_PREFIX",

@@ -29,12 +29,14 @@ import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import orjson
 
 from bus.prefix_key import anchor_text, compute_prefix_key
 
+from ..config import GeminiContextCacheConfig
+from ..pool import Backend
 from ..upstream import UpstreamClient, UpstreamError
 from .api import (
     CACHED_CONTENTS_PATH,
@@ -46,10 +48,6 @@ from .api import (
     ttl_string,
 )
 from .entries import CacheEntry, CacheKey, ContextCacheMap
-
-if TYPE_CHECKING:
-    from ..config import GeminiContextCacheConfig
-    from ..pool import Backend
 
 __all__ = [
     "Counters",

@@ -9,10 +9,11 @@ registered by Tier 4; Tier 1 runs without one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from ..config import RouterConfig
 from ..hll import HyperLogLog
+from ..pool import Backend, BackendPool
 from .ring import HashRing
 from .strategies import (
     STRATEGY_CLASSES,
@@ -21,9 +22,6 @@ from .strategies import (
     SelectionContext,
     Strategy,
 )
-
-if TYPE_CHECKING:
-    from ..pool import Backend, BackendPool
 
 __all__ = ["BackendScorer", "RoutingCounts", "Selector"]
 

@@ -11,12 +11,10 @@ import hashlib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
+from ..pool import Backend
 from .ring import HashRing, key_position
-
-if TYPE_CHECKING:
-    from ..pool import Backend
 
 __all__ = [
     "STRATEGY_CLASSES",
