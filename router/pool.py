@@ -273,7 +273,7 @@ class BackendPool:
                 "GET",
                 b.url + path,
                 headers,
-                client_timeout=self._client.probe_timeout(self.health.timeout_ms / 1000),
+                client_timeout=self.health.timeout_ms / 1000,
             )
             body = await resp.read()
             ok = 200 <= resp.status < 300

@@ -137,7 +137,8 @@ class UpstreamClient:
     ) -> UpstreamResponse:
         """Send a request and return once the status line and headers arrived.
 
-        ``client_timeout`` (from :meth:`probe_timeout`) is a total deadline in seconds.
+        ``client_timeout`` is a total deadline in seconds (connect + head + body: health
+        probes); without it the client's connect and read timeouts apply.
         """
         client = self._client
         if client is None:  # closed at shutdown, after the grace for requests in flight
@@ -153,7 +154,3 @@ class UpstreamClient:
         except HttpError as exc:
             raise UpstreamProtocolError(backend, f"request failed: {exc}") from None
         return UpstreamResponse(backend, resp)
-
-    def probe_timeout(self, seconds: float) -> float:
-        """A total timeout (connect + head + body) for health probes, for ``request``."""
-        return seconds

@@ -234,9 +234,7 @@ async def test_chunked_sse_stream(client: UpstreamClient, sim_url: str) -> None:
 @both_loops
 async def test_get_probe_with_total_timeout(client: UpstreamClient, sim_url: str) -> None:
     """What the health checker does: a GET (never HEAD) under a total probe timeout."""
-    up = await client.request(
-        "sim", "GET", sim_url + "/v1/models", {}, client_timeout=client.probe_timeout(2.0)
-    )
+    up = await client.request("sim", "GET", sim_url + "/v1/models", {}, client_timeout=2.0)
     assert up.status == 200
     ids = [m["id"] for m in orjson.loads(await up.read())["data"]]
     assert MODEL in ids
@@ -568,9 +566,7 @@ async def test_probe_total_timeout_bounds_a_trickling_body(client: UpstreamClien
     async with RawServer(handler) as srv:
         t0 = time.monotonic()
         with pytest.raises(UpstreamTimeout):
-            up = await client.request(
-                "raw", "GET", srv.url + "/health", {}, client_timeout=client.probe_timeout(0.3)
-            )
+            up = await client.request("raw", "GET", srv.url + "/health", {}, client_timeout=0.3)
             await up.read()
         assert time.monotonic() - t0 < 1.0
 
