@@ -56,10 +56,9 @@ class UpstreamFormat(Protocol):
         ...
 
 
-class CacheWrite(Protocol):
-    """The response cache's write-back of one request (``ResponseCacheService.writer_for``)."""
-
-    def __call__(self, data: bytes, stream: bool) -> None: ...
+CacheWrite = Callable[[bytes, bool], None]
+"""The response cache's write-back of one request (``ResponseCacheService.writer_for``):
+``(complete 200 body, stream)``."""
 
 
 @dataclass(slots=True)

@@ -454,7 +454,8 @@ class SemanticCache:
         """One embeddings call to the configured backend; None on any failure."""
         b = self.pool.get(sem.backend or "")
         if b is None or not b.config.enabled or not b.healthy or b.type not in _EMBEDDING_TYPES:
-            return self._failed(f"backend {sem.backend!r} is not available for embeddings")
+            self._failed(f"backend {sem.backend!r} is not available for embeddings")
+            return None
         path = embeddings_path(b)
         headers = bearer_headers(b)
         payload = orjson.dumps({"model": sem.embedding_model, "input": text})
@@ -466,25 +467,27 @@ class SemanticCache:
                 )
                 data = await resp.read()
         except UpstreamError as exc:
-            return self._failed(f"embeddings call to {b.name} failed: {exc.detail}")
+            self._failed(f"embeddings call to {b.name} failed: {exc.detail}")
+            return None
         except TimeoutError:
-            return self._failed(
-                f"embeddings call to {b.name} timed out ({sem.embedding_timeout_ms} ms)"
-            )
+            self._failed(f"embeddings call to {b.name} timed out ({sem.embedding_timeout_ms} ms)")
+            return None
         if resp.status != 200:
-            return self._failed(f"embeddings call to {b.name} answered {resp.status}")
+            self._failed(f"embeddings call to {b.name} answered {resp.status}")
+            return None
         vector = _unit_vector(data)
         if vector is None:
-            return self._failed(f"embeddings response of {b.name} has no usable vector")
+            self._failed(f"embeddings response of {b.name} has no usable vector")
+            return None
         return vector
 
     def _failed(self, why: str) -> None:
+        """Counts and (rate-limited) logs a failed embedding; the caller answers None."""
         self.embedding_errors += 1
         now = time.monotonic()
         if now - self._last_error_log >= 10.0:  # one line per 10 s, not one per request
             self._last_error_log = now
             log.warning("semantic cache: %s; treated as a miss", why)
-        return None
 
     async def save(self, pending: SemanticLookup, data: bytes, ttl_seconds: int) -> None:
         """Store an answer under its ``sem:`` key, then index its vector."""

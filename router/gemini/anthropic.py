@@ -277,7 +277,7 @@ class AnthropicStream:
         self._started = True
         usage = _usage(self._meta)
         usage["output_tokens"] = 0
-        message = {
+        message: dict[str, Any] = {
             "id": self.id,
             "type": "message",
             "role": "assistant",

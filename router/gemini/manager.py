@@ -179,7 +179,7 @@ class GeminiContextCache:
         self._clock = clock
         self._wall = wall
         self._backends: dict[str, Backend] = {}
-        self._creating: dict[CacheKey, asyncio.Task[None]] = {}
+        self._creating: dict[CacheKey, asyncio.Task[object]] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self._generation = 0
         """Bumped by ``clear``: a create that started before must not refill the map."""
@@ -237,7 +237,7 @@ class GeminiContextCache:
 
     # -- background work -------------------------------------------------------------
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> asyncio.Task[object]:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

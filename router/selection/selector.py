@@ -76,12 +76,10 @@ class Selector:
         current = getattr(self, "strategy", None)
         if name == "PrefixAwareHash":
             self.strategy = PrefixAwareHash(
-                self._ring,
-                config.prefix_routing.load_factor_epsilon,
-                self._record,  # type: ignore[arg-type]
+                self.ring, config.prefix_routing.load_factor_epsilon, self._record
             )
         elif name == "ConsistentHash":
-            self.strategy = ConsistentHash(self._ring)  # type: ignore[arg-type]
+            self.strategy = ConsistentHash(self.ring)
         elif current is None or current.name != name:
             self.strategy = cls()  # type: ignore[call-arg]
 
