@@ -308,7 +308,7 @@ def paced_role(args: argparse.Namespace) -> int:
     """Salted engine events at a fixed rate; ``warm`` = one event, ``go`` = the paced run,
     which prints the monotonic send time of each batch."""
     from bench.ingest_bench import salted_hub
-    from bench.sim.kv_events import CapturePublisher
+    from harness.sim.kv_events import CapturePublisher
 
     async def main() -> None:
         hub, pub = salted_hub(args.endpoint, "vllm-0.33", 100_000, (SALT_SECRET, BACKEND, 0))

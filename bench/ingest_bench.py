@@ -3,9 +3,9 @@
 Real processes on this machine, 8 block events per batch (one block per event, chains of 64
 blocks, ``POST /sim/burst``'s defaults), every burst as fast as the publisher can send it:
 
-* **publisher**: ``python -m bench.sim --kv-events tcp://*:P`` (``/sim/burst``), or for the
+* **publisher**: ``python -m harness.sim --kv-events tcp://*:P`` (``/sim/burst``), or for the
   ``salted`` variants this module's publisher role, which runs the *same* burst code
-  (``bench.sim.kv_events.KvEventHub.burst``, the sim's encoder, tokenizer and ZMQ PUB) with
+  (``harness.sim.kv_events.KvEventHub.burst``, the sim's encoder, tokenizer and ZMQ PUB) with
   one change: the first block of every chain carries a router-issued cache salt
   (``bus.salt.encode_salt``) as vLLM shows it, ``extra_keys[0] == [salt]``;
 * **baseline** (the ceiling): a bare pyzmq SUB + ``msgpack.unpackb`` loop in its own
@@ -83,10 +83,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.procs import free_port
+from harness.procs import BlockingChild, free_port
 
 from ._table import fmt_float, median, paired_ratio, render_table, verdict
-from .procs import BlockingChild
 
 TARGET_RATIO = 0.40
 BACKEND = "sim"
@@ -184,7 +183,7 @@ class Publisher:
         endpoint = f"tcp://*:{self.zmq_port}"
         if kind == "sim":
             cmd = _py(
-                "-m", "bench.sim", "--port", "0", "--die-with-parent",
+                "-m", "harness.sim", "--port", "0", "--die-with-parent",
                 "--kv-events", endpoint, "--kv-events-format", fmt,
                 "--kv-events-hwm", str(hwm), "--model", MODEL,
             )  # fmt: skip
@@ -277,9 +276,9 @@ def salted_hub(
     """The simulator's KV event hub publishing on a ZMQ PUB at ``endpoint``: (hub, pub).
     ``salt`` = (secret, backend, prefixes) puts a router-issued salt on every chain's
     first block (``_SaltingEncoder``); None publishes unsalted."""
-    from bench.sim.kv_events import KvEventHub, ZmqPublisher
-    from bench.sim.kv_wire import get_format
-    from bench.sim.tokenizer import SimpleTokenizer
+    from harness.sim.kv_events import KvEventHub, ZmqPublisher
+    from harness.sim.kv_wire import get_format
+    from harness.sim.tokenizer import SimpleTokenizer
 
     pub = ZmqPublisher(endpoint, hwm=hwm)
     hub = KvEventHub(

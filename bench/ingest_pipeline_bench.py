@@ -46,9 +46,9 @@ FORMATS = {"M": "vllm-0.33", "A": "vllm-0.23.0"}
 
 def make_frames(fmt: str, batches: int, prefixes: int) -> list[bytes]:
     """The salted burst of ``ingest_bench`` (8 events per batch, chains of 64 blocks)."""
-    from bench.sim.kv_events import CapturePublisher, KvEventHub
-    from bench.sim.kv_wire import get_format
-    from bench.sim.tokenizer import SimpleTokenizer
+    from harness.sim.kv_events import CapturePublisher, KvEventHub
+    from harness.sim.kv_wire import get_format
+    from harness.sim.tokenizer import SimpleTokenizer
 
     cap = CapturePublisher()
     hub = KvEventHub(

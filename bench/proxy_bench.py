@@ -1,6 +1,6 @@
 """Proxy benchmark: throughput, latency and router CPU per request under ``wrk`` load.
 
-Everything runs as real processes on this machine: ``bench.sim --trivial`` engines (a fixed
+Everything runs as real processes on this machine: ``harness.sim --trivial`` engines (a fixed
 small answer, ~35k req/s direct), the router (``python -m router serve``) and ``wrk``.
 For each concurrency and for non-streaming and streaming chat completions it measures:
 
@@ -40,11 +40,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.procs import free_port
+from harness.procs import ChildProcess, free_port, launch, python_module
+from harness.sim.fleet import SimFleet
 
 from ._table import fmt_float, median, render_table, verdict
-from .procs import ChildProcess, launch, python_module
-from .sim.fleet import SimFleet
 
 MODEL = "bench-model"
 CHAT_PATH = "/v1/chat/completions"
@@ -464,7 +463,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                             log = t.child.tail() if t.child else ""
                             print(f"warning: {t.label} did not start ({exc}); skipping\n{log}")
             print(
-                f"engines: {args.backends} x bench.sim --trivial; targets: "
+                f"engines: {args.backends} x harness.sim --trivial; targets: "
                 + ", ".join(t.label for t in targets),
                 flush=True,
             )

@@ -30,7 +30,6 @@ import grpc
 import orjson
 import pytest
 
-from bench.procs import DISCARD, ChildProcess, Service, launch, python_module
 from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
 from bus._gen.continuum.bus.v1 import bus_pb2_grpc as bpb_grpc
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as kpb
@@ -38,6 +37,7 @@ from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as kpb_grpc
 from bus.events import KvEvent
 from bus.sse import SseParser
 from certs import CertPair, dev_bundle, make_client_cert
+from harness.procs import DISCARD, ChildProcess, Service, launch, python_module
 
 from .conftest import wait_until
 
