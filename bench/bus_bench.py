@@ -370,18 +370,17 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> None:
     _, mid, lo, hi = ab_ratio(push)
     rate = median(push["A"]["rate"])
     ok = None if hi != hi else hi >= 1.0
-    targets = [
-        ["push >= pull (95% CI of push/pull reaches 1)", f"{mid:.3f} ({_interval(lo, hi)})", ok],
-        [f"push >= {TARGET_RATE:,} events/s end to end", f"{rate:,.0f}", rate >= TARGET_RATE],
+    targets: list[tuple[str, str, bool | None]] = [
+        ("push >= pull (95% CI of push/pull reaches 1)", f"{mid:.3f} ({_interval(lo, hi)})", ok),
+        (f"push >= {TARGET_RATE:,} events/s end to end", f"{rate:,.0f}", rate >= TARGET_RATE),
     ]
     if "push" in lag:
         p99 = lag["push"]["p99_ms"]
         targets.append(
-            [f"push lag p99 < {TARGET_LAG_P99_MS:g} ms", f"{p99:.1f} ms", p99 < TARGET_LAG_P99_MS]
+            (f"push lag p99 < {TARGET_LAG_P99_MS:g} ms", f"{p99:.1f} ms", p99 < TARGET_LAG_P99_MS)
         )
-    targets = [[*row[:2], verdict(row[2])] for row in targets]
     print("\ntargets:\n")
-    print(render_table(["target", "figure", ""], targets))
+    print(render_table(["target", "figure", ""], [(t, f, verdict(v)) for t, f, v in targets]))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -116,7 +116,7 @@ def salted_hub(publisher: Any, fmt: str, salt: tuple[bytes, str, int] | None) ->
     )
     if salt is not None:
         secret, backend, prefixes = salt
-        hub.encoder = SaltingEncoder(hub.encoder, secret, backend, prefixes, 1)
+        hub.encoder = SaltingEncoder(hub.encoder, secret, backend, prefixes, 1)  # type: ignore[assignment]
     return hub
 
 
