@@ -46,7 +46,7 @@ from .sim.kv_events import CapturePublisher, KvEventHub, ZmqPublisher
 from .sim.kv_wire import get_format
 from .sim.tokenizer import SimpleTokenizer
 
-__all__ = ["DEFAULT_SALT_SECRET", "SALT_ENV", "SaltingEncoder", "main", "salted_hub"]
+__all__ = ["DEFAULT_SALT_SECRET", "SALT_ENV", "SaltingEncoder", "main", "salted_hub", "send_paced"]
 
 SALT_ENV = "CONTINUUM_BENCH_SALT_SECRET"
 DEFAULT_SALT_SECRET = b"ingest-bench-salt-secret-0123456789"
@@ -120,7 +120,9 @@ def salted_hub(publisher: Any, fmt: str, salt: tuple[bytes, str, int] | None) ->
     return hub
 
 
-async def _paced(hub: KvEventHub, pub: ZmqPublisher, rate: float, seconds: float, per: int) -> Any:
+async def send_paced(
+    hub: KvEventHub, pub: ZmqPublisher, rate: float, seconds: float, per: int
+) -> Any:
     """Encode every batch first (the burst code, into a list), then send them on a fixed
     schedule through the real PUB socket, so encoding does not delay a send."""
     capture = CapturePublisher()
@@ -155,7 +157,7 @@ async def _serve(args: argparse.Namespace) -> None:
             if cmd == "burst":
                 res = await hub.burst(int(vals[0]), int(vals[1]))
             elif cmd == "paced":
-                res = await _paced(hub, pub, float(vals[0]), float(vals[1]), int(vals[2]))
+                res = await send_paced(hub, pub, float(vals[0]), float(vals[1]), int(vals[2]))
             else:
                 res = {"error": f"unknown command {line.strip()!r}"}
             print(json.dumps(res), flush=True)
