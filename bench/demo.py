@@ -41,10 +41,10 @@ import aiohttp
 import yaml
 
 from bench._plot import bar_chart_svg
-from bench.procs import Service, free_port
-from bench.sim.fleet import SimFleet
 from bus.events import KvEvent
 from bus.sse import SseParser
+from harness.procs import Service, free_port
+from harness.sim.fleet import SimFleet
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "deploy" / "demo.yaml"
@@ -539,7 +539,7 @@ async def gemini_cache_demo(tmp: Path, concurrency: int) -> None:
     """
     import orjson
 
-    from bench.gemini_sim import GeminiSim
+    from harness.gemini_sim import GeminiSim
 
     prompts = [
         f"You are the {topic} desk of a large company. " + f"Policy clause on {topic}. " * 1200

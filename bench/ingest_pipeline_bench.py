@@ -34,7 +34,9 @@ from typing import Any
 import msgpack
 
 from bench._table import render_table
-from bench.ingest_bench import SALT_SECRET, _SaltingEncoder
+from harness.publisher import DEFAULT_SALT_SECRET as SALT_SECRET
+from harness.publisher import salted_hub
+from harness.sim.kv_events import CapturePublisher
 from listener.chains import ChainTracker
 from listener.decode import decode_batch
 from listener.recovery import Attributor
@@ -46,18 +48,8 @@ FORMATS = {"M": "vllm-0.33", "A": "vllm-0.23.0"}
 
 def make_frames(fmt: str, batches: int, prefixes: int) -> list[bytes]:
     """The salted burst of ``ingest_bench`` (8 events per batch, chains of 64 blocks)."""
-    from bench.sim.kv_events import CapturePublisher, KvEventHub
-    from bench.sim.kv_wire import get_format
-    from bench.sim.tokenizer import SimpleTokenizer
-
     cap = CapturePublisher()
-    hub = KvEventHub(
-        block_size=16,
-        fmt=get_format(fmt),
-        publisher=cap,  # type: ignore[arg-type]
-        sample_ids=SimpleTokenizer().sample_ids,
-    )
-    hub.encoder = _SaltingEncoder(hub.encoder, SALT_SECRET, "sim", prefixes, 1)
+    hub = salted_hub(cap, fmt, (SALT_SECRET, "sim", prefixes))
     asyncio.run(hub.burst(batches, 8))
     # As the listener does at start (listener.cli): what exists now is out of the cyclic
     # GC's reach, so the generator's objects do not weigh on the stages measured.

@@ -10,17 +10,17 @@ tracked blocks (``max_tracked_blocks``, default 100,000): the per-block metadata
 
 For each scenario a fresh ``continuum-kv-listener`` (config in a temp file, source
 ``engine: vllm``, ``zmq_mode: connect``) receives burst chains (1 block of 16 tokens per
-event, 8 events per batch, chains of 64 blocks) from a publisher process (see
-``bench.ingest_bench``), with no SSE subscriber:
+event, 8 events per batch, chains of 64 blocks) from ``python -m harness.publisher`` (the
+engine simulator's burst code), with no SSE subscriber:
 
-* ``pending, tokens kept``: the sim's own burst, ``detokenize_endpoint`` at a port nobody
+* ``pending, tokens kept``: the unsalted burst, ``detokenize_endpoint`` at a port nobody
   listens on. No chain can be attributed (every /detokenize fails and is retried with
   backoff), so every block stays pending and keeps its 16 token IDs: the worst case for
   retained tokens at the default limits.
 * ``pending, max_retained_tokens 1M``: the same with ``max_retained_tokens: 1000000``:
   the token bound binds, the oldest holders lose their text (they become unattributed).
-* ``keyed (salted chains)``: router-salted chains (``bench.ingest_bench``'s salted
-  publisher, one prefix per chain): every block keyed at once, no tokens kept; one
+* ``keyed (salted chains)``: router-salted chains (the publisher's ``--salted``, one
+  prefix per chain): every block keyed at once, no tokens kept; one
   ``cache_created`` per event goes into the hub's history ring (10,000 records).
 
 Measured: VmRSS (``/proc/<pid>/status``) of the listener right after start (empty: the
@@ -39,23 +39,23 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._table import fmt_float, median, render_table, verdict
-from .ingest_bench import (
+from ._kvstack import (
     BACKEND,
     Listener,
     Publisher,
     free_port,
-    listener_yaml,
+    listener_config,
     rss_bytes,
     warm_up,
+    workdir,
 )
+from ._table import fmt_float, median, render_table, verdict
 
 EVENTS_PER_BATCH = 8
 MAX_TRACKED = 100_000
@@ -68,7 +68,7 @@ MiB = 2**20
 class Scenario:
     key: str
     label: str
-    publisher: str  # "sim" (unsalted, pending) | "salted" (keyed)
+    salted: bool  # False: unattributable chains stay pending; True: keyed at once
     max_retained_tokens: int = DEFAULT_RETAINED
 
     @property
@@ -79,11 +79,11 @@ class Scenario:
 SCENARIOS: dict[str, Scenario] = {
     s.key: s
     for s in (
-        Scenario("pending", "pending, tokens kept", "sim"),
+        Scenario("pending", "pending, tokens kept", False),
         Scenario(
-            "pending-1M", "pending, max_retained_tokens 1M", "sim", max_retained_tokens=1_000_000
+            "pending-1M", "pending, max_retained_tokens 1M", False, max_retained_tokens=1_000_000
         ),
-        Scenario("keyed", "keyed (salted chains)", "salted"),
+        Scenario("keyed", "keyed (salted chains)", True),
     )
 }
 
@@ -122,7 +122,7 @@ def _settle_rss(pid: int, seconds: float = 1.0) -> int:
 
 
 def run_scenario(s: Scenario, args: argparse.Namespace, workdir: Path, tag: str) -> dict[str, Any]:
-    pub = Publisher(s.publisher, "vllm-0.33", workdir, args.hwm, tag)
+    pub = Publisher(workdir, tag, salted=s.salted, hwm=args.hwm)
     lst: Listener | None = None
     try:
         extra = {
@@ -130,8 +130,8 @@ def run_scenario(s: Scenario, args: argparse.Namespace, workdir: Path, tag: str)
             "max_chain_tokens": MAX_CHAIN_TOKENS,
             "max_retained_tokens": s.max_retained_tokens,
         }
-        dead = f"http://127.0.0.1:{free_port()}/detokenize" if s.publisher == "sim" else None
-        cfg = listener_yaml(pub.connect_endpoint, detokenize_url=dead, extra_source=extra)
+        dead = None if s.salted else f"http://127.0.0.1:{free_port()}/detokenize"
+        cfg = listener_config(pub.connect_endpoint, detokenize_url=dead, source=extra)
         lst = Listener(cfg, workdir, tag)
         listener = lst
         lst.source()  # the HTTP server and the source are up
@@ -269,11 +269,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-v", "--verbose", action="store_true", help="print every run")
     args = p.parse_args(argv)
     cells = [Cell(SCENARIOS[k]) for k in args.scenarios]
-    workdir = Path(tempfile.mkdtemp(prefix="continuum-memory-bench-"))
-    try:
+    with workdir("continuum-memory-bench-", args.keep_logs) as wd:
         for r in range(args.repeats):
             for c in cells:
-                res = run_scenario(c.scenario, args, workdir, f"r{r}-{c.scenario.key}")
+                res = run_scenario(c.scenario, args, wd, f"r{r}-{c.scenario.key}")
                 c.runs.append(res)
                 if args.verbose:
                     shown = {
@@ -282,13 +281,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(f"round {r + 1} {c.scenario.key:10} {shown}", flush=True)
             if not args.verbose:
                 print(f"round {r + 1}/{args.repeats} done", flush=True)
-    finally:
-        if args.keep_logs:
-            print(f"logs and configs kept in {workdir}")
-        else:
-            for f in workdir.iterdir():
-                f.unlink()
-            workdir.rmdir()
     out = report(args, cells)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2, default=str))

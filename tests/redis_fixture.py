@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.procs import free_port as _free_port
+from harness.procs import free_port as _free_port
 
 __all__ = ["RedisServer", "redis_server", "redis_url", "require_redis", "unavailable"]
 

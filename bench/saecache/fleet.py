@@ -28,9 +28,9 @@ from typing import Any
 import aiohttp
 
 from bench._table import fmt_float, render_table
-from bench.procs import Service
-from bench.procs import free_port as _free_port
-from bench.sim.fleet import SimFleet
+from harness.procs import Service
+from harness.procs import free_port as _free_port
+from harness.sim.fleet import SimFleet
 
 from .trace import read_sharegpt
 

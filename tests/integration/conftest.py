@@ -30,8 +30,8 @@ import yaml
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from bench.procs import Service
-from bench.sim.fleet import SimFleet
+from harness.procs import Service
+from harness.sim.fleet import SimFleet
 from tests import waiting
 
 ROOT = Path(__file__).resolve().parents[2]

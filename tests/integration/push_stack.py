@@ -3,7 +3,7 @@
 * :func:`make_pki`: a fresh dev CA with the router's server certificate and client
   certificates ``kv-a``, ``kv-b``, ``intruder`` (a valid certificate whose SAN is no
   entry id), plus an unrelated CA with its own ``kv-a`` certificate.
-* :class:`Publisher`: the engine side, ``python -m bench.ingest_bench --role publisher``:
+* :class:`Publisher`: the engine side, ``python -m harness.publisher``:
   the simulator's vLLM KV event encoder and ZMQ PUB, with router-issued cache salts on
   every chain's first block, so the listener attributes every chain (``burst B E``
   publishes B batches of E block events; each burst starts a new 64-block chain).
@@ -30,7 +30,6 @@ import grpc
 import orjson
 import pytest
 
-from bench.procs import DISCARD, ChildProcess, Service, launch, python_module
 from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
 from bus._gen.continuum.bus.v1 import bus_pb2_grpc as bpb_grpc
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as kpb
@@ -38,10 +37,11 @@ from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as kpb_grpc
 from bus.events import KvEvent
 from bus.sse import SseParser
 from certs import CertPair, dev_bundle, make_client_cert
+from harness.procs import DISCARD, ChildProcess, Service, launch, python_module
 
 from .conftest import wait_until
 
-SALT_ENV = "CONTINUUM_BENCH_SALT_SECRET"  # bench/ingest_bench.py's publisher reads it
+SALT_ENV = "CONTINUUM_BENCH_SALT_SECRET"  # harness/publisher.py reads it
 SALT_SECRET = "push-tests-salt-secret-0123456789"
 TOKENS = {"kv-a": "token-of-kv-a-0123456789", "kv-b": "token-of-kv-b-0123456789"}
 TOKEN_ENV = "CONTINUUM_BUS_TOKEN"
@@ -194,9 +194,8 @@ class Publisher:
 
     async def start(self) -> Publisher:
         argv = python_module(
-            "bench.ingest_bench", "--role", "publisher",
-            "--endpoint", f"tcp://*:{self.port}", "--salted", "--prefixes", "0",
-            "--backend", self.backend, "--hwm", "100000",
+            "harness.publisher", "--endpoint", f"tcp://*:{self.port}",
+            "--salted", "--prefixes", "0", "--backend", self.backend, "--hwm", "100000",
         )  # fmt: skip
         self.child = await launch(
             "publisher",

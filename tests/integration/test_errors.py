@@ -29,7 +29,7 @@ import aiohttp
 import orjson
 import pytest_asyncio
 
-from bench.sim.fleet import SimFleet
+from harness.sim.fleet import SimFleet
 
 from .conftest import (
     FaultProxy,

@@ -11,10 +11,10 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from bench.procs import free_port
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2 as pb
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2_grpc as pb_grpc
 from bus._gen.continuum.listener.v1 import listener_pb2, listener_pb2_grpc
+from harness.procs import free_port
 
 from .test_listener_e2e import ListenerProc
 
@@ -211,11 +211,11 @@ async def test_a_listener_with_a_session_predictor_classifies_over_grpc(tmp_path
 
 
 async def test_the_engine_simulator_evicts_through_the_advisor(advisor) -> None:
-    """``bench.sim --eviction-advisor``'s client against the real listener: the engine's
+    """``harness.sim --eviction-advisor``'s client against the real listener: the engine's
     cache events reach the advisor, and its LRU head is reordered by the advisor's ranking
     (a chain's deepest block first, never a parent before its cached child)."""
-    from bench.saecache.advisor_client import AdvisedEviction, _h
-    from bench.sim.prefix_cache import PrefixCache
+    from harness.sim.advisor_client import AdvisedEviction, _h
+    from harness.sim.prefix_cache import PrefixCache
 
     stub, _, target = advisor
     cache = PrefixCache(block_size=4, capacity_blocks=8)

@@ -1,7 +1,7 @@
 """The Gemini context cache and native API through a real router process.
 
 The router runs as its own process in front of the Gemini API simulator
-(``bench/gemini_sim.py``, in this process). What a user relies on: the first request is
+(``harness/gemini_sim.py``, in this process). What a user relies on: the first request is
 never delayed (forwarded whole) and one cachedContents resource is created however many
 identical requests arrive together; later requests reference it instead of resending the
 system prompt; usage says how many prompt tokens were cached; an expired resource costs
@@ -19,7 +19,7 @@ import openai
 import orjson
 import pytest_asyncio
 
-from bench.gemini_sim import GeminiSim
+from harness.gemini_sim import GeminiSim
 
 from .conftest import RouterLauncher, RouterProc, http, metric_value, wait_until
 

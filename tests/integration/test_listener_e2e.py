@@ -18,12 +18,12 @@ import aiohttp
 import pytest
 import pytest_asyncio
 
-from bench.procs import Service, free_port
-from bench.sim.fleet import SimFleet
 from bus.events import KvEvent
 from bus.prefix_key import extract_prefix_key
 from bus.salt import encode_salt
 from bus.sse import SseParser, SseRecord
+from harness.procs import Service, free_port
+from harness.sim.fleet import SimFleet
 
 from .conftest import wait_until
 

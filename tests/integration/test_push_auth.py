@@ -18,8 +18,8 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from bench.procs import free_port
 from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
+from harness.procs import free_port
 
 from .conftest import RouterLauncher, RouterProc, StartRouter
 from .push_stack import TOKENS, BusPeer, Pki, broker, make_pki, router_config

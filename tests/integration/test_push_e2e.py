@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.procs import free_port
+from harness.procs import free_port
 
 from .conftest import StartRouter, wait_until
 from .push_stack import (

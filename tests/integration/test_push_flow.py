@@ -18,9 +18,9 @@ from typing import Any
 import grpc
 import pytest
 
-from bench.procs import free_port
 from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
 from bus.sse import encode_record
+from harness.procs import free_port
 
 from .conftest import StartRouter, http, wait_until
 from .push_stack import (

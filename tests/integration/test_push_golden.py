@@ -25,9 +25,9 @@ import grpc
 import pytest
 from aiohttp import web
 
-from bench.procs import free_port
 from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
 from bus.events import KvEvent
+from harness.procs import free_port
 from listener.push.client import EventBusClient
 from listener.push.config import EventBusClientConfig
 from listener.sse_server import SseServer

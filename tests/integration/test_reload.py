@@ -11,9 +11,9 @@ from typing import Any
 
 import aiohttp
 
-from bench.procs import free_port
-from bench.sim.fleet import SimFleet
 from bus.prefix_key import extract_prefix_key
+from harness.procs import free_port
+from harness.sim.fleet import SimFleet
 from router.selection.ring import HashRing, key_position
 
 from .conftest import (

@@ -13,7 +13,7 @@ import anthropic
 import orjson
 import pytest
 
-from bench.sim.fleet import SimFleet
+from harness.sim.fleet import SimFleet
 
 from .conftest import StartRouter, assert_openai_error, http, sim_json
 

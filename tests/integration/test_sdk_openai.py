@@ -15,7 +15,7 @@ from typing import Any
 import openai
 import pytest_asyncio
 
-from bench.sim.fleet import SimFleet
+from harness.sim.fleet import SimFleet
 
 from .conftest import (
     SIM_MODELS,

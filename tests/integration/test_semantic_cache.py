@@ -1,5 +1,5 @@
 """The semantic response cache through real processes: the router, a simulated engine,
-and ``bench.embed_server`` running all-MiniLM-L6-v2 as an ``internal: true`` backend.
+and ``harness.embed_server`` running all-MiniLM-L6-v2 as an ``internal: true`` backend.
 
 A paraphrase is answered from the cache (``X-Cache-Mode: semantic``) without reaching
 the engine; a different system prompt, tool set or API key never is; an embeddings
@@ -20,7 +20,7 @@ import pytest
 import pytest_asyncio
 import redis.asyncio as aioredis
 
-from bench.procs import ChildProcess, launch, python_module
+from harness.procs import ChildProcess, launch, python_module
 from tests.redis_fixture import redis_url  # noqa: F401 - fixture
 
 from .conftest import backend, http, sim_json
@@ -45,10 +45,10 @@ class EmbedProc:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def embed_server() -> AsyncIterator[EmbedProc]:
-    """``python -m bench.embed_server`` on a free port, for the whole module."""
+    """``python -m harness.embed_server`` on a free port, for the whole module."""
     child = await launch(
         "embed server",
-        python_module("bench.embed_server", "--port", "0", "--model-name", EMBED_MODEL),
+        python_module("harness.embed_server", "--port", "0", "--model-name", EMBED_MODEL),
         ready_timeout=EMBED_READY_TIMEOUT_S,
     )
     try:

@@ -13,7 +13,7 @@ import time
 
 import aiohttp
 
-from bench.sim.fleet import SimFleet
+from harness.sim.fleet import SimFleet
 
 from .conftest import (
     HttpResult,

@@ -25,12 +25,12 @@ import grpc
 import pytest
 import pytest_asyncio
 
-from bench.procs import Service, free_port
-from bench.sim.fleet import SimFleet
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from bus.prefix_key import extract_prefix_key
 from bus.salt import SALT_PREFIX, SaltError, verify_salt
+from harness.procs import Service, free_port
+from harness.sim.fleet import SimFleet
 
 from .conftest import (
     RouterLauncher,

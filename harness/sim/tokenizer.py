@@ -1,6 +1,6 @@
 """Tokenizers and prompt renderers of the simulated engine (``--tokenizer simple|qwen2``).
 
-``simple`` (default) is the cheap crc32 word tokenizer of :mod:`bench.sim.prefix_cache` with
+``simple`` (default) is the cheap crc32 word tokenizer of :mod:`harness.sim.prefix_cache` with
 the sim's own ``<|role|>`` prompt layout; benchmarks that only need cache behaviour use it
 because it costs microseconds. ``qwen2`` is Qwen2's real byte-level BPE and ChatML template,
 for everything that reads token ids back (the KV-event listener's ``/detokenize`` path).
@@ -102,7 +102,7 @@ class SimpleTokenizer:
         self._table: dict[int, bytes] = {}
 
     def encode(self, text: str) -> list[int]:
-        """Same ids as :func:`bench.sim.prefix_cache.tokenize`, remembering their spelling."""
+        """Same ids as :func:`harness.sim.prefix_cache.tokenize`, remembering their spelling."""
         pieces = _PIECE.findall(text.encode("utf-8", "surrogatepass"))
         ids = [_crc32(p) for p in pieces]
         if len(self._table) < _MAX_TABLE:

@@ -21,7 +21,7 @@ Tokens are counted as UTF-8 bytes / 4, rounded up. Errors use Google's body
 log, holding creates (to observe single flight), forcing a resource to expire, and
 turning cachedContents off (an endpoint that imitates the API without it).
 
-Run standalone: ``python -m bench.gemini_sim --port 8090``.
+Run standalone: ``python -m harness.gemini_sim --port 8090``.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ the events are the cache's own keys and a removal names exactly what a store ann
   (``hash_str_to_int64``).
 
 Both cost a few microseconds per block; the default (no events) cache hash stays the fast
-blake2b chain of :mod:`bench.sim.prefix_cache`.
+blake2b chain of :mod:`harness.sim.prefix_cache`.
 """
 
 from __future__ import annotations

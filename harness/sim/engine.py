@@ -11,13 +11,13 @@ completion token and one streamed chunk, so usage numbers and stream lengths agr
 
 Engine-side features for the KV-event listener (all off by default):
 
-* ``tokenizer="qwen2"``: real Qwen2 BPE + ChatML prompts (:mod:`bench.sim.tokenizer`);
+* ``tokenizer="qwen2"``: real Qwen2 BPE + ChatML prompts (:mod:`harness.sim.tokenizer`);
   ``POST /detokenize`` and ``/v1/detokenize`` answer vLLM's ``{"prompt": text}`` (or
   SGLang's ``{"text": ...}`` with ``detokenize_format="sglang"``) with either tokenizer.
 * ``cache_salt`` (OpenAI body field, as vLLM; honoured on /v1/messages too): folded into the
   first block's hash and shown in the KV events.
 * KV events over ZMQ (vLLM/SGLang formats, replay) and trtllm's ``POST /kv_cache_events``
-  (:mod:`bench.sim.kv_events`); ``POST /reset_prefix_cache`` (vLLM), ``/flush_cache``
+  (:mod:`harness.sim.kv_events`); ``POST /reset_prefix_cache`` (vLLM), ``/flush_cache``
   (SGLang) and ``/sim/reset`` send ``AllBlocksCleared``; ``POST /sim/burst`` publishes
   synthetic batches for ingestion benchmarks.
 """
@@ -93,7 +93,7 @@ _ANTHROPIC_ERROR_TYPES = {
 
 @dataclass
 class SimConfig:
-    """Engine settings; mirrors the CLI flags of ``python -m bench.sim``."""
+    """Engine settings; mirrors the CLI flags of ``python -m harness.sim``."""
 
     name: str = "sim-1"
     models: tuple[str, ...] = ("demo-model",)
@@ -118,7 +118,7 @@ class SimConfig:
     #: ZMQ PUB endpoint for KV events (None: off); bind/connect as the engines decide.
     kv_events: str | None = None
     kv_events_topic: str = ""
-    #: Wire format of one engine release, see ``bench.sim.kv_wire.FORMATS``.
+    #: Wire format of one engine release, see ``harness.sim.kv_wire.FORMATS``.
     kv_events_format: str = "vllm-0.33"
     #: ZMQ ROUTER replay endpoint (always binds); None: no replay.
     kv_events_replay: str | None = None
@@ -229,7 +229,7 @@ class _Answer:
 
 @dataclass
 class SimEngine:
-    """The request handler for :func:`bench.sim.httpserver.serve`; holds all engine state."""
+    """The request handler for :func:`harness.sim.httpserver.serve`; holds all engine state."""
 
     config: SimConfig = field(default_factory=SimConfig)
     #: Forwarded to the prefix cache; later turned into vLLM KV events.
@@ -251,7 +251,7 @@ class SimEngine:
         self._clearing: list[Any] | None = None
         self.advisor: Any = None
         if cfg.eviction_advisor:
-            from bench.saecache.advisor_client import AdvisedEviction
+            from harness.sim.advisor_client import AdvisedEviction
 
             self.advisor = AdvisedEviction(cfg.eviction_advisor, cfg.name)
         hooked = self.on_kv_event is not None or self.kv is not None or self.advisor is not None

@@ -1,13 +1,13 @@
-"""``python -m bench.sim``: run one simulated engine.
+"""``python -m harness.sim``: run one simulated engine.
 
 Prints exactly one line, ``READY <port>``, once the socket is listening (and the KV-event
-sockets are bound or connecting), so supervisors (:class:`bench.sim.fleet.SimFleet`, shell
+sockets are bound or connecting), so supervisors (:class:`harness.sim.fleet.SimFleet`, shell
 scripts) can wait on it instead of sleeping; with ``--port 0`` that line is the only way to
 learn the port.
 
 KV-event example (what a vLLM 0.33 with ``--kv-events-config`` would publish)::
 
-    python -m bench.sim --tokenizer qwen2 --kv-events 'tcp://*:5557' \
+    python -m harness.sim --tokenizer qwen2 --kv-events 'tcp://*:5557' \
         --kv-events-replay 'tcp://*:5558' --kv-events-format vllm-0.33
 """
 
@@ -29,7 +29,7 @@ from .tokenizer import TOKENIZERS
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m bench.sim", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m harness.sim", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=9001, help="0 picks a free port")
     p.add_argument("--name", default="sim-1", help="reported in x-sim-backend and answers")
@@ -208,7 +208,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             loop_factory = uvloop.new_event_loop
         except ImportError:
-            logging.getLogger("bench.sim").warning("uvloop missing; using asyncio loop")
+            logging.getLogger("harness.sim").warning("uvloop missing; using asyncio loop")
     try:
         with (
             contextlib.suppress(KeyboardInterrupt),

@@ -17,7 +17,7 @@ Wire format (OpenAI): ``{"model", "input": str | [str], "encoding_format"?: "flo
 use the OpenAI error body. Like the engine simulator, ``x-sim-delay-ms`` delays and
 ``x-sim-status`` fails a request (fault injection through a proxy in tests).
 
-Run: ``python -m bench.embed_server [--host H] [--port 0] [--model-name NAME]``; prints
+Run: ``python -m harness.embed_server [--host H] [--port 0] [--model-name NAME]``; prints
 ``READY <port>`` once listening.
 """
 
@@ -307,7 +307,7 @@ async def _serve(host: str, port: int, model_name: str) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m bench.embed_server", description=__doc__.split("\n\n")[0]
+        prog="python -m harness.embed_server", description=__doc__.split("\n\n")[0]
     )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0 picks a free port (see READY line)")

@@ -1,6 +1,6 @@
 """KV-event publishing of the simulated engine: ZMQ (vLLM / SGLang) and trtllm-serve's poll.
 
-Layers: :mod:`bench.sim.kv_wire` encodes one engine release's msgpack bytes, this module
+Layers: :mod:`harness.sim.kv_wire` encodes one engine release's msgpack bytes, this module
 turns prefix-cache changes into events and moves them (``KvEventHub``), publishes batches
 over ZMQ with replay (``ZmqPublisher``) and queues trtllm JSON events (``TrtllmQueue``).
 
@@ -71,7 +71,7 @@ __all__ = [
     "should_bind",
 ]
 
-log = logging.getLogger("bench.sim.kv_events")
+log = logging.getLogger("harness.sim.kv_events")
 
 END_SEQ = b"\xff" * 8
 _U64 = (1 << 64) - 1

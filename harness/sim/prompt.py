@@ -4,7 +4,7 @@ Two layouts. The sim's own (``render_chat_prompt`` / ``render_anthropic_prompt``
 ``<|role|>\n{content}\n`` turns) goes with the cheap ``simple`` tokenizer and is what every
 existing benchmark and test measures. ChatML (``render_chatml`` / ``render_anthropic_chatml``)
 is Qwen2's template as vLLM applies it, used with ``--tokenizer qwen2``; see
-:mod:`bench.sim.tokenizer` for the exact rules.
+:mod:`harness.sim.tokenizer` for the exact rules.
 
 Message content is flattened by :func:`content_text`: a string as is, a content-part array
 with its parts joined by ``"\n"`` (text parts verbatim, media as ``<kind>`` placeholders,

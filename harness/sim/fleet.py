@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from bench.procs import ChildProcess, launch, python_module
+from harness.procs import ChildProcess, launch, python_module
 
 __all__ = ["SimFleet", "SimProcess", "sim_args"]
 
@@ -27,7 +27,7 @@ __all__ = ["SimFleet", "SimProcess", "sim_args"]
 def sim_args(opts: Mapping[str, Any]) -> list[str]:
     """Keyword options -> CLI flags (``block_size=8`` -> ``--block-size 8``).
 
-    Generic on purpose, so new ``bench.sim`` flags work through :class:`SimFleet` without
+    Generic on purpose, so new ``harness.sim`` flags work through :class:`SimFleet` without
     touching this file: ``True`` is a bare flag, ``False``/``None`` are omitted, sequences
     repeat the flag.
     """
@@ -204,7 +204,7 @@ class SimFleet:
         opts: dict[str, Any] = {**self._opts, **self._overrides.get(index, {})}
         models = opts.pop("model", None) or self.models
         argv = python_module(
-            "bench.sim",
+            "harness.sim",
             "--host",
             self.host,
             "--port",
