@@ -7,7 +7,7 @@ than the routing did. To keep that a figure measured in the same run rather than
 another day, ``proxy_bench`` also runs the full router with this class in its place
 (``bench.aiohttp_router``): the same interface (``start``, ``close``, ``request`` ->
 response with ``status``, ``headers``, ``content_type``, ``read``, ``iter_chunks``,
-``release``, ``close``; ``probe_timeout``) and the same error taxonomy
+``release``, ``close``) and the same error taxonomy
 (``UpstreamConnectError`` when nothing reached the backend, ``UpstreamTimeout``,
 ``UpstreamProtocolError``), on one pooled ``aiohttp.ClientSession`` configured as the
 router's aiohttp client was before the hand-written one replaced it: no connection
@@ -114,7 +114,7 @@ class AiohttpUpstreamClient:
         client_timeout: float | None = None,
     ) -> AiohttpUpstreamResponse:
         """Send a request and return once the status line and headers arrived;
-        ``client_timeout`` (from :meth:`probe_timeout`) is a total deadline in seconds."""
+        ``client_timeout`` is a total deadline in seconds."""
         session = self._session
         if session is None:  # closed at shutdown, as the router's own client refuses
             raise UpstreamConnectError(backend, "the router is shutting down")
@@ -135,7 +135,3 @@ class AiohttpUpstreamClient:
         except aiohttp.ClientError as exc:
             raise UpstreamProtocolError(backend, f"request failed: {exc}") from None
         return AiohttpUpstreamResponse(backend, resp)
-
-    def probe_timeout(self, seconds: float) -> float:
-        """A total timeout (connect + head + body) for health probes, for ``request``."""
-        return seconds
