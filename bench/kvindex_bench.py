@@ -46,8 +46,8 @@ from router.kvindex import (
     Tier,
     apply_event,
     apply_events,
-    build_redis,
 )
+from router.redis import build_redis
 
 from ._table import median, paired_ratio, print_results, time_interleaved
 

@@ -106,7 +106,7 @@ class Router:
         self.admin_token = _read_admin_token(config)
         self.redis_pools: Any = None
         if config.response_cache.redis is not None:
-            from .kvindex.redis_pool import RedisPools  # one pool: response cache + KV index
+            from .redis import RedisPools  # one pool: response cache + KV index
 
             self.redis_pools = RedisPools()
         self.cache: ResponseCacheService | None = None

@@ -8,6 +8,7 @@ contract every backend honours.
 from __future__ import annotations
 
 from router.config.models import KvCacheIndexConfig, RedisConfig
+from router.redis import RedisPools, build_redis
 
 from .apply import ACTIONS, Action, apply_event, apply_events
 from .base import (
@@ -21,14 +22,12 @@ from .base import (
     Tier,
 )
 from .memory import InMemoryKvIndex
-from .redis_index import DEFAULT_KEY_PREFIX, UNAVAILABLE_ERRORS, RedisKvIndex
-from .redis_pool import RedisPools, build_redis, effective_url
+from .redis_index import DEFAULT_KEY_PREFIX, RedisKvIndex
 
 __all__ = [
     "ACTIONS",
     "DEFAULT_KEY_PREFIX",
     "EMPTY",
-    "UNAVAILABLE_ERRORS",
     "Action",
     "Change",
     "InMemoryKvIndex",
@@ -38,13 +37,10 @@ __all__ = [
     "KvIndexError",
     "KvIndexUnavailable",
     "RedisKvIndex",
-    "RedisPools",
     "Tier",
     "apply_event",
     "apply_events",
     "build_kv_index",
-    "build_redis",
-    "effective_url",
 ]
 
 

@@ -38,7 +38,7 @@ Fallback: a connection error, timeout, read-only replica, OOM or loading Redis
 queries and writes go to memory until Redis answers again. The switching itself
 (``fallback_active``, one engage per outage, the monitor task that PINGs Redis every
 ``monitor_interval_s``, ``try_recover``) is the shared
-:class:`~router.redis_fallback.FallbackSupervisor`, explained there. The index's own
+:class:`~router.redis.FallbackSupervisor`, explained there. The index's own
 replay, before switching back: what changed while Redis was away is written into it
 (pending ``clear``, ``remove_backend``s, then the final state of every touched (prefix,
 backend): written if live in memory, deleted if its last operation was a removal), in
@@ -67,7 +67,7 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio import Redis
 
-from router.redis_fallback import FallbackSupervisor, SupervisedStore
+from router.redis import UNAVAILABLE_ERRORS, FallbackSupervisor, SupervisedStore, glob_escape
 
 from .base import (
     EMPTY,
@@ -80,9 +80,8 @@ from .base import (
     Tier,
 )
 from .memory import InMemoryKvIndex
-from .redis_pool import UNAVAILABLE_ERRORS, glob_escape
 
-__all__ = ["DEFAULT_KEY_PREFIX", "UNAVAILABLE_ERRORS", "RedisKvIndex"]
+__all__ = ["DEFAULT_KEY_PREFIX", "RedisKvIndex"]
 
 log = logging.getLogger(__name__)
 

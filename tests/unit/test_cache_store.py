@@ -31,10 +31,10 @@ from router.cache import (
     InMemoryCacheStore,
     RedisCacheStore,
     build_cache_store,
-    glob_escape,
 )
 from router.config.models import KvCacheIndexConfig, RedisConfig
-from router.kvindex import RedisPools, build_kv_index
+from router.kvindex import build_kv_index
+from router.redis import RedisPools, glob_escape
 from tests import waiting
 
 if TYPE_CHECKING:

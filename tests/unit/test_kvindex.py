@@ -30,14 +30,12 @@ from router.kvindex import (
     KvIndex,
     KvIndexUnavailable,
     RedisKvIndex,
-    RedisPools,
     Tier,
     apply_event,
     apply_events,
     build_kv_index,
-    build_redis,
-    effective_url,
 )
+from router.redis import RedisPools, build_redis
 
 if TYPE_CHECKING:
     from tests.redis_fixture import RedisServer
@@ -880,7 +878,7 @@ async def test_redis_outage_larger_than_the_replay_log(redis_server: RedisServer
         await client.aclose(close_connection_pool=True)
 
 
-# ---- factory and pool registry -------------------------------------------------------
+# ---- factory -----------------------------------------------------------------------
 
 
 async def test_build_kv_index_memory() -> None:
@@ -912,29 +910,3 @@ async def test_build_kv_index_redis() -> None:
         await own.close()  # closes the client it owns
     finally:
         await pools.aclose()
-
-
-async def test_redis_pools_share_one_client_per_config() -> None:
-    pools = RedisPools()
-    try:
-        a = RedisConfig(url="redis://127.0.0.1:6379", pool_size=3, key_prefix="cr:resp:")
-        same = a.model_copy(update={"key_prefix": "other:", "fallback_capacity": 9})
-        bigger = a.model_copy(update={"pool_size": 4})
-        assert pools.get(a) is pools.get(same)
-        assert pools.get(a) is not pools.get(bigger)
-        assert len(pools) == 2
-        pool = pools.get(a).connection_pool
-        assert pool.max_connections == 3
-        kw = pool.connection_kwargs
-        assert kw["socket_connect_timeout"] == 3.0 and kw["socket_timeout"] == 1.0
-    finally:
-        await pools.aclose()
-    assert len(pools) == 0
-
-
-def test_effective_url_upgrades_to_tls() -> None:
-    assert effective_url(RedisConfig(url="redis://h:1")) == "redis://h:1"
-    assert effective_url(RedisConfig(url="redis://h:1", tls=True)) == "rediss://h:1"
-    assert effective_url(RedisConfig(url="rediss://h:1")) == "rediss://h:1"
-    tls_pool = build_redis(RedisConfig(url="redis://h:1", tls=True)).connection_pool
-    assert tls_pool.connection_class.__name__ == "SSLConnection"
