@@ -2,7 +2,7 @@
 
 ``build_kv_index`` turns ``kv_cache_index`` (+ the shared ``response_cache.redis``) into a
 :class:`KvIndex`; ``apply_event`` feeds it the listener's events. See ``base`` for the
-contract every backend honours.
+contract every backend and wrapper honours.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from .base import (
     KvIndexUnavailable,
     Tier,
 )
+from .fallback import FallbackKvIndex
+from .instrumented import InstrumentedKvIndex
 from .memory import InMemoryKvIndex
-from .redis_index import DEFAULT_KEY_PREFIX, RedisKvIndex
+from .redis_index import DEFAULT_KEY_PREFIX, RedisKvIndex, Restore
 
 __all__ = [
     "ACTIONS",
@@ -30,13 +32,16 @@ __all__ = [
     "EMPTY",
     "Action",
     "Change",
+    "FallbackKvIndex",
     "InMemoryKvIndex",
     "IndexEntry",
     "IndexStats",
+    "InstrumentedKvIndex",
     "KvIndex",
     "KvIndexError",
     "KvIndexUnavailable",
     "RedisKvIndex",
+    "Restore",
     "Tier",
     "apply_event",
     "apply_events",
@@ -50,15 +55,17 @@ def build_kv_index(
     *,
     pools: RedisPools | None = None,
     key_prefix: str = DEFAULT_KEY_PREFIX,
-) -> KvIndex:
-    """The index ``config.backend`` names. No I/O; safe outside a running loop.
+) -> InstrumentedKvIndex:
+    """The index ``config.backend`` names, instrumented. No I/O; safe outside a running loop.
 
-    * ``memory``: ``InMemoryKvIndex(max_entries, entry_ttl_seconds)``.
+    * ``memory``: ``InstrumentedKvIndex(InMemoryKvIndex(max_entries, entry_ttl_seconds))``.
     * ``redis``: a ``RedisKvIndex`` on the client ``pools`` hands out for ``redis_config``
-      (the response cache's connection pool, shared). With ``fallback_to_memory`` its
-      fallback is an ``InMemoryKvIndex`` sized like the memory backend (``max_entries``,
-      ``entry_ttl_seconds``; ``fallback_capacity``/``fallback_ttl_seconds`` size the
-      response cache's fallback, not this one), retried every ``health_check_interval_ms``.
+      (the response cache's connection pool, shared). With ``fallback_to_memory`` it is
+      wrapped in a ``FallbackKvIndex`` whose fallback is an ``InMemoryKvIndex`` sized like
+      the memory backend (``max_entries``, ``entry_ttl_seconds``;
+      ``fallback_capacity``/``fallback_ttl_seconds`` size the response cache's fallback,
+      not this one), retried every ``health_check_interval_ms``; without it an outage
+      raises :class:`KvIndexUnavailable`. Then ``InstrumentedKvIndex`` around that.
 
     Args:
         pools: the router's registry of shared Redis clients (it closes them). When
@@ -69,7 +76,7 @@ def build_kv_index(
     """
     ttl = float(config.entry_ttl_seconds)
     if config.backend == "memory":
-        return InMemoryKvIndex(config.max_entries, ttl)
+        return InstrumentedKvIndex(InMemoryKvIndex(config.max_entries, ttl))
     if redis_config is None:
         raise ValueError(
             "kv_cache_index.backend: redis requires response_cache.redis "
@@ -77,12 +84,13 @@ def build_kv_index(
         )
     owned = pools is None
     client = build_redis(redis_config) if pools is None else pools.get(redis_config)
-    fallback = InMemoryKvIndex(config.max_entries, ttl) if redis_config.fallback_to_memory else None
-    return RedisKvIndex(
-        client,
-        ttl,
-        fallback,
-        key_prefix,
-        monitor_interval_s=redis_config.health_check_interval_ms / 1000.0,
-        owns_redis=owned,
+    primary = RedisKvIndex(client, ttl, key_prefix, owns_redis=owned)
+    if not redis_config.fallback_to_memory:
+        return InstrumentedKvIndex(primary)
+    return InstrumentedKvIndex(
+        FallbackKvIndex(
+            primary,
+            InMemoryKvIndex(config.max_entries, ttl),
+            monitor_interval_s=redis_config.health_check_interval_ms / 1000.0,
+        )
     )

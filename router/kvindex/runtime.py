@@ -20,7 +20,7 @@ from bus.salt import encode_salt, load_secret
 
 from ..config import RouterConfig
 from ..config.models import EventSourceConfig
-from . import build_kv_index
+from . import IndexStats, build_kv_index
 from .apply import apply_event, apply_events
 from .consumer import KvEventConsumerManager, StreamOpener
 from .scorer import KvOverlapScorer
@@ -74,7 +74,6 @@ class KvRuntime:
         if kv.salt_secret_file or kv.salt_secret_env:
             self.salt_secret = load_secret(kv.salt_secret_file, kv.salt_secret_env)
         self._cleanup: asyncio.Task[None] | None = None
-        self._index_snapshot: dict[str, Any] = {}
         sc = kv.scoring
         log.info(
             "KV scorer: overlap_weight=%g load_weight=%g health_weight=%g "
@@ -95,9 +94,6 @@ class KvRuntime:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        start_monitor = getattr(self.index, "start_monitor", None)
-        if start_monitor is not None:
-            start_monitor()
         await self.consumers.start()
         self._cleanup = asyncio.get_running_loop().create_task(self._cleanup_loop())
 
@@ -116,7 +112,7 @@ class KvRuntime:
                 removed = await self.index.cleanup_expired()
                 if removed:
                     log.debug("expired %d KV index entries", removed)
-                self._index_snapshot = await self.index_stats()
+                await self.index.stats()  # refreshes index.last_stats, which metrics read
             except Exception:  # the sweep must never die
                 log.exception("KV index cleanup failed")
 
@@ -142,19 +138,27 @@ class KvRuntime:
     # -- admin ---------------------------------------------------------------------
 
     async def index_stats(self) -> dict[str, Any]:
-        st = await self.index.stats()
-        out = {
+        return self._index_dict(await self.index.stats())
+
+    @staticmethod
+    def _index_dict(st: IndexStats | None) -> dict[str, Any]:
+        if st is None:
+            return {}
+        return {
             "prefix_count": st.prefix_count,
             "entry_count": st.entry_count,
             "total_hits": st.total_hits,
             "total_evictions": st.total_evictions,
+            "fallback_active": bool(st.fallback_active),
         }
-        out["fallback_active"] = bool(st.fallback_active)
-        return out
 
     def metrics_snapshot(self) -> dict[str, Any]:
-        """Sync view for the Prometheus collector (index figures refreshed by the sweep)."""
-        snap: dict[str, Any] = {"consumers": self._consumer_stats(), "index": self._index_snapshot}
+        """Sync view for the Prometheus collector (index figures: the latest ``stats()``,
+        refreshed by the sweep and by admin reads)."""
+        snap: dict[str, Any] = {
+            "consumers": self._consumer_stats(),
+            "index": self._index_dict(self.index.last_stats),
+        }
         if self.event_bus is not None:
             snap["event_bus"] = self.event_bus.stats()
         return snap
@@ -177,8 +181,7 @@ class KvRuntime:
 
     async def admin_stats(self) -> dict[str, Any]:
         kv = self.config
-        self._index_snapshot = await self.index_stats()
-        index = {k: v for k, v in self._index_snapshot.items() if k != "fallback_active"}
+        index = {k: v for k, v in (await self.index_stats()).items() if k != "fallback_active"}
         return {
             "enabled": True,
             "config": {
@@ -241,5 +244,5 @@ class KvRuntime:
     async def clear(self) -> dict[str, Any]:
         before = (await self.index.stats()).entry_count
         cleared = await self.index.clear()
-        self._index_snapshot = await self.index_stats()
+        await self.index.stats()  # refreshes the metrics' view
         return {"success": True, "entries_before_clear": before, "cleared_entries": cleared}
