@@ -2,7 +2,8 @@
 
 ``build_kv_index`` turns ``kv_cache_index`` (+ the shared ``response_cache.redis``) into a
 :class:`KvIndex`; ``apply_event`` feeds it the listener's events. See ``base`` for the
-contract every backend and wrapper honours.
+contract every backend and wrapper honours. The index knows nothing of where its events
+come from (``router.ingest`` reads them, ``router.kv_runtime`` wires the two together).
 """
 
 from __future__ import annotations

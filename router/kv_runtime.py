@@ -3,6 +3,11 @@
 Built only when ``prefix_routing.enabled`` and ``kv_cache_index.enabled`` are both true
 (the scorer needs prefix keys). ``kv_cache_index`` is restart-only, so this object lives
 as long as the process.
+
+This is where the KV index (``router.kvindex``, which knows nothing of where its events
+come from) meets ingestion (``router.ingest``, which knows nothing of the index but an
+``apply`` callable) and push mode's event bus hub (built once by the process and handed
+in: the opener of every ``transport: event_bus`` source).
 """
 
 from __future__ import annotations
@@ -18,15 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from bus.salt import encode_salt, load_secret
 
-from ..config import RouterConfig
-from ..config.models import EventSourceConfig
-from . import IndexStats, build_kv_index
-from .apply import apply_event, apply_events
-from .consumer import KvEventConsumerManager, StreamOpener
-from .scorer import KvOverlapScorer
+from .config import RouterConfig
+from .config.models import EventSourceConfig
+from .ingest import KvEventConsumerManager, StreamOpener
+from .kvindex import IndexStats, apply_event, apply_events, build_kv_index
+from .kvindex.scorer import KvOverlapScorer
 
 if TYPE_CHECKING:
-    from ..eventbus.hub import EventBusHub
+    from .eventbus.hub import EventBusHub
 
 __all__ = ["KvRuntime"]
 
@@ -39,10 +43,20 @@ class KvRuntime:
         config: RouterConfig,
         on_decision: Callable[[str, str, float | None], None] | None = None,
         pools: Any = None,
+        event_bus: EventBusHub | None = None,
     ) -> None:
+        """
+        Args:
+            on_decision: ``(decision, tier, score)`` of every scorer decision (metrics).
+            pools: the router's one ``RedisPools``: the index shares the response cache's
+                pool.
+            event_bus: push mode's session registry (None without ``dynamo.event_bus``):
+                it opens the streams of ``transport: event_bus`` sources. Built once for
+                the process (the bus server registers sessions in the same one); never
+                closed here.
+        """
         kv = config.kv_cache_index
         self.config = kv
-        # ``pools`` is the router's one RedisPools: the index shares the response cache's pool.
         self.index = build_kv_index(kv, config.response_cache.redis, pools=pools)
         self.kv_aware = 0
         self.fallback = 0
@@ -50,18 +64,7 @@ class KvRuntime:
         self.queries = 0
         self._on_decision = on_decision
         self.scorer = KvOverlapScorer(self.index, kv.scoring, on_decision=self._decision)
-        # Push mode: the event bus's session registry opens the streams of
-        # ``transport: event_bus`` sources (serve.py runs its TLS server).
-        self.event_bus: EventBusHub | None = None
-        bus = config.dynamo.event_bus
-        if bus.enabled:
-            from ..eventbus.hub import EventBusHub
-
-            self.event_bus = EventBusHub(
-                bus.brokers,
-                [s.backend_name for s in kv.event_sources if s.transport == "event_bus"],
-                certificates=bool(bus.tls.client_ca),
-            )
+        self.event_bus = event_bus
         # ``kv_cache_index`` is restart-only, so the offloading settings are bound once.
         offloading = kv.storage_offloading
         self.consumers = KvEventConsumerManager(
