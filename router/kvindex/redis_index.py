@@ -40,6 +40,9 @@ Failures: a connection error, timeout, read-only replica, OOM or loading Redis
 to Redis only. :class:`~router.kvindex.fallback.FallbackKvIndex` puts a memory index behind
 it and uses :meth:`RedisKvIndex.ping` and :meth:`RedisKvIndex.restore` to come back.
 
+Size: the module stays whole (about 575 lines) because the key layout, the Lua scripts
+that encode it and the commands reading it must change together.
+
 Clocks: expiries are Unix time (``clock``, default ``time.time``), shared by every
 instance; keep router clocks in sync (NTP). Redis Cluster is not supported (the two keys of a
 prefix are not hash-tagged into one slot).
