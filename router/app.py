@@ -34,8 +34,9 @@ from .selection import SelectionContext, Selector
 from .upstream import UpstreamClient
 
 if TYPE_CHECKING:
+    from .eventbus.hub import EventBusHub
     from .gemini import GeminiService
-    from .kvindex.runtime import KvRuntime
+    from .kv_runtime import KvRuntime
 
 __all__ = ["Router"]
 
@@ -93,7 +94,7 @@ def _read_admin_token(cfg: RouterConfig) -> bytes | None:
 
 
 class Router:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, event_bus: EventBusHub | None = None) -> None:
         self.config = config
         self.pool = BackendPool(config.backends, config.health_check)
         self.metrics = RouterMetrics(lambda: self.pool)
@@ -106,7 +107,7 @@ class Router:
         self.admin_token = _read_admin_token(config)
         self.redis_pools: Any = None
         if config.response_cache.redis is not None:
-            from .kvindex.redis_pool import RedisPools  # one pool: response cache + KV index
+            from .redis import RedisPools  # one pool: response cache + KV index
 
             self.redis_pools = RedisPools()
         self.cache: ResponseCacheService | None = None
@@ -118,9 +119,9 @@ class Router:
             )
         self.kv: KvRuntime | None = None
         if config.prefix_routing.enabled and config.kv_cache_index.enabled:
-            from .kvindex.runtime import KvRuntime  # Tier 4 only costs when configured
+            from .kv_runtime import KvRuntime  # Tier 4 only costs when configured
 
-            self.kv = KvRuntime(config, self.metrics.kv_decision, pools=self.redis_pools)
+            self.kv = KvRuntime(config, self.metrics.kv_decision, self.redis_pools, event_bus)
             self.selector.scorer = self.kv.scorer
             self.metrics.attach_kv(self.kv.metrics_snapshot)
         self.gemini: GeminiService | None = None

@@ -3,6 +3,11 @@
 Built only when ``prefix_routing.enabled`` and ``kv_cache_index.enabled`` are both true
 (the scorer needs prefix keys). ``kv_cache_index`` is restart-only, so this object lives
 as long as the process.
+
+This is where the KV index (``router.kvindex``, which knows nothing of where its events
+come from) meets ingestion (``router.ingest``, which knows nothing of the index but an
+``apply`` callable) and push mode's event bus hub (built once by the process and handed
+in: the opener of every ``transport: event_bus`` source).
 """
 
 from __future__ import annotations
@@ -18,15 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from bus.salt import encode_salt, load_secret
 
-from ..config import RouterConfig
-from ..config.models import EventSourceConfig
-from . import build_kv_index
-from .apply import apply_event, apply_events
-from .consumer import KvEventConsumerManager, StreamOpener
-from .scorer import KvOverlapScorer
+from .config import RouterConfig
+from .config.models import EventSourceConfig
+from .ingest import KvEventConsumerManager, StreamOpener
+from .kvindex import IndexStats, apply_event, apply_events, build_kv_index
+from .kvindex.scorer import KvOverlapScorer
 
 if TYPE_CHECKING:
-    from ..eventbus.hub import EventBusHub
+    from .eventbus.hub import EventBusHub
 
 __all__ = ["KvRuntime"]
 
@@ -39,10 +43,20 @@ class KvRuntime:
         config: RouterConfig,
         on_decision: Callable[[str, str, float | None], None] | None = None,
         pools: Any = None,
+        event_bus: EventBusHub | None = None,
     ) -> None:
+        """
+        Args:
+            on_decision: ``(decision, tier, score)`` of every scorer decision (metrics).
+            pools: the router's one ``RedisPools``: the index shares the response cache's
+                pool.
+            event_bus: push mode's session registry (None without ``dynamo.event_bus``):
+                it opens the streams of ``transport: event_bus`` sources. Built once for
+                the process (the bus server registers sessions in the same one); never
+                closed here.
+        """
         kv = config.kv_cache_index
         self.config = kv
-        # ``pools`` is the router's one RedisPools: the index shares the response cache's pool.
         self.index = build_kv_index(kv, config.response_cache.redis, pools=pools)
         self.kv_aware = 0
         self.fallback = 0
@@ -50,18 +64,7 @@ class KvRuntime:
         self.queries = 0
         self._on_decision = on_decision
         self.scorer = KvOverlapScorer(self.index, kv.scoring, on_decision=self._decision)
-        # Push mode: the event bus's session registry opens the streams of
-        # ``transport: event_bus`` sources (serve.py runs its TLS server).
-        self.event_bus: EventBusHub | None = None
-        bus = config.dynamo.event_bus
-        if bus.enabled:
-            from ..eventbus.hub import EventBusHub
-
-            self.event_bus = EventBusHub(
-                bus.brokers,
-                [s.backend_name for s in kv.event_sources if s.transport == "event_bus"],
-                certificates=bool(bus.tls.client_ca),
-            )
+        self.event_bus = event_bus
         # ``kv_cache_index`` is restart-only, so the offloading settings are bound once.
         offloading = kv.storage_offloading
         self.consumers = KvEventConsumerManager(
@@ -74,7 +77,6 @@ class KvRuntime:
         if kv.salt_secret_file or kv.salt_secret_env:
             self.salt_secret = load_secret(kv.salt_secret_file, kv.salt_secret_env)
         self._cleanup: asyncio.Task[None] | None = None
-        self._index_snapshot: dict[str, Any] = {}
         sc = kv.scoring
         log.info(
             "KV scorer: overlap_weight=%g load_weight=%g health_weight=%g "
@@ -95,9 +97,6 @@ class KvRuntime:
     # -- lifecycle -----------------------------------------------------------------
 
     async def start(self) -> None:
-        start_monitor = getattr(self.index, "start_monitor", None)
-        if start_monitor is not None:
-            start_monitor()
         await self.consumers.start()
         self._cleanup = asyncio.get_running_loop().create_task(self._cleanup_loop())
 
@@ -116,7 +115,7 @@ class KvRuntime:
                 removed = await self.index.cleanup_expired()
                 if removed:
                     log.debug("expired %d KV index entries", removed)
-                self._index_snapshot = await self.index_stats()
+                await self.index.stats()  # refreshes index.last_stats, which metrics read
             except Exception:  # the sweep must never die
                 log.exception("KV index cleanup failed")
 
@@ -142,19 +141,27 @@ class KvRuntime:
     # -- admin ---------------------------------------------------------------------
 
     async def index_stats(self) -> dict[str, Any]:
-        st = await self.index.stats()
-        out = {
+        return self._index_dict(await self.index.stats())
+
+    @staticmethod
+    def _index_dict(st: IndexStats | None) -> dict[str, Any]:
+        if st is None:
+            return {}
+        return {
             "prefix_count": st.prefix_count,
             "entry_count": st.entry_count,
             "total_hits": st.total_hits,
             "total_evictions": st.total_evictions,
+            "fallback_active": bool(st.fallback_active),
         }
-        out["fallback_active"] = bool(st.fallback_active)
-        return out
 
     def metrics_snapshot(self) -> dict[str, Any]:
-        """Sync view for the Prometheus collector (index figures refreshed by the sweep)."""
-        snap: dict[str, Any] = {"consumers": self._consumer_stats(), "index": self._index_snapshot}
+        """Sync view for the Prometheus collector (index figures: the latest ``stats()``,
+        refreshed by the sweep and by admin reads)."""
+        snap: dict[str, Any] = {
+            "consumers": self._consumer_stats(),
+            "index": self._index_dict(self.index.last_stats),
+        }
         if self.event_bus is not None:
             snap["event_bus"] = self.event_bus.stats()
         return snap
@@ -177,8 +184,7 @@ class KvRuntime:
 
     async def admin_stats(self) -> dict[str, Any]:
         kv = self.config
-        self._index_snapshot = await self.index_stats()
-        index = {k: v for k, v in self._index_snapshot.items() if k != "fallback_active"}
+        index = {k: v for k, v in (await self.index_stats()).items() if k != "fallback_active"}
         return {
             "enabled": True,
             "config": {
@@ -241,5 +247,5 @@ class KvRuntime:
     async def clear(self) -> dict[str, Any]:
         before = (await self.index.stats()).entry_count
         cleared = await self.index.clear()
-        self._index_snapshot = await self.index_stats()
+        await self.index.stats()  # refreshes the metrics' view
         return {"success": True, "entries_before_clear": before, "cleared_entries": cleared}
