@@ -42,10 +42,9 @@ from router.cache import (
     InMemoryCacheStore,
     RedisCacheStore,
     build_cache_store,
-    glob_escape,
 )
 from router.config.models import RedisConfig
-from router.kvindex import RedisPools
+from router.redis import RedisPools, glob_escape
 
 from ._table import median, paired_ratio, print_results, time_interleaved
 

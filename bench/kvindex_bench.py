@@ -46,8 +46,8 @@ from router.kvindex import (
     Tier,
     apply_event,
     apply_events,
-    build_redis,
 )
+from router.redis import build_redis
 
 from ._table import median, paired_ratio, print_results, time_interleaved
 
@@ -133,7 +133,7 @@ async def redis_rows(url: str, loops: int, repeats: int) -> list[dict[str, Any]]
         await client.aclose(close_connection_pool=True)
         return f"Redis at {url} unreachable ({type(exc).__name__}); Redis rows skipped"
     kp = f"bench:{uuid.uuid4().hex[:8]}:kvidx:"
-    idx = RedisKvIndex(client, 600, None, kp)
+    idx = RedisKvIndex(client, 600, kp)
     try:
         p = "ab" * 32
         await idx.upsert(p, "vllm-1", 2048, Tier.GPU_HOT)

@@ -10,6 +10,7 @@ clear, which answers the reference's ``{"success": false, "error": ...}``.
 
 from __future__ import annotations
 
+import datetime as dt
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -22,7 +23,7 @@ from .errors import openai_error
 from .gemini import GeminiService
 from .gemini.manager import Counters
 from .http.types import Request, Response
-from .kvindex.runtime import KvRuntime
+from .kv_runtime import KvRuntime, index_figures
 from .pool import BackendPool
 from .selection import RoutingCounts
 
@@ -39,6 +40,17 @@ def _json(doc: Mapping[str, Any]) -> Response:
 
 def _disabled() -> Response:
     return _json({"enabled": False})
+
+
+def _iso(t: Any) -> str | None:
+    """``2026-01-01T00:00:00Z`` from a datetime or Unix seconds."""
+    if t is None:
+        return None
+    if isinstance(t, dt.datetime):
+        return t.astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if isinstance(t, (int, float)):
+        return dt.datetime.fromtimestamp(t, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return str(t)
 
 
 class AdminApi:
@@ -131,19 +143,82 @@ class AdminApi:
     # -- Tier 4 --------------------------------------------------------------------
 
     async def kv_stats(self, req: Request) -> Response:
-        if self._kv is None:
+        kv = self._kv
+        if kv is None:
             return _disabled()
-        return _json(await self._kv.admin_stats())
+        cfg = kv.config
+        index = index_figures(await kv.index.stats())
+        index.pop("fallback_active", None)
+        doc: dict[str, Any] = {
+            "enabled": True,
+            "config": {
+                "backend": cfg.backend,
+                "max_entries": cfg.max_entries,
+                "entry_ttl_seconds": cfg.entry_ttl_seconds,
+                "event_sources_count": len(cfg.event_sources),
+                "scoring": {
+                    "overlap_weight": cfg.scoring.overlap_weight,
+                    "load_weight": cfg.scoring.load_weight,
+                    "health_weight": cfg.scoring.health_weight,
+                    "min_overlap_threshold": cfg.scoring.min_overlap_threshold,
+                },
+            },
+            "index": index,
+            "event_sources": [
+                {
+                    "backend_name": name,
+                    "connected": bool(c.get("connected")),
+                    "events_received": c.get("received", 0),
+                    "events_dropped": c.get("dropped", 0),
+                    "last_event_at": _iso(c.get("last_event_at")),
+                    "reconnect_count": c.get("reconnects", 0),
+                }
+                for name, c in kv.consumer_stats().items()
+            ],
+            "routing_decisions": {
+                "kv_aware": kv.kv_aware,
+                "fallback": kv.fallback,
+                "total": kv.kv_aware + kv.fallback,
+            },
+            "query_latency_count": kv.queries,
+            "overlap_score_count": kv.overlap_scores,
+        }
+        if kv.event_bus is not None:
+            doc["event_bus"] = kv.event_bus.stats()
+        return _json(doc)
 
     async def kv_backends(self, req: Request) -> Response:
-        if self._kv is None:
+        kv = self._kv
+        if kv is None:
             return _disabled()
-        return _json(self._kv.admin_backends())
+        backends = [
+            {
+                "backend_name": name,
+                "connection": {
+                    "connected": bool(c.get("connected")),
+                    "reconnect_count": c.get("reconnects", 0),
+                    "last_event_at": _iso(c.get("last_event_at")),
+                },
+                "events": {
+                    "received": c.get("received", 0),
+                    "processed": c.get("processed", 0),
+                    "dropped": c.get("dropped", 0),
+                    "index_created": c.get("index_created", 0),
+                    "index_evicted": c.get("index_evicted", 0),
+                },
+            }
+            for name, c in kv.consumer_stats().items()
+        ]
+        return _json({"enabled": True, "backends": backends})
 
     async def kv_clear(self, req: Request) -> Response:
-        if self._kv is None:
+        kv = self._kv
+        if kv is None:
             return openai_error(409, "the KV cache index is not enabled", code="kv_index_disabled")
-        return _json(await self._kv.clear())
+        before = (await kv.index.stats()).entry_count
+        cleared = await kv.index.clear()
+        await kv.index.stats()  # refreshes the metrics' view
+        return _json({"success": True, "entries_before_clear": before, "cleared_entries": cleared})
 
     # -- Tiers 2 and 3 -------------------------------------------------------------
 

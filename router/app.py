@@ -6,7 +6,9 @@ collaborators it uses:
 * the backend pool (health, load), the metrics, the upstream HTTP client;
 * the selector (strategies, the CHWBL ring) with, under Tier 4, the KV scorer in front;
 * the response cache service (Tiers 2 and 3, with its semantic path), the KV runtime
-  (Tier 4: index, event consumers, scorer), the Gemini service, the cache-salt step;
+  (Tier 4: index, event consumers, scorer), push mode's session registry (the event bus
+  hub: the KV consumers open their streams from it, ``router.serve``'s bus server
+  registers the listeners' sessions in it), the Gemini service, the cache-salt step;
 * the forwarder (selection + upstream + relay) and, over it, one dialect per client API
   (``router.dialects``), the status endpoints and the admin API.
 
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import logging
 
+from bus.salt import load_secret
+
 from .admin import AdminApi
 from .admin_auth import AdminToken
 from .cache import build_cache_store
@@ -28,14 +32,15 @@ from .cache.service import ResponseCacheService
 from .config import RouterConfig
 from .dialects import AnthropicMessages, CacheSalter, ChatCompletions, Embeddings
 from .errors import openai_error
+from .eventbus.hub import EventBusHub
 from .forwarder import Forwarder
 from .gemini import GeminiService
 from .gemini.metrics import GeminiCollector, UsageTotals
 from .http.types import Handler, Request, Response, StreamResponse
-from .kvindex.redis_pool import RedisPools
-from .kvindex.runtime import KvRuntime
+from .kv_runtime import KvRuntime
 from .metrics import RouterMetrics
 from .pool import BackendPool
+from .redis import RedisPools
 from .selection import Selector
 from .status import StatusApi
 from .upstream import UpstreamClient
@@ -60,14 +65,17 @@ class Router:
         # One Redis pool for the response cache and the KV index.
         self.redis_pools = RedisPools() if config.response_cache.redis is not None else None
         self.cache = self._build_cache(config) if config.response_cache.enabled else None
+        tier4 = config.prefix_routing.enabled and config.kv_cache_index.enabled
+        self.event_bus = self._build_event_bus(config, tier4)
         self.kv: KvRuntime | None = None
         salter = None
-        if config.prefix_routing.enabled and config.kv_cache_index.enabled:
-            self.kv = KvRuntime(config, self.metrics.kv_decision, pools=self.redis_pools)
+        if tier4:
+            self.kv = KvRuntime(config, self.metrics.kv_decision, self.redis_pools, self.event_bus)
             self.selector.scorer = self.kv.scorer
             self.metrics.attach_kv(self.kv.metrics_snapshot)
-            if self.kv.salt_secret is not None:
-                salter = CacheSalter(self.kv.salt_secret)
+            kvc = config.kv_cache_index
+            if kvc.salt_secret_file or kvc.salt_secret_env:
+                salter = CacheSalter(load_secret(kvc.salt_secret_file, kvc.salt_secret_env))
         self.gemini = self._build_gemini(config)
         forwarder = Forwarder(self.selector, self.client, self.pool, self.metrics)
         current = lambda: self.config  # noqa: E731 - read per request: a reload swaps it
@@ -119,6 +127,23 @@ class Router:
         cache.policy = config.control_plane.optimization
         cache.semantic = SemanticCache(store, self.pool, self.client, rc.semantic.max_entries)
         return cache
+
+    @staticmethod
+    def _build_event_bus(config: RouterConfig, tier4: bool) -> EventBusHub | None:
+        """One session registry per process, None without ``dynamo.event_bus``.
+
+        Without Tier 4 there are no KV consumers: sessions are accepted, nothing is
+        subscribed.
+        """
+        bus = config.dynamo.event_bus
+        if not bus.enabled:
+            return None
+        sources = [
+            s.backend_name
+            for s in config.kv_cache_index.event_sources
+            if tier4 and s.transport == "event_bus"
+        ]
+        return EventBusHub.from_config(bus, sources)
 
     def _build_gemini(self, config: RouterConfig) -> GeminiService | None:
         gcc = config.gemini_context_cache

@@ -26,8 +26,8 @@ from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from bus.prefix_key import extract_prefix_key
 
 from .admin_auth import AdminToken
+from .kv_runtime import KvRuntime
 from .kvindex.base import Tier
-from .kvindex.runtime import KvRuntime
 from .kvindex.scorer import Prepared
 from .pool import ENDPOINT_TYPES, BackendPool
 
@@ -175,7 +175,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         out = []
         transports = {s.backend_name: s.transport for s in kv.config.event_sources}
         counts = await kv.index.backend_counts()
-        for name, c in kv._consumer_stats().items():
+        for name, c in kv.consumer_stats().items():
             last = c.get("last_event_at")
             out.append(
                 pb.BackendStatus(
@@ -199,19 +199,19 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
         kv = await self._require_kv(context)
-        st = await kv.index_stats()
+        st = await kv.index.stats()
         counts = await kv.index.backend_counts()
         return pb.StatsResponse(
             backend_counts=[
                 pb.BackendCount(backend=name, entries=n) for name, n in sorted(counts.items())
             ],
-            total_entries=st["entry_count"],
-            prefix_count=st["prefix_count"],
+            total_entries=st.entry_count,
+            prefix_count=st.prefix_count,
             index_backend=kv.config.backend,
-            fallback_active=bool(st.get("fallback_active")),
+            fallback_active=st.fallback_active,
             queries=kv.queries,
-            hits=st["total_hits"],
-            evictions=st["total_evictions"],
+            hits=st.total_hits,
+            evictions=st.total_evictions,
         )
 
     async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:

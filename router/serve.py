@@ -19,6 +19,7 @@ from .http.rsgi import EmbeddedServer, RSGIApp
 from .reload import ConfigReloader
 
 if TYPE_CHECKING:
+    from .eventbus.hub import EventBusHub
     from .eventbus.server import EventBusServer
 
 __all__ = ["run"]
@@ -88,15 +89,11 @@ async def _start_grpc(router: Router, config: RouterConfig) -> tuple[object, int
     return server, port
 
 
-async def _start_event_bus(router: Router, config: RouterConfig) -> EventBusServer | None:
-    """The TLS-only EventBus server; None (logged) when it cannot start."""
-    from .eventbus.hub import EventBusHub
+async def _start_event_bus(hub: EventBusHub, config: RouterConfig) -> EventBusServer | None:
+    """The TLS-only EventBus server on ``hub``; None (logged) when it cannot start."""
     from .eventbus.server import EventBusConfigError, EventBusServer
 
     bus = config.dynamo.event_bus
-    hub = router.kv.event_bus if router.kv is not None else None
-    if hub is None:  # no KV index: sessions are accepted, nothing is subscribed
-        hub = EventBusHub(bus.brokers, (), certificates=bool(bus.tls.client_ca))
     server = EventBusServer(bus, hub)
     try:
         await server.start()
@@ -109,6 +106,7 @@ async def _start_event_bus(router: Router, config: RouterConfig) -> EventBusServ
 async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIssue]) -> int:
     log_warnings(warnings)
     router = Router(config)
+    event_bus = router.event_bus
     await router.start()
     host, port = parse_hostport(config.server.listen)
     port = _resolve_port(host, port)
@@ -122,8 +120,8 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
         announce += f" grpc={parse_hostport(config.server.grpc_listen)[0]}:{gport}"
     bus_server = None
     hooks = []
-    if config.dynamo.event_bus.enabled:
-        bus_server = await _start_event_bus(router, config)
+    if event_bus is not None:
+        bus_server = await _start_event_bus(event_bus, config)
         if bus_server is None:
             await http.stop()
             if grpc_server is not None:

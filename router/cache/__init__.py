@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Literal
 
 from router.config.models import RedisConfig
-from router.kvindex.redis_pool import RedisPools, glob_escape
+from router.redis import RedisPools
 
 from .fallback import FallbackCacheStore
 from .memory_store import InMemoryCacheStore
@@ -43,7 +43,6 @@ __all__ = [
     "StateHook",
     "build_cache_store",
     "error_kind",
-    "glob_escape",
 ]
 
 

@@ -2,7 +2,7 @@
 
 The switching itself (``fallback_active``, one engage per outage, the monitor task that
 PINGs Redis every ``monitor_interval_s``, ``try_recover``, ``on_state_change`` on every
-switch) is the shared :class:`~router.redis_fallback.FallbackSupervisor`, explained
+switch) is the shared :class:`~router.redis.FallbackSupervisor`, explained
 there. What is the response cache's own:
 
 * **What switches**: an operation that raises ``CacheUnavailable`` (connection refused or
@@ -38,7 +38,7 @@ from __future__ import annotations
 import itertools
 import logging
 
-from router.redis_fallback import FallbackSupervisor, SupervisedStore
+from router.redis import FallbackSupervisor, SupervisedStore
 
 from .memory_store import InMemoryCacheStore
 from .redis_store import RedisCacheStore

@@ -16,8 +16,8 @@ closes it unless told it owns it. Timeouts are the client's: ``socket_timeout`` 
 command timeout, ``socket_connect_timeout`` the connect timeout, and the pool's one
 immediate retry on a connection error absorbs the stale connections a Redis restart leaves.
 
-Failures raise :class:`~router.cache.store.CacheUnavailable` for the errors in the KV index's
-``UNAVAILABLE_ERRORS`` (connection refused or reset, timeout, read-only replica, OOM,
+Failures raise :class:`~router.cache.store.CacheUnavailable` for the errors in
+``router.redis.UNAVAILABLE_ERRORS`` (connection refused or reset, timeout, read-only replica, OOM,
 loading), :class:`~router.cache.store.CacheStoreError` for any other Redis error. Wrap this
 store in ``FallbackCacheStore`` so that requests never see either.
 
@@ -36,7 +36,7 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio import Redis
 
-from router.kvindex.redis_pool import UNAVAILABLE_ERRORS, glob_escape
+from router.redis import UNAVAILABLE_ERRORS, glob_escape
 
 from .store import (
     ERROR_KINDS,
@@ -49,7 +49,7 @@ from .store import (
     check_ttl,
 )
 
-__all__ = ["DEFAULT_KEY_PREFIX", "RedisCacheStore", "error_kind", "glob_escape"]
+__all__ = ["DEFAULT_KEY_PREFIX", "RedisCacheStore", "error_kind"]
 
 DEFAULT_KEY_PREFIX = "cr:resp:"
 _SCAN_COUNT = 500

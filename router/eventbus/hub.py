@@ -9,7 +9,7 @@ interleave an inconsistent view):
 * ``slots``: one :class:`StreamSlot` per issued ``Subscribe.stream_id``; single use. A
   slot belongs to one session and one source.
 
-The consumer of source X (``router/kvindex/consumer.py``) gets its bytes from
+The consumer of source X (``router.ingest.KvEventConsumer``) gets its bytes from
 :meth:`EventBusHub.opener`:
 
 1. pick the newest live, non-draining session that announced X; none: raise
@@ -22,7 +22,7 @@ The consumer of source X (``router/kvindex/consumer.py``) gets its bytes from
    with ``buffer_overflow`` instead of buffering without bound;
 4. the stream ends with the listener's close reason (``buffer_overflow``, ``draining``,
    ``unsubscribed``, ``error``) or because its session ended; every end is raised to the
-   consumer as :class:`router.kvindex.consumer.StreamClosedByPeer`, so it resubscribes
+   consumer as :class:`router.ingest.StreamClosedByPeer`, so it resubscribes
    from its last applied event id (to another session when this one is draining or gone).
 
 If the consumer drops the stream itself (its SSE parser rejected the bytes, its apply
@@ -46,8 +46,8 @@ import grpc
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 
-from ..config.models import BrokerConfig
-from ..kvindex.consumer import ConsumerError, SourceUnavailable, StreamClosedByPeer, StreamOpener
+from ..config.models import BrokerConfig, EventBusConfig
+from ..ingest import ConsumerError, SourceUnavailable, StreamClosedByPeer, StreamOpener
 from .auth import Authenticator, AuthError, Principal
 
 __all__ = ["CLOSE_REASONS", "BusSession", "EventBusHub", "NoSession", "StreamSlot"]
@@ -215,6 +215,14 @@ class EventBusHub:
         }
         self.stream_closes: dict[str, int] = {}
         """Streams ended, by reason (``buffer_overflow``, ``draining``, ...)."""
+
+    @classmethod
+    def from_config(cls, config: EventBusConfig, sources: Iterable[str] = ()) -> EventBusHub:
+        """The hub of ``dynamo.event_bus``: its brokers; client certificates verified when
+        ``tls.client_ca`` is set. One per process: the KV consumers of ``sources`` open
+        their streams from it and the bus server registers the listeners' sessions in it.
+        """
+        return cls(config.brokers, sources, certificates=bool(config.tls.client_ca))
 
     # -- sessions ------------------------------------------------------------------------
 

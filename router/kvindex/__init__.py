@@ -2,12 +2,14 @@
 
 ``build_kv_index`` turns ``kv_cache_index`` (+ the shared ``response_cache.redis``) into a
 :class:`KvIndex`; ``apply_event`` feeds it the listener's events. See ``base`` for the
-contract every backend honours.
+contract every backend and wrapper honours. The index knows nothing of where its events
+come from (``router.ingest`` reads them, ``router.kv_runtime`` wires the two together).
 """
 
 from __future__ import annotations
 
 from router.config.models import KvCacheIndexConfig, RedisConfig
+from router.redis import RedisPools, build_redis
 
 from .apply import ACTIONS, Action, apply_event, apply_events
 from .base import (
@@ -20,31 +22,31 @@ from .base import (
     KvIndexUnavailable,
     Tier,
 )
+from .fallback import FallbackKvIndex
+from .instrumented import InstrumentedKvIndex
 from .memory import InMemoryKvIndex
-from .redis_index import DEFAULT_KEY_PREFIX, UNAVAILABLE_ERRORS, RedisKvIndex
-from .redis_pool import RedisPools, build_redis, effective_url
+from .redis_index import DEFAULT_KEY_PREFIX, RedisKvIndex, Restore
 
 __all__ = [
     "ACTIONS",
     "DEFAULT_KEY_PREFIX",
     "EMPTY",
-    "UNAVAILABLE_ERRORS",
     "Action",
     "Change",
+    "FallbackKvIndex",
     "InMemoryKvIndex",
     "IndexEntry",
     "IndexStats",
+    "InstrumentedKvIndex",
     "KvIndex",
     "KvIndexError",
     "KvIndexUnavailable",
     "RedisKvIndex",
-    "RedisPools",
+    "Restore",
     "Tier",
     "apply_event",
     "apply_events",
     "build_kv_index",
-    "build_redis",
-    "effective_url",
 ]
 
 
@@ -54,15 +56,17 @@ def build_kv_index(
     *,
     pools: RedisPools | None = None,
     key_prefix: str = DEFAULT_KEY_PREFIX,
-) -> KvIndex:
-    """The index ``config.backend`` names. No I/O; safe outside a running loop.
+) -> InstrumentedKvIndex:
+    """The index ``config.backend`` names, instrumented. No I/O; safe outside a running loop.
 
-    * ``memory``: ``InMemoryKvIndex(max_entries, entry_ttl_seconds)``.
+    * ``memory``: ``InstrumentedKvIndex(InMemoryKvIndex(max_entries, entry_ttl_seconds))``.
     * ``redis``: a ``RedisKvIndex`` on the client ``pools`` hands out for ``redis_config``
-      (the response cache's connection pool, shared). With ``fallback_to_memory`` its
-      fallback is an ``InMemoryKvIndex`` sized like the memory backend (``max_entries``,
-      ``entry_ttl_seconds``; ``fallback_capacity``/``fallback_ttl_seconds`` size the
-      response cache's fallback, not this one), retried every ``health_check_interval_ms``.
+      (the response cache's connection pool, shared). With ``fallback_to_memory`` it is
+      wrapped in a ``FallbackKvIndex`` whose fallback is an ``InMemoryKvIndex`` sized like
+      the memory backend (``max_entries``, ``entry_ttl_seconds``;
+      ``fallback_capacity``/``fallback_ttl_seconds`` size the response cache's fallback,
+      not this one), retried every ``health_check_interval_ms``; without it an outage
+      raises :class:`KvIndexUnavailable`. Then ``InstrumentedKvIndex`` around that.
 
     Args:
         pools: the router's registry of shared Redis clients (it closes them). When
@@ -73,7 +77,7 @@ def build_kv_index(
     """
     ttl = float(config.entry_ttl_seconds)
     if config.backend == "memory":
-        return InMemoryKvIndex(config.max_entries, ttl)
+        return InstrumentedKvIndex(InMemoryKvIndex(config.max_entries, ttl))
     if redis_config is None:
         raise ValueError(
             "kv_cache_index.backend: redis requires response_cache.redis "
@@ -81,12 +85,13 @@ def build_kv_index(
         )
     owned = pools is None
     client = build_redis(redis_config) if pools is None else pools.get(redis_config)
-    fallback = InMemoryKvIndex(config.max_entries, ttl) if redis_config.fallback_to_memory else None
-    return RedisKvIndex(
-        client,
-        ttl,
-        fallback,
-        key_prefix,
-        monitor_interval_s=redis_config.health_check_interval_ms / 1000.0,
-        owns_redis=owned,
+    primary = RedisKvIndex(client, ttl, key_prefix, owns_redis=owned)
+    if not redis_config.fallback_to_memory:
+        return InstrumentedKvIndex(primary)
+    return InstrumentedKvIndex(
+        FallbackKvIndex(
+            primary,
+            InMemoryKvIndex(config.max_entries, ttl),
+            monitor_interval_s=redis_config.health_check_interval_ms / 1000.0,
+        )
     )

@@ -1,9 +1,12 @@
 """The KV index contract: which backend holds which prefix, with how many tokens, in which tier.
 
 One small storage interface (:class:`KvIndex`) with two backends beside it
-(``memory.InMemoryKvIndex``, ``redis_index.RedisKvIndex``) and a factory from config
-(``router.kvindex.build_kv_index``). Every backend passes the same conformance suite
-(``tests/unit/test_kvindex.py``), so the semantics below hold for all of them.
+(``memory.InMemoryKvIndex``, ``redis_index.RedisKvIndex``), two wrappers that add a
+cross-cutting concern to any of them (``fallback.FallbackKvIndex``: Redis with a memory
+fallback; ``instrumented.InstrumentedKvIndex``: the counters the router reports) and a
+factory from config that composes them (``router.kvindex.build_kv_index``). Every backend
+and wrapper passes the same conformance suite (``tests/unit/test_kvindex.py``), so the
+semantics below hold for all of them.
 
 Model::
 
@@ -118,7 +121,9 @@ class IndexStats:
     entry_count: int
     """(prefix, backend) entries stored; may include expired ones not yet swept."""
     total_hits: int
-    """Queries, since start, that returned at least one entry (this process only)."""
+    """Queries, since start, that returned at least one entry (this process only).
+    Counted by :class:`~router.kvindex.instrumented.InstrumentedKvIndex`; 0 from a bare
+    backend, which counts no queries."""
     total_evictions: int
     """Entries dropped because the index was full (this process only)."""
     total_expired: int
@@ -132,7 +137,10 @@ class KvIndexError(Exception):
 
 
 class KvIndexUnavailable(KvIndexError):
-    """The store could not be reached and no fallback is configured."""
+    """The store could not be reached (Redis: an error in ``router.redis.UNAVAILABLE_ERRORS``).
+
+    :class:`~router.kvindex.fallback.FallbackKvIndex` answers from memory instead; without
+    it the caller sees this error."""
 
     def __init__(self, kind: str, operation: str, cause: BaseException) -> None:
         super().__init__(f"{kind} KV index unavailable during {operation}: {cause!r}")
@@ -157,14 +165,9 @@ class KvIndex(abc.ABC):
         refreshes a TTL."""
 
     async def peek(self, prefix_hash: str) -> Sequence[IndexEntry]:
-        """``query_backends`` for operators' tools: not counted as a routing hit."""
-        found = await self.query_backends(prefix_hash)
-        if found:
-            self._uncount_hit()
-        return found
-
-    def _uncount_hit(self) -> None:  # noqa: B027 - optional hook, a no-op by default
-        """Undo the hit ``query_backends`` just counted (backends that count hits)."""
+        """``query_backends`` for operators' tools: not counted as a routing query or hit
+        (a wrapper that counts queries forwards this uncounted)."""
+        return await self.query_backends(prefix_hash)
 
     async def backend_counts(self) -> dict[str, int]:
         """Live entries per backend. Admin-only: may scan the whole index."""

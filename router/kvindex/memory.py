@@ -39,7 +39,8 @@ _MAX_INTERNED = 4096
 
 
 class InMemoryKvIndex(KvIndex):
-    """The memory backend; also the Redis backend's fallback."""
+    """The memory backend; also the fallback behind Redis (``FallbackKvIndex``), which
+    uses the synchronous core below."""
 
     kind = "memory"
 
@@ -66,7 +67,6 @@ class InMemoryKvIndex(KvIndex):
         self.clock = clock
         self._map: dict[str, tuple[IndexEntry, ...]] = {}
         self._names: dict[str, str] = {}
-        self._hits = 0
         self._evictions = 0
         self._expired = 0
 
@@ -93,7 +93,6 @@ class InMemoryKvIndex(KvIndex):
         for e in entries:
             if e.expires_at <= now:
                 return self._prune(prefix_hash, entries, now)
-        self._hits += 1
         return entries
 
     def get(self, prefix_hash: str, backend: str) -> IndexEntry | None:
@@ -172,7 +171,6 @@ class InMemoryKvIndex(KvIndex):
         self._expired += len(entries) - len(live)
         if live:
             self._map[prefix_hash] = live  # existing key: position kept
-            self._hits += 1
             return live
         del self._map[prefix_hash]
         return EMPTY
@@ -271,7 +269,7 @@ class InMemoryKvIndex(KvIndex):
             kind=self.kind,
             prefix_count=len(self._map),
             entry_count=sum(map(len, self._map.values())),
-            total_hits=self._hits,
+            total_hits=0,
             total_evictions=self._evictions,
             total_expired=self._expired,
         )
@@ -280,9 +278,6 @@ class InMemoryKvIndex(KvIndex):
 
     async def query_backends(self, prefix_hash: str) -> Sequence[IndexEntry]:
         return self.lookup(prefix_hash)
-
-    def _uncount_hit(self) -> None:
-        self._hits -= 1
 
     def count_per_backend(self) -> dict[str, int]:
         now = self.clock()

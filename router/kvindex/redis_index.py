@@ -1,4 +1,4 @@
-"""Redis KV index: shared by every router instance, with an automatic in-memory fallback.
+"""Redis KV index: shared by every router instance.
 
 Layout, per prefix (``<kp>`` is the key prefix, ``cr:kvidx:`` by default)::
 
@@ -25,6 +25,8 @@ Operations, one round trip each:
   than the second command); expired entries are filtered client-side and never returned;
 * upsert: ``MULTI ZADD HSET PEXPIRE PEXPIRE EXEC``; remove: ``MULTI HGET ZREM HDEL EXEC``;
 * set_tier: a short script (change the tier only if the member exists and is live);
+* write_many: one script per ``write_batch`` (256) upserts and removes;
+* restore (a fallback's state replayed after an outage): one MULTI per 128 entries;
 * remove_backend / clear / stats / cleanup_expired: ``SCAN`` over the key prefix with a
   TYPE filter, never ``KEYS``; these are rare (resync, admin, a periodic sweep).
 
@@ -33,23 +35,13 @@ which sweeps up to ``sweep_keys`` hashes per call, resuming its SCAN cursor next
 deletes a field only if it still holds the value it read (compare-and-delete script), so a
 concurrent refresh by another instance is never lost.
 
-Fallback: a connection error, timeout, read-only replica, OOM or loading Redis
-(``UNAVAILABLE_ERRORS``) switches the index to ``fallback`` (an :class:`InMemoryKvIndex`):
-queries and writes go to memory until Redis answers again. The switching itself
-(``fallback_active``, one engage per outage, the monitor task that PINGs Redis every
-``monitor_interval_s``, ``try_recover``) is the shared
-:class:`~router.redis_fallback.FallbackSupervisor`, explained there. The index's own
-replay, before switching back: what changed while Redis was away is written into it
-(pending ``clear``, ``remove_backend``s, then the final state of every touched (prefix,
-backend): written if live in memory, deleted if its last operation was a removal), in
-rounds until nothing is left; then the fallback is emptied and Redis serves again, with no
-await between the last replay round and the flag, so no write falls between the two
-stores. More touched pairs than twice the fallback's ``max_entries`` replay the whole
-fallback instead (removals not replayed are left to the TTL). Writes that arrive during
-the outage for prefixes known only to Redis are not lost; reads of them miss until
-recovery (the scorer then routes by prefix hash alone). A Redis that restarted empty is
-refilled by what this instance saw during the outage and, afterwards, by new events.
-Without a fallback, the same errors raise :class:`KvIndexUnavailable`.
+Failures: a connection error, timeout, read-only replica, OOM or loading Redis
+(``router.redis.UNAVAILABLE_ERRORS``) raises :class:`KvIndexUnavailable`; this index talks
+to Redis only. :class:`~router.kvindex.fallback.FallbackKvIndex` puts a memory index behind
+it and uses :meth:`RedisKvIndex.ping` and :meth:`RedisKvIndex.restore` to come back.
+
+Size: the module stays whole (about 575 lines) because the key layout, the Lua scripts
+that encode it and the commands reading it must change together.
 
 Clocks: expiries are Unix time (``clock``, default ``time.time``), shared by every
 instance; keep router clocks in sync (NTP). Redis Cluster is not supported (the two keys of a
@@ -58,16 +50,15 @@ prefix are not hash-tagged into one slot).
 
 from __future__ import annotations
 
-import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis import exceptions as rx
 from redis.asyncio import Redis
 
-from router.redis_fallback import FallbackSupervisor, SupervisedStore
+from router.redis import UNAVAILABLE_ERRORS, glob_escape
 
 from .base import (
     EMPTY,
@@ -79,14 +70,15 @@ from .base import (
     KvIndexUnavailable,
     Tier,
 )
-from .memory import InMemoryKvIndex
-from .redis_pool import UNAVAILABLE_ERRORS, glob_escape
 
-__all__ = ["DEFAULT_KEY_PREFIX", "UNAVAILABLE_ERRORS", "RedisKvIndex"]
-
-log = logging.getLogger(__name__)
+__all__ = ["DEFAULT_KEY_PREFIX", "RedisKvIndex", "Restore"]
 
 DEFAULT_KEY_PREFIX = "cr:kvidx:"
+
+Restore = tuple[str, str, int, "Tier | None", float]
+"""``(prefix_hash, backend, token_count, tier, ttl_left_s)`` for :meth:`RedisKvIndex.restore`:
+write the entry so that it expires ``ttl_left_s`` from now, or with tier None remove it
+(``token_count`` and ``ttl_left_s`` are then ignored)."""
 
 
 _TIER_CODE = {Tier.GPU_HOT: b"g", Tier.STORAGE_WARM: b"s"}
@@ -94,7 +86,6 @@ _CODE_TIER = {ord("g"): Tier.GPU_HOT, ord("s"): Tier.STORAGE_WARM}
 _MAX_NAMES = 4096
 _SCAN_COUNT = 500
 _REPLAY_CHUNK = 128
-_MAX_REPLAY_ROUNDS = 8
 
 # KEYS: zset, hash. ARGV: backend, new hash value, ttl_ms, now_ms.
 _SET_TIER_LUA = """
@@ -157,19 +148,21 @@ def _expiry_ms(value: bytes) -> float:
         return math.inf
 
 
-class RedisKvIndex(SupervisedStore, KvIndex):
-    """KV index in Redis sorted sets, falling back to memory while Redis is unusable."""
+class RedisKvIndex(KvIndex):
+    """KV index in Redis sorted sets; raises :class:`KvIndexUnavailable` while Redis is
+    unusable (wrap it in ``FallbackKvIndex`` to be served from memory instead)."""
 
     kind = "redis"
+    write_batch = _WRITE_BATCH
+    """Changes per ``write_many`` script call (a caller that must know which of its changes
+    reached Redis when one call fails hands over this many at a time)."""
 
     def __init__(
         self,
         redis: Redis,
         ttl_seconds: float = 600.0,
-        fallback: InMemoryKvIndex | None = None,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         *,
-        monitor_interval_s: float = 30.0,
         clock: Callable[[], float] = time.time,
         sweep_keys: int = 10_000,
         stats_cache_s: float = 10.0,
@@ -179,9 +172,7 @@ class RedisKvIndex(SupervisedStore, KvIndex):
         Args:
             redis: a client whose pool may be shared (``RedisPools``); never closed here.
             ttl_seconds: an entry expires this long after its last event.
-            fallback: serves while Redis is unusable; None makes errors raise instead.
             key_prefix: namespace of this index's keys; everything under it is ours.
-            monitor_interval_s: PING period while the fallback is active.
             clock: Unix seconds; per-entry expiries are on this clock.
             sweep_keys: hashes examined per ``cleanup_expired`` call.
             stats_cache_s: how long ``stats()`` reuses its SCAN counts.
@@ -195,7 +186,6 @@ class RedisKvIndex(SupervisedStore, KvIndex):
         self._owns_redis = owns_redis
         self._pool = redis.connection_pool
         self._ttl_ms = max(1, int(ttl_seconds * 1000))
-        self._fallback = fallback
         self.key_prefix = key_prefix
         self._kp = key_prefix.encode()
         self._zset_match = glob_escape(self._kp) + b"*"
@@ -207,25 +197,9 @@ class RedisKvIndex(SupervisedStore, KvIndex):
         self._prune_script = redis.register_script(_PRUNE_LUA)
         self._write_many_script = redis.register_script(_WRITE_MANY_LUA)
         self._names: dict[bytes, str] = {}
-        self._hits = 0
         self._expired = 0
         self._stats_cache: tuple[float, int, int] | None = None
         self._sweep_cursor = 0
-        # Fallback state.
-        self._supervisor = FallbackSupervisor(
-            "KV index",
-            ping=redis.ping,
-            replay=self._replay,
-            switch_back=self._switch_back,
-            unavailable=UNAVAILABLE_ERRORS,
-            interval_s=monitor_interval_s,
-            logger=log,
-        )
-        self._dirty: dict[tuple[str, str], bool] = {}  # (prefix, backend) -> last op was a put
-        self._dirty_cap = 2 * fallback.max_entries if fallback is not None else 0
-        self._dirty_overflow = False
-        self._pending_backends: set[str] = set()
-        self._pending_clear = False
 
     # ---- state -----------------------------------------------------------------------
 
@@ -235,8 +209,16 @@ class RedisKvIndex(SupervisedStore, KvIndex):
         return self._redis
 
     @property
-    def fallback(self) -> InMemoryKvIndex | None:
-        return self._fallback
+    def total_expired(self) -> int:
+        """Expired entries this process dropped (``stats().total_expired``, without I/O)."""
+        return self._expired
+
+    def forget_counts(self) -> None:
+        """Make the next ``stats()`` count afresh instead of reusing its cached SCAN."""
+        self._stats_cache = None
+
+    def _unavailable(self, operation: str, exc: BaseException) -> KvIndexUnavailable:
+        return KvIndexUnavailable(self.kind, operation, exc)
 
     def _key(self, prefix_hash: str) -> bytes:
         return self._kp + prefix_hash.encode()
@@ -327,113 +309,11 @@ class RedisKvIndex(SupervisedStore, KvIndex):
             out.append(IndexEntry(self._name(member), int(float(score)), tier, exp / 1000.0))
         if not out:
             return EMPTY
-        self._hits += 1
         return tuple(out)
-
-    # ---- fallback --------------------------------------------------------------------
-
-    def _fail(self, operation: str, exc: BaseException) -> InMemoryKvIndex:
-        """Switch to the fallback (or raise without one); returns the fallback."""
-        fb = self._fallback
-        if fb is None:
-            raise KvIndexUnavailable(self.kind, operation, exc) from exc
-        self._supervisor.engage(operation, exc)
-        return fb
-
-    def _mark(self, prefix_hash: str, backend: str, put: bool) -> None:
-        if self._dirty_overflow:
-            return
-        dirty = self._dirty
-        dirty.pop((prefix_hash, backend), None)  # keep the dict ordered by last touch
-        dirty[(prefix_hash, backend)] = put
-        if len(dirty) > self._dirty_cap:
-            # Too much to replay pair by pair: replay the whole fallback instead; removals
-            # not replayed are left to the TTL.
-            self._dirty = {}
-            self._dirty_overflow = True
-
-    def start_monitor(self, interval_s: float | None = None) -> None:
-        """Start the task that PINGs Redis while the fallback is active and switches back
-        when it answers (started by every outage anyway); ``interval_s`` replaces
-        ``monitor_interval_s``. Needs a running loop."""
-        self._supervisor.start_monitor(interval_s)
-
-    async def _replay(self) -> bool:
-        """Replay the outage's changes in rounds; False while writes keep arriving."""
-        for _ in range(_MAX_REPLAY_ROUNDS):
-            if not await self._replay_round():
-                break
-        return not (
-            self._pending_clear or self._pending_backends or self._dirty or self._dirty_overflow
-        )
-
-    def _switch_back(self) -> str:
-        fb = self._fallback
-        if fb is not None:
-            fb.drop_all()
-        self._stats_cache = None
-        return "outage changes replayed"
-
-    async def _replay_round(self) -> bool:
-        """Push one round of outage changes to Redis; False when there was nothing."""
-        fb = self._fallback
-        assert fb is not None
-        did = False
-        if self._pending_clear:
-            self._pending_clear = False
-            try:
-                await self._redis_clear()
-            except BaseException:
-                self._pending_clear = True
-                raise
-            did = True
-        while self._pending_backends:
-            backend = next(iter(self._pending_backends))
-            await self._redis_remove_backend(backend)
-            self._pending_backends.discard(backend)
-            did = True
-        if self._dirty_overflow:
-            self._dirty_overflow = False
-            batch: dict[tuple[str, str], bool] = {(p, e.backend): True for p, e in fb.items()}
-        else:
-            batch, self._dirty = self._dirty, {}
-        if batch:
-            try:
-                await self._replay_pairs(fb, batch)
-            except BaseException:
-                for pair, put in batch.items():
-                    self._dirty.setdefault(pair, put)
-                raise
-            did = True
-        return did
-
-    async def _replay_pairs(self, fb: InMemoryKvIndex, batch: dict[tuple[str, str], bool]) -> None:
-        cmds: list[tuple[Any, ...]] = []
-        pairs = 0
-        now_ms = self._now_ms()
-        fb_now = fb.clock()
-        for (prefix_hash, backend), put in batch.items():
-            key = self._key(prefix_hash)
-            e = fb.get(prefix_hash, backend)
-            if e is not None:
-                expires_ms = now_ms + int((e.expires_at - fb_now) * 1000)
-                cmds += self._put_cmds(key, backend, e.token_count, e.tier, expires_ms)
-            elif not put:
-                cmds += [(b"ZREM", key, backend), (b"HDEL", key + b":t", backend)]
-            else:
-                continue  # written during the outage, since expired or evicted: nothing
-            pairs += 1
-            if pairs >= _REPLAY_CHUNK:
-                await self._transaction(cmds)
-                cmds, pairs = [], 0
-        if cmds:
-            await self._transaction(cmds)
 
     # ---- KvIndex ---------------------------------------------------------------------
 
     async def query_backends(self, prefix_hash: str) -> Sequence[IndexEntry]:
-        if self._supervisor.active:
-            return self._fallback.lookup(prefix_hash)  # type: ignore[union-attr]
         key = self._key(prefix_hash)
         try:
             zreply, hreply = await self._roundtrip(
@@ -443,18 +323,10 @@ class RedisKvIndex(SupervisedStore, KvIndex):
                 )
             )
         except UNAVAILABLE_ERRORS as exc:
-            return self._fail("query", exc).lookup(prefix_hash)
+            raise self._unavailable("query", exc) from exc
         return self._decode(zreply, hreply)
 
-    def _uncount_hit(self) -> None:
-        if self._supervisor.active:
-            self._fallback._uncount_hit()  # type: ignore[union-attr]
-        else:
-            self._hits -= 1
-
     async def backend_counts(self) -> dict[str, int]:
-        if self._supervisor.active:
-            return self._fallback.count_per_backend()  # type: ignore[union-attr]
         counts: dict[str, int] = {}
         cursor = 0
         try:
@@ -469,159 +341,148 @@ class RedisKvIndex(SupervisedStore, KvIndex):
                 if cursor == 0:
                     break
         except UNAVAILABLE_ERRORS as exc:
-            return self._fail("backend_counts", exc).count_per_backend()
+            raise self._unavailable("backend_counts", exc) from exc
         return counts
 
     async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
         if token_count < 0:
             raise ValueError("token_count must be non-negative")
-        if not self._supervisor.active:
-            expires_ms = self._now_ms() + self._ttl_ms
-            try:
-                await self._transaction(
-                    self._put_cmds(self._key(prefix_hash), backend, token_count, tier, expires_ms)
-                )
-                return
-            except UNAVAILABLE_ERRORS as exc:
-                self._fail("upsert", exc)
-        self._fallback.put(prefix_hash, backend, token_count, tier)  # type: ignore[union-attr]
-        self._mark(prefix_hash, backend, True)
+        expires_ms = self._now_ms() + self._ttl_ms
+        try:
+            await self._transaction(
+                self._put_cmds(self._key(prefix_hash), backend, token_count, tier, expires_ms)
+            )
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("upsert", exc) from exc
 
     async def write_many(self, changes: Sequence[Change]) -> None:
-        """One script call per ``_WRITE_BATCH`` changes instead of a MULTI/EXEC each: the
+        """One script call per ``write_batch`` changes instead of a MULTI/EXEC each: the
         consumer's cost per event in Redis mode was redis-py's per-command packing and
         reply reading (about 230 us of CPU per upsert), not Redis. Each call is atomic,
-        like a single upsert or remove."""
+        like a single upsert or remove; the calls before a failing one stay applied."""
         for _, _, token_count, tier in changes:
             if tier is not None and token_count < 0:
                 raise ValueError("token_count must be non-negative")
         for start in range(0, len(changes), _WRITE_BATCH):
             part = changes[start : start + _WRITE_BATCH]
-            if not self._supervisor.active:
-                now_ms = self._now_ms()
-                value_tail = str(now_ms + self._ttl_ms).encode()
-                keys: list[bytes] = []
-                args: list[Any] = [self._ttl_ms, now_ms]
-                for prefix_hash, backend, token_count, tier in part:
-                    key = self._key(prefix_hash)
-                    keys += (key, key + b":t")
-                    if tier is None:
-                        args += (b"r", backend, 0, b"")
-                    else:
-                        args += (b"u", backend, token_count, _TIER_CODE[tier] + value_tail)
-                try:
-                    self._expired += int(await self._write_many_script(keys=keys, args=args))
-                    continue
-                except UNAVAILABLE_ERRORS as exc:
-                    self._fail("write_many", exc)
-            fb = self._fallback
-            assert fb is not None  # _fail raised otherwise
+            now_ms = self._now_ms()
+            value_tail = str(now_ms + self._ttl_ms).encode()
+            keys: list[bytes] = []
+            args: list[Any] = [self._ttl_ms, now_ms]
             for prefix_hash, backend, token_count, tier in part:
+                key = self._key(prefix_hash)
+                keys += (key, key + b":t")
                 if tier is None:
-                    fb.drop(prefix_hash, backend)
+                    args += (b"r", backend, 0, b"")
                 else:
-                    fb.put(prefix_hash, backend, token_count, tier)
-                self._mark(prefix_hash, backend, tier is not None)
+                    args += (b"u", backend, token_count, _TIER_CODE[tier] + value_tail)
+            try:
+                self._expired += int(await self._write_many_script(keys=keys, args=args))
+            except UNAVAILABLE_ERRORS as exc:
+                raise self._unavailable("write_many", exc) from exc
 
     async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
-        if not self._supervisor.active:
-            key = self._key(prefix_hash)
-            now_ms = self._now_ms()
-            value = _TIER_CODE[tier] + str(now_ms + self._ttl_ms).encode()
-            try:
-                done = await self._set_tier_script(
-                    keys=[key, key + b":t"], args=[backend, value, self._ttl_ms, now_ms]
-                )
-                return bool(done)
-            except UNAVAILABLE_ERRORS as exc:
-                self._fail("set_tier", exc)
-        done = self._fallback.retier(prefix_hash, backend, tier)  # type: ignore[union-attr]
-        if done:
-            self._mark(prefix_hash, backend, True)
-        return done
+        key = self._key(prefix_hash)
+        now_ms = self._now_ms()
+        value = _TIER_CODE[tier] + str(now_ms + self._ttl_ms).encode()
+        try:
+            done = await self._set_tier_script(
+                keys=[key, key + b":t"], args=[backend, value, self._ttl_ms, now_ms]
+            )
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("set_tier", exc) from exc
+        return bool(done)
 
     async def remove(self, prefix_hash: str, backend: str) -> bool:
-        if not self._supervisor.active:
-            key = self._key(prefix_hash)
-            tkey = key + b":t"
-            try:
-                value, removed, _ = await self._transaction(
-                    [(b"HGET", tkey, backend), (b"ZREM", key, backend), (b"HDEL", tkey, backend)]
-                )
-            except UNAVAILABLE_ERRORS as exc:
-                self._fail("remove", exc)
-            else:
-                if not removed:
-                    return False
-                if value is not None and _expiry_ms(value) <= self._now_ms():
-                    self._expired += 1
-                    return False
-                return True
-        done = self._fallback.drop(prefix_hash, backend)  # type: ignore[union-attr]
-        self._mark(prefix_hash, backend, False)
-        return done
+        key = self._key(prefix_hash)
+        tkey = key + b":t"
+        try:
+            value, removed, _ = await self._transaction(
+                [(b"HGET", tkey, backend), (b"ZREM", key, backend), (b"HDEL", tkey, backend)]
+            )
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("remove", exc) from exc
+        if not removed:
+            return False
+        if value is not None and _expiry_ms(value) <= self._now_ms():
+            self._expired += 1
+            return False
+        return True
 
     async def remove_backend(self, backend: str) -> int:
-        if not self._supervisor.active:
-            try:
-                return await self._redis_remove_backend(backend)
-            except UNAVAILABLE_ERRORS as exc:
-                self._fail("remove_backend", exc)
-        self._pending_backends.add(backend)
-        return self._fallback.drop_backend(backend)  # type: ignore[union-attr]
+        try:
+            return await self._redis_remove_backend(backend)
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("remove_backend", exc) from exc
 
     async def clear(self) -> int:
-        if not self._supervisor.active:
-            try:
-                return await self._redis_clear()
-            except UNAVAILABLE_ERRORS as exc:
-                self._fail("clear", exc)
-        self._pending_clear = True
-        self._pending_backends.clear()
-        self._dirty = {}
-        self._dirty_overflow = False
-        return self._fallback.drop_all()  # type: ignore[union-attr]
+        try:
+            return await self._redis_clear()
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("clear", exc) from exc
 
     async def cleanup_expired(self) -> int:
-        if not self._supervisor.active:
-            try:
-                return await self._redis_sweep()
-            except UNAVAILABLE_ERRORS as exc:
-                self._fail("cleanup_expired", exc)
-        return self._fallback.sweep()  # type: ignore[union-attr]
+        try:
+            return await self._redis_sweep()
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("cleanup_expired", exc) from exc
 
     async def stats(self) -> IndexStats:
-        if not self._supervisor.active:
-            try:
-                prefixes, entries = await self._redis_counts()
-            except UNAVAILABLE_ERRORS as exc:
-                self._fail("stats", exc)
-            else:
-                return IndexStats(
-                    kind=self.kind,
-                    prefix_count=prefixes,
-                    entry_count=entries,
-                    total_hits=self._hits,
-                    total_evictions=0,
-                    total_expired=self._expired,
-                )
-        fb = self._fallback.snapshot_stats()  # type: ignore[union-attr]
+        try:
+            prefixes, entries = await self._redis_counts()
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("stats", exc) from exc
         return IndexStats(
             kind=self.kind,
-            prefix_count=fb.prefix_count,
-            entry_count=fb.entry_count,
-            total_hits=self._hits + fb.total_hits,
-            total_evictions=fb.total_evictions,
-            total_expired=self._expired + fb.total_expired,
-            fallback_active=True,
+            prefix_count=prefixes,
+            entry_count=entries,
+            total_hits=0,
+            total_evictions=0,
+            total_expired=self._expired,
         )
 
     async def close(self) -> None:
-        """Stop the monitor; close the client only if ``owns_redis``. Idempotent."""
-        await self._supervisor.close()
+        """Close the client only if ``owns_redis``. Idempotent."""
         if self._owns_redis:
             self._owns_redis = False
             await self._redis.aclose(close_connection_pool=True)
+
+    # ---- recovery (used by FallbackKvIndex) -------------------------------------------
+
+    async def ping(self) -> None:
+        """Raises :class:`KvIndexUnavailable` unless Redis answers."""
+        try:
+            await self._redis.ping()
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("ping", exc) from exc
+
+    async def restore(self, items: Iterable[Restore]) -> None:
+        """Write each entry with the lifetime it has left, or remove it (see :data:`Restore`):
+        another store's state carried into Redis, e.g. a fallback's after an outage.
+
+        ``_REPLAY_CHUNK`` items per ``MULTI ... EXEC``. ``items`` is consumed lazily, one
+        chunk at a time, so a generator reads its store as late as possible. Not atomic as
+        a whole: if it raises, any prefix of the chunks may have been applied.
+        """
+        cmds: list[tuple[Any, ...]] = []
+        pairs = 0
+        now_ms = self._now_ms()
+        try:
+            for prefix_hash, backend, token_count, tier, ttl_left_s in items:
+                key = self._key(prefix_hash)
+                if tier is None:
+                    cmds += [(b"ZREM", key, backend), (b"HDEL", key + b":t", backend)]
+                else:
+                    expires_ms = now_ms + int(ttl_left_s * 1000)
+                    cmds += self._put_cmds(key, backend, token_count, tier, expires_ms)
+                pairs += 1
+                if pairs >= _REPLAY_CHUNK:
+                    await self._transaction(cmds)
+                    cmds, pairs = [], 0
+            if cmds:
+                await self._transaction(cmds)
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("restore", exc) from exc
 
     # ---- scans (rare: resync, admin, sweep) -------------------------------------------
 

@@ -31,10 +31,10 @@ from router.cache import (
     InMemoryCacheStore,
     RedisCacheStore,
     build_cache_store,
-    glob_escape,
 )
 from router.config.models import KvCacheIndexConfig, RedisConfig
-from router.kvindex import RedisPools, build_kv_index
+from router.kvindex import FallbackKvIndex, build_kv_index
+from router.redis import RedisPools, glob_escape
 from tests import waiting
 
 if TYPE_CHECKING:
@@ -821,7 +821,8 @@ async def test_build_cache_store_redis_shares_the_kv_index_pool() -> None:
         fb = store.fallback
         assert isinstance(fb, InMemoryCacheStore) and (fb.capacity, fb.default_ttl) == (77, 9)
         index = build_kv_index(KvCacheIndexConfig(backend="redis"), rc, pools=pools)
-        assert store.primary.redis is index.redis is pools.get(rc)  # one pool
+        assert isinstance(index.inner, FallbackKvIndex)
+        assert store.primary.redis is index.inner.primary.redis is pools.get(rc)  # one pool
         assert len(pools) == 1
         no_fb = build_cache_store(
             "redis", 10, 60, rc.model_copy(update={"fallback_to_memory": False}), pools

@@ -25,7 +25,7 @@ from certs import dev_bundle
 from router.config.models import BrokerConfig, EventSourceConfig
 from router.eventbus.auth import Authenticator, AuthError, dns_sans, hash_token
 from router.eventbus.hub import ChannelClosed, EventBusHub, NoSession, SessionEnd
-from router.kvindex.consumer import KvEventConsumer, StreamClosedByPeer
+from router.ingest import KvEventConsumer, StreamClosedByPeer
 
 A, B = "vllm-1", "vllm-2"
 

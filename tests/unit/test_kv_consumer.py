@@ -24,7 +24,7 @@ from bus.sse import encode_record
 from listener.sse_server import SseServer
 from listener.stream import EventHub
 from router.config.models import EventSourceConfig
-from router.kvindex.consumer import (
+from router.ingest import (
     ConsumerStats,
     KvEventConsumer,
     KvEventConsumerManager,

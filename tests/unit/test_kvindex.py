@@ -1,9 +1,11 @@
-"""KV index: one conformance suite run against every backend, then backend specifics.
+"""KV index: one conformance suite run against every backend and wrapper, then specifics.
 
-``harness`` is parametrised over ``memory`` and ``redis``; every test taking it runs on
-both and asserts the same observable behaviour. Redis tests use a key prefix of their own
-(parallel runs never collide) and delete their keys afterwards. Tests that kill or pause
-Redis use a private server (``redis_server``), never the shared one.
+``harness`` is parametrised over ``memory``, ``redis``, ``fallback`` (``FallbackKvIndex``
+around Redis, healthy) and ``instrumented`` (``InstrumentedKvIndex`` around memory); every
+test taking it runs on each and asserts the same observable behaviour. Redis tests use a
+key prefix of their own (parallel runs never collide) and delete their keys afterwards.
+Redis specifics are in ``test_kvindex_redis.py``, the fallback's outages in
+``test_kvindex_fallback.py``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,8 @@ import asyncio
 import random
 import time
 import tracemalloc
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import pytest
 from redis.asyncio import Redis
@@ -25,107 +25,91 @@ from router.config.models import KvCacheIndexConfig, RedisConfig, StorageOffload
 from router.kvindex import (
     EMPTY,
     Change,
-    IndexEntry,
+    FallbackKvIndex,
     InMemoryKvIndex,
+    InstrumentedKvIndex,
     KvIndex,
-    KvIndexUnavailable,
     RedisKvIndex,
-    RedisPools,
     Tier,
     apply_event,
     apply_events,
     build_kv_index,
-    build_redis,
-    effective_url,
+)
+from router.redis import RedisPools, build_redis
+from tests.unit.kvindex_support import (
+    GPU,
+    WARM,
+    FakeClock,
+    P,
+    assert_sorted,
+    delete_prefix,
+    new_key_prefix,
+    state,
 )
 
-if TYPE_CHECKING:
-    from tests.redis_fixture import RedisServer
-
 pytest_plugins = ("tests.redis_fixture",)
-
-GPU = Tier.GPU_HOT
-WARM = Tier.STORAGE_WARM
-
-
-def P(i: int) -> str:
-    """A prefix hash (64 hex characters, like ``bus.prefix_key``'s)."""
-    return f"{i:064x}"
-
-
-def state(entries: Sequence[IndexEntry]) -> dict[str, tuple[int, Tier]]:
-    return {e.backend: (e.token_count, e.tier) for e in entries}
-
-
-def assert_sorted(entries: Sequence[IndexEntry]) -> None:
-    ranks = [(e.token_count, e.backend) for e in entries]
-    assert ranks == sorted(ranks, reverse=True)
-    assert len({e.backend for e in entries}) == len(entries)
-
-
-class FakeClock:
-    def __init__(self, start: float | None = None) -> None:
-        self.now = time.time() if start is None else start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-async def _delete_prefix(client: Redis, key_prefix: str) -> None:
-    keys = [k async for k in client.scan_iter(match=key_prefix + "*", count=500)]
-    if keys:
-        await client.unlink(*keys)
 
 
 @dataclass
 class Harness:
     kind: str
+    """The ``harness`` parameter."""
+    stats_kind: str
+    """What ``stats().kind`` says."""
+    counts_hits: bool
+    """Whether ``stats().total_hits`` counts queries (only the instrumented wrapper does)."""
     make: Callable[..., KvIndex]
     client: Redis | None = None
     indexes: list[KvIndex] = field(default_factory=list)
 
 
-@pytest.fixture(params=["memory", "redis"])
+@pytest.fixture(params=["memory", "redis", "fallback", "instrumented"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     """``make(ttl=600, clock=None, max_entries=10_000)`` builds a fresh, empty index."""
-    if request.param == "memory":
+    if request.param in ("memory", "instrumented"):
+        wrap = request.param == "instrumented"
 
         def make_memory(
             ttl: float = 600, clock: Callable[[], float] | None = None, max_entries: int = 10_000
         ) -> KvIndex:
-            return InMemoryKvIndex(max_entries, ttl, clock=clock or time.monotonic)
+            idx = InMemoryKvIndex(max_entries, ttl, clock=clock or time.monotonic)
+            return InstrumentedKvIndex(idx) if wrap else idx
 
-        yield Harness("memory", make_memory)
+        yield Harness(request.param, "memory", wrap, make_memory)
         return
 
     url = request.getfixturevalue("redis_url")
     client = build_redis(RedisConfig(url=url, pool_size=16))
     prefixes: list[str] = []
+    with_fallback = request.param == "fallback"
 
     def make_redis(
         ttl: float = 600, clock: Callable[[], float] | None = None, max_entries: int = 10_000
     ) -> KvIndex:
-        kp = f"test:{uuid.uuid4().hex[:12]}:kvidx:"
+        kp = new_key_prefix()
         prefixes.append(kp)
-        idx = RedisKvIndex(client, ttl, None, kp, clock=clock or time.time, stats_cache_s=0)
+        primary = RedisKvIndex(client, ttl, kp, clock=clock or time.time, stats_cache_s=0)
+        idx: KvIndex = primary
+        if with_fallback:
+            fallback = InMemoryKvIndex(max_entries, ttl, clock=clock or time.monotonic)
+            idx = FallbackKvIndex(primary, fallback)
         h.indexes.append(idx)
         return idx
 
-    h = Harness("redis", make_redis, client)
+    h = Harness(request.param, "redis", False, make_redis, client)
     try:
         yield h
     finally:
         for idx in h.indexes:
+            if isinstance(idx, FallbackKvIndex):
+                assert not idx.fallback_active  # the conformance suite never sees an outage
             await idx.close()
         for kp in prefixes:
-            await _delete_prefix(client, kp)
+            await delete_prefix(client, kp)
         await client.aclose(close_connection_pool=True)
 
 
-# ---- conformance: every backend ------------------------------------------------------
+# ---- conformance: every backend and wrapper ------------------------------------------
 
 
 async def test_upsert_and_query_order(harness: Harness) -> None:
@@ -168,7 +152,7 @@ async def test_empty_inputs(harness: Harness) -> None:
     assert await idx.cleanup_expired() == 0
     st = await idx.stats()
     assert (st.prefix_count, st.entry_count, st.total_hits, st.total_evictions) == (0, 0, 0, 0)
-    assert st.kind == harness.kind
+    assert st.kind == harness.stats_kind
     assert await idx.query_backends(P(1)) is EMPTY
     await idx.upsert(P(1), "a", 0, GPU)  # zero tokens is a valid entry
     assert state(await idx.query_backends(P(1))) == {"a": (0, GPU)}
@@ -293,8 +277,11 @@ async def test_stats_counts_and_hits(harness: Harness) -> None:
     await idx.query_backends(P(1))
     await idx.query_backends(P(2))
     await idx.query_backends(P(3))
+    assert state(await idx.peek(P(1))) == {"a": (1, GPU), "b": (2, GPU)}  # never a hit
     st = await idx.stats()
-    assert (st.prefix_count, st.entry_count, st.total_hits) == (2, 3, 2)
+    # Hits are the instrumented wrapper's; a bare backend counts none.
+    assert (st.prefix_count, st.entry_count) == (2, 3)
+    assert st.total_hits == (2 if harness.counts_hits else 0)
     assert st.fallback_active is False
 
 
@@ -526,29 +513,6 @@ async def test_write_many_runs_upserts_and_removes_in_order(harness: Harness) ->
         await idx.write_many([(P(9), "A", 1, GPU), (P(9), "B", -1, GPU)])
 
 
-async def test_redis_write_many_falls_back_and_is_replayed(redis_server: RedisServer) -> None:
-    cfg = RedisConfig(url=redis_server.url, connect_timeout_ms=200, command_timeout_ms=500)
-    client, observer_client = build_redis(cfg), build_redis(cfg)
-    idx = RedisKvIndex(client, 600, InMemoryKvIndex(1000, 600), "wm:kvidx:", stats_cache_s=0)
-    observer = RedisKvIndex(observer_client, 600, None, "wm:kvidx:")
-    try:
-        idx.start_monitor(0.05)
-        await idx.write_many([(P(1), "a", 1, GPU), (P(2), "a", 2, GPU)])
-        redis_server.kill()
-        await idx.write_many([(P(1), "a", 0, None), (P(3), "b", 3, WARM)])  # to memory
-        assert idx.fallback_active
-        assert state(await idx.query_backends(P(3))) == {"b": (3, WARM)}
-        await asyncio.to_thread(redis_server.start)  # same port, empty
-        await asyncio.wait_for(idx.wait_recovered(), 10)
-        assert state(await observer.query_backends(P(3))) == {"b": (3, WARM)}
-        assert await observer.query_backends(P(1)) is EMPTY
-    finally:
-        for i in (idx, observer):
-            await i.close()
-        for c in (client, observer_client):
-            await c.aclose(close_connection_pool=True)
-
-
 # ---- memory specifics ----------------------------------------------------------------
 
 
@@ -645,248 +609,47 @@ def test_memory_rejects_bad_config() -> None:
         InMemoryKvIndex(10, 0)
 
 
-# ---- Redis specifics -----------------------------------------------------------------
+# ---- the instrumented wrapper ----------------------------------------------------------
 
 
-@pytest.fixture
-async def redis_client(redis_url: str) -> AsyncIterator[Redis]:
-    client = build_redis(RedisConfig(url=redis_url))
-    try:
-        yield client
-    finally:
-        await client.aclose(close_connection_pool=True)
+async def test_instrumented_counts_routing_queries_and_hits_only() -> None:
+    inner = InMemoryKvIndex(2, 600)
+    idx = InstrumentedKvIndex(inner)
+    assert idx.kind == "memory" and idx.last_stats is None
+    await idx.upsert(P(1), "a", 10, GPU)
+    assert state(await idx.query_backends(P(1))) == {"a": (10, GPU)}
+    assert await idx.query_backends(P(2)) is EMPTY
+    assert await idx.peek(P(1))  # operators' reads are not routing lookups
+    assert await idx.peek(P(2)) is EMPTY
+    assert (idx.queries, idx.hits) == (2, 1)
+    await idx.upsert(P(2), "a", 1, GPU)
+    await idx.upsert(P(3), "a", 1, GPU)  # full: the oldest prefix is evicted by memory
+    st = await idx.stats()
+    assert (st.kind, st.total_hits, st.total_evictions, st.prefix_count) == ("memory", 1, 1, 2)
+    assert idx.last_stats == st  # the scrape-time view
+    assert (await inner.stats()).total_hits == 0  # the backend itself counts no hits
 
 
-@pytest.fixture
-def key_prefix() -> str:
-    return f"test:{uuid.uuid4().hex[:12]}:kvidx:"
+async def test_instrumented_does_not_count_a_failed_query() -> None:
+    class Down(InMemoryKvIndex):
+        async def query_backends(self, prefix_hash: str) -> tuple[()]:
+            raise RuntimeError("down")
+
+    idx = InstrumentedKvIndex(Down())
+    with pytest.raises(RuntimeError):
+        await idx.query_backends(P(1))
+    assert (idx.queries, idx.hits) == (0, 0)
 
 
-@pytest.fixture
-async def cleanup(redis_client: Redis, key_prefix: str) -> AsyncIterator[None]:
-    yield
-    await _delete_prefix(redis_client, key_prefix)
-
-
-async def test_redis_layout_one_sorted_set_per_prefix(
-    redis_client: Redis, key_prefix: str, cleanup: None
-) -> None:
-    idx = RedisKvIndex(redis_client, 600, None, key_prefix)
-    await idx.upsert(P(1), "vllm-1", 2048, GPU)
-    await idx.upsert(P(1), "vllm-2", 512, WARM)
-    key = (key_prefix + P(1)).encode()
-    assert await redis_client.zrevrangebyscore(key, "+inf", "-inf", withscores=True) == [
-        (b"vllm-1", 2048.0),
-        (b"vllm-2", 512.0),
-    ]
-    meta = await redis_client.hgetall(key + b":t")
-    assert sorted(meta) == [b"vllm-1", b"vllm-2"]
-    assert meta[b"vllm-1"][:1] == b"g" and meta[b"vllm-2"][:1] == b"s"
-    assert abs(int(meta[b"vllm-1"][1:]) - (time.time() + 600) * 1000) < 5000
-    for k in (key, key + b":t"):  # EXPIRE set in the same transaction as the write
-        assert 590_000 < await redis_client.pttl(k) <= 600_000
-
-
-async def test_redis_keys_really_expire(
-    redis_client: Redis, key_prefix: str, cleanup: None
-) -> None:
-    idx = RedisKvIndex(redis_client, 1, None, key_prefix)
-    await idx.upsert(P(1), "a", 1, GPU)
-    key = (key_prefix + P(1)).encode()
-    assert await redis_client.exists(key, key + b":t") == 2
-    ttl_ms = max(await redis_client.pttl(key), await redis_client.pttl(key + b":t"))
-    assert 0 < ttl_ms <= 1000
-    await asyncio.sleep(ttl_ms / 1000 + 0.05)  # Redis' own clock: nothing else to await
-    assert await redis_client.exists(key, key + b":t") == 0  # expired keys are gone on access
-    assert await idx.query_backends(P(1)) is EMPTY
-
-
-async def test_redis_member_written_by_a_foreign_tool(
-    redis_client: Redis, key_prefix: str, cleanup: None
-) -> None:
-    idx = RedisKvIndex(redis_client, 600, None, key_prefix)
-    key = key_prefix + P(1)
-    await redis_client.zadd(key, {"legacy": 4096})  # the seed's layout, no tier hash
-    (e,) = await idx.query_backends(P(1))
-    assert (e.backend, e.token_count, e.tier) == ("legacy", 4096, GPU)
-    assert e.expires_at <= time.time() + 601
-    await idx.upsert(P(1), "new", 1, WARM)
-    assert state(await idx.query_backends(P(1))) == {"legacy": (4096, GPU), "new": (1, WARM)}
-    # A hash value not in our format is tolerated by reads, set_tier and the sweep.
-    await redis_client.zadd(key, {"odd": 8})
-    await redis_client.hset(key + ":t", "odd", "garbage")
-    assert state(await idx.query_backends(P(1)))["odd"] == (8, GPU)
-    assert await idx.set_tier(P(1), "odd", WARM) is True
-    assert await idx.set_tier(P(1), "legacy", WARM) is True
-    assert await idx.cleanup_expired() == 0
-    assert state(await idx.query_backends(P(1))) == {
-        "legacy": (4096, WARM),
-        "odd": (8, WARM),
-        "new": (1, WARM),
-    }
-
-
-async def test_redis_two_instances_share_state(redis_url: str, key_prefix: str) -> None:
-    c1 = build_redis(RedisConfig(url=redis_url))
-    c2 = build_redis(RedisConfig(url=redis_url))
-    a = RedisKvIndex(c1, 600, InMemoryKvIndex(100, 600), key_prefix, stats_cache_s=0)
-    b = RedisKvIndex(c2, 600, InMemoryKvIndex(100, 600), key_prefix, stats_cache_s=0)
-    try:
-        await a.upsert(P(1), "x", 100, GPU)
-        await b.upsert(P(1), "y", 200, WARM)
-        for idx in (a, b):
-            assert state(await idx.query_backends(P(1))) == {"x": (100, GPU), "y": (200, WARM)}
-        assert await b.set_tier(P(1), "x", WARM)
-        assert state(await a.query_backends(P(1)))["x"] == (100, WARM)
-        assert await a.remove(P(1), "y") is True
-        assert await b.remove(P(1), "y") is False
-        await a.upsert(P(2), "x", 5, GPU)
-        assert await b.remove_backend("x") == 2
-        assert await a.query_backends(P(1)) is EMPTY
-        await b.upsert(P(3), "z", 1, GPU)
-        assert (await a.stats()).prefix_count == 1
-        assert await a.clear() == 1
-        assert await b.query_backends(P(3)) is EMPTY
-        assert not a.fallback_active and not b.fallback_active
-    finally:
-        await _delete_prefix(c1, key_prefix)
-        for idx in (a, b):
-            await idx.close()
-        await c1.aclose(close_connection_pool=True)
-        await c2.aclose(close_connection_pool=True)
-
-
-async def test_redis_scans_stay_inside_the_key_prefix(redis_client: Redis) -> None:
-    tag = uuid.uuid4().hex[:12]
-    glob_prefix = f"test:{tag}:kv*[x]:"  # glob characters must be matched literally
-    other_prefix = f"test:{tag}:kvAx:"  # what the unescaped glob would also match
-    mine = RedisKvIndex(redis_client, 600, None, glob_prefix, stats_cache_s=0)
-    other = RedisKvIndex(redis_client, 600, None, other_prefix, stats_cache_s=0)
-    try:
-        await mine.upsert(P(1), "a", 1, GPU)
-        await other.upsert(P(1), "a", 2, GPU)
-        await redis_client.set(f"test:{tag}:unrelated", b"1")
-        assert (await mine.stats()).prefix_count == 1
-        assert await mine.remove_backend("a") == 1
-        await mine.upsert(P(2), "a", 1, GPU)
-        assert await mine.clear() == 1
-        assert state(await other.query_backends(P(1))) == {"a": (2, GPU)}
-        assert await redis_client.get(f"test:{tag}:unrelated") == b"1"
-    finally:
-        await _delete_prefix(redis_client, f"test:{tag}:")
-
-
-async def test_redis_without_fallback_raises(redis_server: RedisServer) -> None:
-    client = build_redis(RedisConfig(url=redis_server.url, connect_timeout_ms=200))
-    idx = RedisKvIndex(client, 600, None, "t:kvidx:")
-    try:
-        await idx.upsert(P(1), "a", 1, GPU)
-        redis_server.kill()
-        with pytest.raises(KvIndexUnavailable) as info:
-            await idx.query_backends(P(1))
-        assert info.value.operation == "query"
-        with pytest.raises(KvIndexUnavailable):
-            await idx.upsert(P(1), "a", 1, GPU)
-        assert not idx.fallback_active
-    finally:
-        await idx.close()
-        await client.aclose(close_connection_pool=True)
-
-
-async def test_redis_failure_falls_back_to_memory_and_recovers(redis_server: RedisServer) -> None:
-    cfg = RedisConfig(url=redis_server.url, connect_timeout_ms=200, command_timeout_ms=500)
-    client = build_redis(cfg)
-    idx = RedisKvIndex(client, 600, InMemoryKvIndex(1000, 600), "t:kvidx:", stats_cache_s=0)
-    observer_client = build_redis(cfg)
-    observer = RedisKvIndex(observer_client, 600, None, "t:kvidx:")
-    try:
-        idx.start_monitor(0.05)
-        await idx.upsert(P(1), "a", 100, GPU)
-        assert not idx.fallback_active
-
-        redis_server.kill()
-        # The failing query switches over and is answered from memory (empty so far).
-        assert await idx.query_backends(P(1)) is EMPTY
-        assert idx.fallback_active and idx.fallback_count == 1
-        await idx.upsert(P(2), "b", 200, WARM)  # writes go to memory
-        assert state(await idx.query_backends(P(2))) == {"b": (200, WARM)}
-        assert (await idx.stats()).fallback_active
-        assert await idx.try_recover() is False  # still down
-
-        await asyncio.to_thread(redis_server.start)  # same port, empty (no persistence)
-        await asyncio.wait_for(idx.wait_recovered(), 10)
-        assert not idx.fallback_active
-        assert len(idx.fallback) == 0  # type: ignore[arg-type]
-        # The outage's write was replayed: another instance sees it.
-        assert state(await observer.query_backends(P(2))) == {"b": (200, WARM)}
-        assert await observer.query_backends(P(1)) is EMPTY  # lost with the restart
-        await idx.upsert(P(3), "c", 1, GPU)
-        assert state(await observer.query_backends(P(3))) == {"c": (1, GPU)}
-        assert not (await idx.stats()).fallback_active
-    finally:
-        for i in (idx, observer):
-            await i.close()
-        for c in (client, observer_client):
-            await c.aclose(close_connection_pool=True)
-
-
-async def test_redis_timeout_falls_back_and_replays_removals(redis_server: RedisServer) -> None:
-    cfg = RedisConfig(url=redis_server.url, connect_timeout_ms=200, command_timeout_ms=100)
-    client = build_redis(cfg)
-    admin = Redis.from_url(redis_server.url)
-    idx = RedisKvIndex(client, 600, InMemoryKvIndex(1000, 600), "t:kvidx:", monitor_interval_s=0.05)
-    try:
-        await idx.upsert(P(1), "a", 100, GPU)
-        await idx.upsert(P(1), "b", 50, GPU)
-        await idx.upsert(P(3), "c", 10, GPU)
-        await idx.upsert(P(4), "d", 10, GPU)
-        await admin.execute_command("CLIENT", "PAUSE", 1000, "ALL")
-        assert await idx.query_backends(P(1)) is EMPTY  # timed out: served from memory
-        assert idx.fallback_active
-        assert await idx.remove(P(1), "a") is False  # unknown to memory; replayed later
-        await idx.upsert(P(2), "b", 7, WARM)
-        await idx.remove_backend("c")
-        await idx.upsert(P(4), "d", 11, GPU)
-        await idx.remove(P(4), "d")
-        await asyncio.wait_for(idx.wait_recovered(), 10)  # monitor started by the failure
-        # Redis kept its data; the outage's changes were applied on top, in order.
-        assert state(await idx.query_backends(P(1))) == {"b": (50, GPU)}
-        assert state(await idx.query_backends(P(2))) == {"b": (7, WARM)}
-        assert await idx.query_backends(P(3)) is EMPTY
-        assert await idx.query_backends(P(4)) is EMPTY
-    finally:
-        await idx.close()
-        await client.aclose(close_connection_pool=True)
-        await admin.aclose()
-
-
-async def test_redis_outage_larger_than_the_replay_log(redis_server: RedisServer) -> None:
-    client = build_redis(RedisConfig(url=redis_server.url, connect_timeout_ms=200))
-    fb = InMemoryKvIndex(100, 600)  # replay log holds 2 x 100 pairs
-    idx = RedisKvIndex(client, 600, fb, "t:kvidx:", monitor_interval_s=0.05)
-    try:
-        redis_server.kill()
-        for i in range(300):
-            await idx.upsert(P(i), "a", i, GPU)  # memory keeps the newest ~100 prefixes
-        assert idx.fallback_active
-        expected = {p: state([e]) for p, e in fb.items()}
-        await asyncio.to_thread(redis_server.start)
-        await asyncio.wait_for(idx.wait_recovered(), 10)
-        for p, s in expected.items():
-            assert state(await idx.query_backends(p)) == s
-        assert (await idx.stats()).prefix_count == len(expected)
-    finally:
-        await idx.close()
-        await client.aclose(close_connection_pool=True)
-
-
-# ---- factory and pool registry -------------------------------------------------------
+# ---- factory -----------------------------------------------------------------------
 
 
 async def test_build_kv_index_memory() -> None:
     idx = build_kv_index(KvCacheIndexConfig(max_entries=500, entry_ttl_seconds=42), None)
-    assert isinstance(idx, InMemoryKvIndex)
-    assert (idx.max_entries, idx.ttl_seconds) == (500, 42.0)
+    assert isinstance(idx, InstrumentedKvIndex)
+    mem = idx.inner
+    assert isinstance(mem, InMemoryKvIndex)
+    assert (mem.max_entries, mem.ttl_seconds) == (500, 42.0)
 
 
 async def test_build_kv_index_redis() -> None:
@@ -895,46 +658,29 @@ async def test_build_kv_index_redis() -> None:
     pools = RedisPools()
     try:
         rc = RedisConfig(url="redis://127.0.0.1:1", health_check_interval_ms=250)
-        idx = build_kv_index(KvCacheIndexConfig(backend="redis"), rc, pools=pools)
-        assert isinstance(idx, RedisKvIndex)
-        assert idx.key_prefix == "cr:kvidx:"
-        assert idx.monitor_interval_s == 0.25
-        assert isinstance(idx.fallback, InMemoryKvIndex)
-        assert idx.redis is pools.get(rc)  # the shared pool
+        idx = build_kv_index(
+            KvCacheIndexConfig(backend="redis", max_entries=500, entry_ttl_seconds=9),
+            rc,
+            pools=pools,
+        )
+        assert isinstance(idx, InstrumentedKvIndex) and idx.kind == "redis"
+        fb = idx.inner
+        assert isinstance(fb, FallbackKvIndex)
+        assert isinstance(fb.primary, RedisKvIndex)
+        assert fb.primary.key_prefix == "cr:kvidx:"
+        assert fb.monitor_interval_s == 0.25
+        assert isinstance(fb.fallback, InMemoryKvIndex)
+        assert (fb.fallback.max_entries, fb.fallback.ttl_seconds) == (500, 9.0)
+        assert fb.primary.redis is pools.get(rc)  # the shared pool
         no_fb = build_kv_index(
             KvCacheIndexConfig(backend="redis"),
             rc.model_copy(update={"fallback_to_memory": False}),
             pools=pools,
         )
-        assert isinstance(no_fb, RedisKvIndex) and no_fb.fallback is None
+        assert isinstance(no_fb.inner, RedisKvIndex)  # an outage raises KvIndexUnavailable
         own = build_kv_index(KvCacheIndexConfig(backend="redis"), rc)
-        assert isinstance(own, RedisKvIndex) and own.redis is not pools.get(rc)
+        assert isinstance(own.inner, FallbackKvIndex)
+        assert own.inner.primary.redis is not pools.get(rc)
         await own.close()  # closes the client it owns
     finally:
         await pools.aclose()
-
-
-async def test_redis_pools_share_one_client_per_config() -> None:
-    pools = RedisPools()
-    try:
-        a = RedisConfig(url="redis://127.0.0.1:6379", pool_size=3, key_prefix="cr:resp:")
-        same = a.model_copy(update={"key_prefix": "other:", "fallback_capacity": 9})
-        bigger = a.model_copy(update={"pool_size": 4})
-        assert pools.get(a) is pools.get(same)
-        assert pools.get(a) is not pools.get(bigger)
-        assert len(pools) == 2
-        pool = pools.get(a).connection_pool
-        assert pool.max_connections == 3
-        kw = pool.connection_kwargs
-        assert kw["socket_connect_timeout"] == 3.0 and kw["socket_timeout"] == 1.0
-    finally:
-        await pools.aclose()
-    assert len(pools) == 0
-
-
-def test_effective_url_upgrades_to_tls() -> None:
-    assert effective_url(RedisConfig(url="redis://h:1")) == "redis://h:1"
-    assert effective_url(RedisConfig(url="redis://h:1", tls=True)) == "rediss://h:1"
-    assert effective_url(RedisConfig(url="rediss://h:1")) == "rediss://h:1"
-    tls_pool = build_redis(RedisConfig(url="redis://h:1", tls=True)).connection_pool
-    assert tls_pool.connection_class.__name__ == "SSLConnection"

@@ -1,4 +1,4 @@
-"""The shared Redis-fallback supervisor (``router.redis_fallback``), on a real Redis.
+"""The shared Redis-fallback supervisor (``router.redis.fallback``), on a real Redis.
 
 ``OutageLog`` is the smallest store a supervisor can drive: items go to a Redis list, to
 memory while Redis is away, and are replayed into the list on recovery. Tests that kill
@@ -21,8 +21,8 @@ import pytest
 from redis.asyncio import Redis
 
 from router.config.models import RedisConfig
-from router.kvindex import UNAVAILABLE_ERRORS, build_redis
-from router.redis_fallback import FallbackSupervisor
+from router.redis import UNAVAILABLE_ERRORS, build_redis
+from router.redis.fallback import FallbackSupervisor
 from tests import waiting
 
 if TYPE_CHECKING:
@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 
 pytest_plugins = ("tests.redis_fixture",)
 
-LOGGER = "router.redis_fallback"
+LOGGER = "router.redis.fallback"
 SLOW = 3600.0  # a monitor period no test waits for: recovery is driven by hand
 
 

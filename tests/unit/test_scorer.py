@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from router.config import RouterConfig, parse_config
-from router.kvindex import InMemoryKvIndex, Tier
+from router.kvindex import InMemoryKvIndex, InstrumentedKvIndex, KvIndex, Tier
 from router.kvindex.scorer import DEFAULT_SCORER_THRESHOLD, KvOverlapScorer
 from router.pool import Backend, BackendPool
 from router.selection import SelectionContext, Selector
@@ -68,7 +68,7 @@ def make(
 
 
 def scorer_for(
-    cfg: RouterConfig, index: InMemoryKvIndex, clock: Clock | None = None
+    cfg: RouterConfig, index: KvIndex, clock: Clock | None = None
 ) -> tuple[KvOverlapScorer, Decisions]:
     decisions = Decisions()
     kw: dict[str, Any] = {"on_decision": decisions}
@@ -272,7 +272,7 @@ async def test_load_ratio_reads_the_in_flight_snapshot_taken_by_prepare() -> Non
 
 async def test_prepare_is_cached_for_100_ms_then_queries_again() -> None:
     cfg, _, (a, b) = make(("a", "b"))
-    index = InMemoryKvIndex()
+    index = InstrumentedKvIndex(InMemoryKvIndex())
     await index.upsert(PREFIX, "a", 1000, Tier.GPU_HOT)
     await index.upsert(PREFIX, "b", 1000, Tier.GPU_HOT)
     a.in_flight, b.in_flight = 0, 3
@@ -280,8 +280,8 @@ async def test_prepare_is_cached_for_100_ms_then_queries_again() -> None:
     t0 = clock.t
     scorer, decisions = scorer_for(cfg, index, clock)
 
-    def index_queries() -> int:  # a hit is counted on every query that finds entries
-        return index.snapshot_stats().total_hits
+    def index_queries() -> int:
+        return index.queries
 
     assert await scorer.choose(KEY, (a, b)) is a  # a idle, b busy
     assert index_queries() == 1

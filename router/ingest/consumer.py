@@ -1,18 +1,16 @@
-"""KV event consumers: one supervised stream per event source, applied to the KV index in order.
+"""KvEventConsumer: one event source's stream, applied to the KV index in order.
 
-The listener serves each backend's events as SSE (``GET /events/{backend}``, DESIGN.md §3).
-One :class:`KvEventConsumer` per configured event source reads that stream and hands every
-event to an injected ``apply`` callable (in production ``apply_event`` bound to the index);
-:class:`KvEventConsumerManager` runs one consumer task per source.
+One :class:`KvEventConsumer` per configured event source reads that source's SSE stream
+(``GET /events/{backend}`` on the listener, or the same bytes over WebSocket or the event
+bus: the opener seam, ``router.ingest.opener``) and hands every event to an injected
+``apply`` callable (in production ``apply_event`` bound to the index). It knows nothing of
+the index beyond that callable.
 
 Layers, so that push mode (``transport: event_bus``) plugs in without touching parsing:
 
 * **opener** — ``StreamOpener(last_event_id) -> AsyncIterator[bytes]`` yields the raw SSE
-  bytes of one connection; it ends (or raises) when the connection does. The built-in
-  openers are SSE over HTTP(S) and SSE bytes carried in WebSocket messages; the event bus
-  passes its own (``StreamData`` bytes are exactly what GET /events/{backend} sends). An
-  opener may yield ``b""`` to say "open, nothing to read yet", so ``connected`` turns true
-  before the first record (the HTTP opener does so right after the 200 headers).
+  bytes of one connection (``router.ingest.opener``; built-in ones in
+  ``router.ingest.transports``).
 * **connection** — :meth:`KvEventConsumer._run_once` holds one opened stream in
   ``async with``, feeds chunks to a fresh :class:`bus.sse.SseParser` and handles records
   one at a time; it returns or raises when the stream is over.
@@ -54,21 +52,13 @@ A connection that applied at least one event resets the count (``backoff.reset()
 the wait after a long healthy stream is the first step again; a listener that accepts the
 connection but never delivers an event keeps doubling. (A fresh connection always
 delivers at least the resync record or the replay, so a healthy one always resets.)
-
-WebSocket framing (``ws://``/``wss://`` endpoints): the listener is assumed to send the
-same SSE bytes it would send on GET /events/{backend}, split into messages arbitrarily
-(a message need not hold whole lines or records; text messages are UTF-8 encoded back to
-bytes, binary ones are taken as is); ``Last-Event-ID`` goes in the handshake headers. The
-message boundaries carry no meaning; the same parser and the same caps apply.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import copy
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, fields
 from datetime import UTC, datetime
 from typing import Any
@@ -81,24 +71,23 @@ from bus.events import EventError, KvEvent
 from bus.sse import SseOverflow, SseParser, SseRecord
 
 from ..config.models import EventSourceConfig
+from .errors import ConsumerError, EventApplyError, SourceUnavailable, StreamClosedByPeer
+from .opener import StreamOpener, closing_stream
+from .transports import builtin_opener
 
 __all__ = [
     "ERROR_EVENT",
     "MAX_BACKOFF_S",
     "ApplyFn",
     "ApplyManyFn",
-    "ConsumerError",
+    "Clock",
     "ConsumerStats",
-    "EventApplyError",
     "KvEventConsumer",
-    "KvEventConsumerManager",
-    "SourceUnavailable",
-    "StreamClosedByPeer",
-    "StreamOpener",
-    "StreamRejected",
     "default_backoff",
+    "wall_clock",
 ]
 
+# The logger's name predates this package; kept so that log configs keep working.
 log = logging.getLogger("continuum.kvindex.consumer")
 
 ERROR_EVENT = "error"
@@ -110,16 +99,13 @@ ApplyFn = Callable[[KvEvent], Awaitable[str]]
 """Applies one event to the index; returns a label (``created``, ``evicted``, ...)."""
 ApplyManyFn = Callable[[list[KvEvent]], Awaitable[Sequence[str]]]
 """Applies events in order; returns one label each."""
-StreamOpener = Callable[[str | None], AsyncIterator[bytes]]
-"""Opens one stream given the last applied event ID; yields raw SSE bytes until it ends."""
 Clock = Callable[[], datetime]
 
-_SSE_CONTENT_TYPE = "text/event-stream"
 _YIELD_EVERY = 256
 """Records applied between yields to the event loop (about 2 ms of work)."""
 
 
-def _wall_clock() -> datetime:
+def wall_clock() -> datetime:
     return datetime.now(UTC)
 
 
@@ -135,47 +121,6 @@ def default_backoff(source: EventSourceConfig, *, jitter: float = 0.2) -> Backof
     """
     base = source.reconnect_interval_ms / 1000.0
     return ExponentialBackoff(base, max(base, MAX_BACKOFF_S), jitter)
-
-
-# -- errors ------------------------------------------------------------------------------------
-
-
-class ConsumerError(Exception):
-    """Root of the consumer's errors; each ends one connection, none ends the consumer."""
-
-
-class StreamRejected(ConsumerError):
-    """The endpoint answered, but not with an event stream (status, content type)."""
-
-    def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class StreamClosedByPeer(ConsumerError):
-    """The listener ended the stream with an ``event: error`` record."""
-
-    def __init__(self, reason: str) -> None:
-        super().__init__(f"listener closed the stream: {reason}")
-        self.reason = reason
-
-
-class SourceUnavailable(ConsumerError):
-    """Nobody offers the source yet (push mode: no live listener session announces it).
-
-    Not a failure of a peer: the supervisor retries after the first backoff step
-    (``reconnect_interval_ms``) every time, without doubling, so a stream opens soon after
-    a listener connects.
-    """
-
-
-class EventApplyError(ConsumerError):
-    """``apply`` raised; the event was not applied and will be asked for again."""
-
-    def __init__(self, backend: str, event_id: str | None, event: str) -> None:
-        super().__init__(f"applying {event} (id {event_id}) for {backend} failed")
-        self.backend = backend
-        self.event_id = event_id
 
 
 # -- counters ----------------------------------------------------------------------------------
@@ -222,35 +167,6 @@ class ConsumerStats:
 # -- one source --------------------------------------------------------------------------------
 
 
-def _header_safe(event_id: str | None) -> str | None:
-    """The id if it can go in an HTTP header, else None (the listener then resyncs)."""
-    if event_id and event_id.isascii() and event_id.isprintable():
-        return event_id
-    return None
-
-
-@contextlib.asynccontextmanager
-async def _closing(stream: AsyncIterator[bytes]) -> AsyncIterator[AsyncIterator[bytes]]:
-    """Like ``contextlib.aclosing`` but also for iterators without ``aclose``.
-
-    An error that ends the connection on the consumer's side (an oversized record, a
-    failed apply) is thrown into an async-generator opener at its ``yield`` first, so an
-    opener with a peer of its own (the event bus) can tell that peer why the stream ends.
-    """
-    try:
-        yield stream
-    except Exception as exc:
-        athrow = getattr(stream, "athrow", None)
-        if athrow is not None:
-            with contextlib.suppress(Exception, StopAsyncIteration):
-                await athrow(exc)
-        raise
-    finally:
-        aclose = getattr(stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
 class KvEventConsumer:
     """Consumes one event source until cancelled (see the module docstring).
 
@@ -286,7 +202,7 @@ class KvEventConsumer:
         apply: ApplyFn,
         session: aiohttp.ClientSession | None = None,
         backoff: Backoff | None = None,
-        clock: Clock = _wall_clock,
+        clock: Clock = wall_clock,
         *,
         stream_opener: StreamOpener | None = None,
         sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
@@ -299,27 +215,16 @@ class KvEventConsumer:
         self.backend = source.backend_name
         self._apply = apply
         self._apply_many = apply_many
-        self._session = session
         self._backoff = backoff if backoff is not None else default_backoff(source)
         self._clock = clock
         self._sleep = sleep
-        self._read_timeout = read_timeout
-        self._connect_timeout = connect_timeout
-        self._open: StreamOpener
-        if stream_opener is not None:
-            self._open = stream_opener
-        elif source.transport == "event_bus":
-            raise ValueError(
-                f"event source {self.backend}: transport event_bus requires a stream_opener"
+        self._open: StreamOpener = (
+            stream_opener
+            if stream_opener is not None
+            else builtin_opener(
+                source, session, connect_timeout=connect_timeout, read_timeout=read_timeout
             )
-        elif source.endpoint is None:
-            raise ValueError(f"event source {self.backend}: transport sse requires endpoint")
-        elif session is None:
-            raise ValueError(f"event source {self.backend}: an HTTP session is required")
-        elif source.endpoint.startswith(("ws://", "wss://")):
-            self._open = self._open_websocket
-        else:
-            self._open = self._open_http
+        )
         self.stats = ConsumerStats(self.backend, last_event_id=last_event_id)
         self._applied_now = 0
         self._drop_logged = False
@@ -402,7 +307,7 @@ class KvEventConsumer:
         (:class:`ConsumerError`, :class:`bus.sse.SseOverflow`, transport errors).
         """
         parser = SseParser(last_id=self.stats.last_event_id)
-        async with _closing(self._open(self.stats.last_event_id)) as chunks:
+        async with closing_stream(self._open(self.stats.last_event_id)) as chunks:
             async for chunk in chunks:
                 if not self.stats.connected:
                     self.stats.connected = True
@@ -518,72 +423,6 @@ class KvEventConsumer:
 
     # -- built-in openers ----------------------------------------------------------------------
 
-    def _headers(self, last_event_id: str | None) -> dict[str, str]:
-        headers = {"Accept": _SSE_CONTENT_TYPE, "Cache-Control": "no-cache"}
-        safe = _header_safe(last_event_id)
-        if safe is not None:
-            headers["Last-Event-ID"] = safe
-        elif last_event_id:
-            log.warning(
-                "event source %s: last event id %r cannot be sent; resuming with a resync",
-                self.backend,
-                last_event_id,
-            )
-        return headers
-
-    async def _open_http(self, last_event_id: str | None) -> AsyncIterator[bytes]:
-        """SSE over HTTP(S): GET the endpoint, yield the body as it arrives."""
-        assert self._session is not None and self.source.endpoint is not None
-        timeout = aiohttp.ClientTimeout(
-            total=None, sock_connect=self._connect_timeout, sock_read=self._read_timeout
-        )
-        async with self._session.get(
-            self.source.endpoint, headers=self._headers(last_event_id), timeout=timeout
-        ) as resp:
-            if resp.status != 200:
-                body = await resp.content.read(256)
-                raise StreamRejected(
-                    f"HTTP {resp.status} from {self.source.endpoint}: "
-                    f"{body.decode('utf-8', 'replace')!r}",
-                    resp.status,
-                )
-            ctype = resp.headers.get("Content-Type", "")
-            if not ctype.lower().startswith(_SSE_CONTENT_TYPE):
-                raise StreamRejected(
-                    f"{self.source.endpoint} answered {ctype or 'no content type'!r}, "
-                    f"not {_SSE_CONTENT_TYPE}",
-                    resp.status,
-                )
-            yield b""
-            async for chunk in resp.content.iter_any():
-                yield chunk
-
-    async def _open_websocket(self, last_event_id: str | None) -> AsyncIterator[bytes]:
-        """SSE bytes carried in WebSocket messages (framing: module docstring)."""
-        assert self._session is not None and self.source.endpoint is not None
-        async with self._session.ws_connect(
-            self.source.endpoint,
-            headers=self._headers(last_event_id),
-            timeout=aiohttp.ClientWSTimeout(ws_receive=self._read_timeout, ws_close=5.0),
-        ) as ws:
-            yield b""
-            while True:
-                msg = await ws.receive()
-                if msg.type == aiohttp.WSMsgType.TEXT:
-                    yield msg.data.encode()
-                elif msg.type == aiohttp.WSMsgType.BINARY:
-                    yield msg.data
-                elif msg.type == aiohttp.WSMsgType.ERROR:
-                    err = ws.exception()
-                    raise err if err is not None else ConsumerError("websocket error")
-                elif msg.type in (
-                    aiohttp.WSMsgType.CLOSE,
-                    aiohttp.WSMsgType.CLOSING,
-                    aiohttp.WSMsgType.CLOSED,
-                ):
-                    return
-                # PING/PONG are answered by aiohttp (autoping)
-
 
 def _error_reason(data: bytes) -> str:
     """The ``error`` field of an error record, or a short form of its data."""
@@ -594,153 +433,3 @@ def _error_reason(data: bytes) -> str:
     if isinstance(obj, dict) and isinstance(obj.get("error"), str):
         return obj["error"]
     return data[:100].decode("utf-8", "replace") or "error"
-
-
-# -- all sources -------------------------------------------------------------------------------
-
-
-def _default_session() -> aiohttp.ClientSession:
-    # No total timeout: streams are long-lived (each request sets its own read timeout).
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0))
-
-
-class KvEventConsumerManager:
-    """One :class:`KvEventConsumer` task per event source.
-
-    Args:
-        sources: The event sources; one per backend (a duplicate backend is skipped with an
-            error log, as is a source without an opener, e.g. ``event_bus`` without
-            ``stream_opener_factory``: configuration validation reports both).
-        apply: Shared by every consumer; events carry their backend.
-        session_factory: Creates the HTTP session the consumers share; called by
-            :meth:`start`, and the session is closed by :meth:`stop`.
-        backoff_factory: The reconnect strategy of a source (default :func:`default_backoff`).
-        stream_opener_factory: An opener for a source, or None for the built-in one; the
-            seam for push mode (``event_bus``).
-        clock: Wall clock for ``last_event_at``.
-        apply_many: Shared by every consumer, as ``apply`` (see :class:`KvEventConsumer`).
-    """
-
-    def __init__(
-        self,
-        sources: Iterable[EventSourceConfig],
-        apply: ApplyFn,
-        *,
-        session_factory: Callable[[], aiohttp.ClientSession] = _default_session,
-        backoff_factory: Callable[[EventSourceConfig], Backoff] = default_backoff,
-        stream_opener_factory: Callable[[EventSourceConfig], StreamOpener | None] | None = None,
-        clock: Clock = _wall_clock,
-        apply_many: ApplyManyFn | None = None,
-    ) -> None:
-        self._sources = list(sources)
-        self._apply = apply
-        self._apply_many = apply_many
-        self._session_factory = session_factory
-        self._backoff_factory = backoff_factory
-        self._opener_factory = stream_opener_factory
-        self._clock = clock
-        self._session: aiohttp.ClientSession | None = None
-        self._consumers: dict[str, KvEventConsumer] = {}
-        self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._started = False
-
-    @property
-    def sources(self) -> list[EventSourceConfig]:
-        return list(self._sources)
-
-    @property
-    def consumers(self) -> dict[str, KvEventConsumer]:
-        """The running consumers by backend name (read-only view for admin/tests)."""
-        return dict(self._consumers)
-
-    async def start(self) -> None:
-        """Start one task per source. Idempotent."""
-        if self._started:
-            return
-        self._started = True
-        for src in self._sources:
-            self._spawn(src, None)
-
-    async def stop(self) -> None:
-        """Cancel every consumer, wait for them, close the session. Idempotent."""
-        self._started = False
-        await self._cancel(list(self._tasks))
-        if self._session is not None:
-            session, self._session = self._session, None
-            await session.close()
-
-    async def restart(self, sources: Iterable[EventSourceConfig]) -> None:
-        """Switch to ``sources`` (hot reload): unchanged sources keep running with their
-        counters; removed ones stop; new or changed ones start. A changed source keeps its
-        last event ID when its endpoint and transport are unchanged (it resumes instead of
-        resyncing). Before :meth:`start` this only replaces the source list.
-        """
-        new = list(sources)
-        self._sources = new
-        if not self._started:
-            return
-        wanted = {s.backend_name: s for s in reversed(new)}  # first one per backend wins
-        carry: dict[str, str | None] = {}
-        stale = []
-        for name, consumer in self._consumers.items():
-            src = wanted.get(name)
-            if src == consumer.source:
-                continue
-            stale.append(name)
-            old = consumer.source
-            if src is not None and src.endpoint == old.endpoint and src.transport == old.transport:
-                carry[name] = consumer.last_event_id
-        await self._cancel(stale)
-        for src in new:
-            if src.backend_name not in self._consumers:
-                self._spawn(src, carry.get(src.backend_name))
-
-    def stats(self) -> dict[str, ConsumerStats]:
-        """A copy of every running consumer's counters, by backend name."""
-        return {name: copy.copy(c.stats) for name, c in self._consumers.items()}
-
-    # -- internals -----------------------------------------------------------------------------
-
-    def _spawn(self, src: EventSourceConfig, last_event_id: str | None) -> None:
-        name = src.backend_name
-        if name in self._consumers:
-            log.error("event source %s: duplicate source for this backend, skipped", name)
-            return
-        opener = self._opener_factory(src) if self._opener_factory is not None else None
-        session = None
-        if opener is None and src.transport == "sse" and src.endpoint is not None:
-            if self._session is None:
-                self._session = self._session_factory()
-            session = self._session
-        try:
-            consumer = KvEventConsumer(
-                src,
-                self._apply,
-                session,
-                self._backoff_factory(src),
-                self._clock,
-                stream_opener=opener,
-                last_event_id=last_event_id,
-                apply_many=self._apply_many,
-            )
-        except ValueError as exc:
-            log.error("%s; not consumed", exc)
-            return
-        task = asyncio.get_running_loop().create_task(consumer.run(), name=f"kv-events:{name}")
-        task.add_done_callback(self._on_done)
-        self._consumers[name] = consumer
-        self._tasks[name] = task
-
-    async def _cancel(self, names: list[str]) -> None:
-        tasks = [self._tasks.pop(n) for n in names if n in self._tasks]
-        for n in names:
-            self._consumers.pop(n, None)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
-
-    @staticmethod
-    def _on_done(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            log.error("%s ended unexpectedly", task.get_name(), exc_info=task.exception())

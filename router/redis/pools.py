@@ -32,7 +32,7 @@ from redis.backoff import NoBackoff
 
 from router.config.models import RedisConfig
 
-__all__ = ["RedisPools", "build_redis", "effective_url"]
+__all__ = ["UNAVAILABLE_ERRORS", "RedisPools", "build_redis", "effective_url", "glob_escape"]
 
 _CLIENT_NAME = "continuum-router"
 

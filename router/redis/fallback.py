@@ -1,7 +1,7 @@
 """Redis with an in-memory fallback: the supervision every Redis-backed store shares.
 
 The response cache (``router.cache.fallback``) and the KV index
-(``router.kvindex.redis_index``) each put a memory store behind Redis, so that a request
+(``router.kvindex.fallback``) each put a memory store behind Redis, so that a request
 never fails because Redis did. A :class:`FallbackSupervisor` decides which of the two
 serves and owns the way back; the store owns everything specific to it: which errors mean
 an outage, what it remembers while Redis is away, and how that reaches Redis again.

@@ -1,0 +1,51 @@
+"""Helpers the KV index test modules share: prefixes, entry views, a settable clock."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+
+from redis.asyncio import Redis
+
+from router.kvindex import IndexEntry, Tier
+
+GPU = Tier.GPU_HOT
+WARM = Tier.STORAGE_WARM
+
+
+def P(i: int) -> str:
+    """A prefix hash (64 hex characters, like ``bus.prefix_key``'s)."""
+    return f"{i:064x}"
+
+
+def state(entries: Sequence[IndexEntry]) -> dict[str, tuple[int, Tier]]:
+    return {e.backend: (e.token_count, e.tier) for e in entries}
+
+
+def assert_sorted(entries: Sequence[IndexEntry]) -> None:
+    ranks = [(e.token_count, e.backend) for e in entries]
+    assert ranks == sorted(ranks, reverse=True)
+    assert len({e.backend for e in entries}) == len(entries)
+
+
+class FakeClock:
+    def __init__(self, start: float | None = None) -> None:
+        self.now = time.time() if start is None else start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def new_key_prefix() -> str:
+    """A key prefix of this test's own: parallel runs never collide."""
+    return f"test:{uuid.uuid4().hex[:12]}:kvidx:"
+
+
+async def delete_prefix(client: Redis, key_prefix: str) -> None:
+    keys = [k async for k in client.scan_iter(match=key_prefix + "*", count=500)]
+    if keys:
+        await client.unlink(*keys)
