@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import signal
@@ -11,6 +10,8 @@ import socket
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from bus.tasks import cancel_and_wait
 
 from .app import Router
 from .config import RouterConfig, log_warnings, parse_hostport
@@ -142,9 +143,7 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
     await stop.wait()
     grace = config.server.shutdown_grace_ms / 1000
     log.info("shutting down: %d requests in flight, up to %gs to finish", app.in_flight, grace)
-    watcher.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
+    await cancel_and_wait(watcher, log=log)
     app.close()
     left = await app.drain(grace)
     if left:
