@@ -37,50 +37,35 @@ def _resolve_port(host: str, port: int) -> int:
         return s.getsockname()[1]
 
 
-def _read_pair(key: str, cert: str) -> tuple[bytes, bytes]:
-    """Start-up only, before serving: blocking reads are fine here."""
-    return Path(key).read_bytes(), Path(cert).read_bytes()
-
-
 async def _start_grpc(router: Router, config: RouterConfig) -> tuple[object, int]:
     """Health, reflection and (with Tier 4) KvIndex on one grpc.aio server, same loop."""
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
-
     from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc
+    from bus.grpc_server import generated, start_server
+    from bus.grpc_tls import server_credentials
 
     from .grpc_kvindex import SERVICE_NAME, KvIndexServicer
 
-    server = grpc.aio.server()
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    kvindex_pb2_grpc.add_KvIndexServicer_to_server(KvIndexServicer(router), server)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(
-        SERVICE_NAME,
-        health_pb2.HealthCheckResponse.SERVING
-        if router.kv is not None
-        else health_pb2.HealthCheckResponse.NOT_SERVING,
-    )
-    reflection.enable_server_reflection(
-        [
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            SERVICE_NAME,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
     listen = config.server.grpc_listen
     assert listen is not None
     srv = config.server
-    if srv.grpc_tls_cert and srv.grpc_tls_key:
-        creds = grpc.ssl_server_credentials([_read_pair(srv.grpc_tls_key, srv.grpc_tls_cert)])
-        port = server.add_secure_port(listen, creds)
-    else:
-        port = server.add_insecure_port(listen)
-    await server.start()
-    return server, port
+    started = await start_server(
+        listen,
+        [
+            generated(
+                kvindex_pb2_grpc.add_KvIndexServicer_to_server,
+                KvIndexServicer(router),
+                SERVICE_NAME,
+            )
+        ],
+        credentials=(
+            server_credentials(srv.grpc_tls_cert, srv.grpc_tls_key)  # start-up: blocking is fine
+            if srv.grpc_tls_cert and srv.grpc_tls_key
+            else None
+        ),
+        health_status={"": True, SERVICE_NAME: router.kv is not None},
+        reflection=True,
+    )
+    return started.server, started.port
 
 
 async def _start_event_bus(router: Router, config: RouterConfig) -> EventBusServer | None:
