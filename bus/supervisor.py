@@ -130,11 +130,6 @@ class Supervisor:
         self.attempts = 0
         """Connections started, the current one included."""
 
-    @property
-    def connection_healthy(self) -> bool:
-        """The current (or last) connection has called :meth:`healthy`."""
-        return self._healthy
-
     def healthy(self) -> None:
         """The current connection has proved itself: failures back to 0, backoff reset.
 
