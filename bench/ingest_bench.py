@@ -608,12 +608,15 @@ def _frame_name(frame: str) -> str:
 
 _STAGES = (
     # (stage, any of these frames in the stack); the first match wins, innermost stages first
-    ("pruning (ChainTracker._enforce)", ("listener/chains.py:ChainTracker._enforce",)),
-    ("emit: KvEvent, hub publish, SSE encode", ("listener/chains.py:ChainTracker._flush",)),
-    ("track (ChainTracker.apply, rest)", ("listener/chains.py:ChainTracker.apply",)),
+    ("pruning (BlockStore.enforce)", ("listener/chains/blocks.py:BlockStore.enforce",)),
+    ("emit: KvEvent, hub publish, SSE encode", ("listener/chains/prefixes.py:PrefixLedger.flush",)),
+    ("track (ChainTracker.apply, rest)", ("listener/chains/tracker.py:ChainTracker.apply",)),
     ("decode (decode_batch)", ("listener/decode.py:decode_batch",)),
     ("SSE write (SseServer._events)", ("listener/sse_server.py:SseServer._events",)),
-    ("attribution workers, /detokenize", ("listener/chains.py:ChainTracker._worker",)),
+    (
+        "attribution workers, /detokenize",
+        ("listener/chains/attribution.py:AttributionJobs._worker",),
+    ),
     ("receive (pyzmq asyncio)", ("zmq/",)),
     ("source loop (ZmqSource)", ("listener/zmq_source.py:",)),
 )
