@@ -194,8 +194,8 @@ class BlockStore:
         self.pruned = 0
         """Entries removed or stripped of their text by the bounds (since start)."""
         self.unattributed_chains = 0
-        """Chains given up (since start): born unattributed, or pending until a cause other
-        than the removal of an ancestor moved them out."""
+        """Chains given up since start: one per ``unattribute``, and one per block born
+        UNATTRIBUTED that does not extend an unattributed chain."""
 
     def add(self, b: TrackedBlock) -> None:
         """Track the new block ``b`` (its state, links and tokens set), then the bounds."""

@@ -16,7 +16,7 @@ What a block holds in each state (``ChainTracker.check_invariants`` asserts thes
 * ``UNATTRIBUTED`` can never be keyed. Length only: no tokens, prefix, parent or children;
                    descendants inherit the state when they are stored.
 
-Only token holders retain token IDs, so only ``PENDING`` blocks do.
+Only ``PENDING`` blocks hold token IDs.
 
 **Birth.** A block is created in whichever state its position decides, which is not a
 transition: ``KEYED`` for the first block of a root with a verified router salt, for a
@@ -78,7 +78,8 @@ class Cause(enum.StrEnum):
 
     ANCESTOR_REMOVED = "ancestor_removed"
     """The engine removed an ancestor, or the entry bound pruned it: the text above this
-    block is gone. Not counted as an unattributed chain (the block stays tracked)."""
+    block is gone. Not counted in ``unattributed_chains`` (the chain was cut by a removal,
+    not found unkeyable)."""
 
     TEXT_PRUNED = "text_pruned"
     """The token bound took the block's text (the oldest token holder first)."""
