@@ -1,6 +1,6 @@
 """Memory benchmark: the listener's resident memory at 100k tracked blocks, against the bound.
 
-The chain tracker bounds what it keeps per source (``listener/chains.py``)::
+The chain tracker bounds what it keeps per source (``listener/chains``)::
 
     retained token IDs <= min(max_retained_tokens, max_tracked_blocks * max_chain_tokens)
 

@@ -13,7 +13,6 @@ end of their stream rather than a reset connection.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 from bus.config import parse_hostport
 from bus.events import KvEvent
 from bus.salt import load_secret
+from bus.tasks import cancel_and_wait
 
 from .chains import ChainTracker
 from .config import ListenerConfig, SourceConfig
@@ -244,11 +244,7 @@ class ListenerApp:
             # Push mode first: Draining, close streams within drain_deadline (the router
             # moves the sources to another listener), while the sources still run.
             await self.push.drain(self._push_task)
-        for task in self._tasks:
-            task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        await cancel_and_wait(*self._tasks)
         if self.grpc is not None:
             await self.grpc.stop()
         await self.sse.stop()
@@ -283,7 +279,5 @@ async def run(cfg: ListenerConfig) -> int:
         log.error("a source stopped: %s", failed.exception())
         status = 1
     await app.stop()
-    failed.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await failed
+    await cancel_and_wait(failed)
     return status

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
+from bus import grpc_tls
 from bus._gen.continuum.listener.v1 import listener_pb2, listener_pb2_grpc
+from bus.grpc_server import generated, start_server
 
 from .config import GrpcTlsConfig, SourceConfig
 from .sse_server import numeric_leaves
@@ -160,12 +160,7 @@ class ListenerServicer(listener_pb2_grpc.ListenerServicer):
 
 def server_credentials(tls: GrpcTlsConfig) -> grpc.ServerCredentials:
     """Server TLS credentials from PEM files; client certificates required with client_ca."""
-    key = Path(tls.key).read_bytes()
-    cert = Path(tls.cert).read_bytes()
-    ca = Path(tls.client_ca).read_bytes() if tls.client_ca else None
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )
+    return grpc_tls.server_credentials(tls.cert, tls.key, tls.client_ca)
 
 
 class GrpcServer:
@@ -183,7 +178,7 @@ class GrpcServer:
         self._extra = tuple(extra)
         self._tls = tls
         self._server: grpc.aio.Server | None = None
-        self._health = health.aio.HealthServicer()
+        self._health: health.aio.HealthServicer | None = None
         self.port: int | None = None
 
     async def start(self, listen: str) -> int:
@@ -193,36 +188,26 @@ class GrpcServer:
             RuntimeError: the address could not be bound.
             OSError: a TLS file could not be read.
         """
-        server = grpc.aio.server()
-        listener_pb2_grpc.add_ListenerServicer_to_server(self.servicer, server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        extra_names = [register(server) for register in self._extra]
-        reflection.enable_server_reflection(
+        started = await start_server(
+            listen,
             [
-                SERVICE_NAME,
-                *extra_names,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
+                generated(
+                    listener_pb2_grpc.add_ListenerServicer_to_server, self.servicer, SERVICE_NAME
+                ),
+                *self._extra,
             ],
-            server,
+            credentials=server_credentials(self._tls) if self._tls is not None else None,
+            health_status={"": True, SERVICE_NAME: True},
+            reflection=True,
         )
-        if self._tls is not None:
-            port = server.add_secure_port(listen, server_credentials(self._tls))
-        else:
-            port = server.add_insecure_port(listen)
-        if port == 0:
-            raise RuntimeError(f"cannot bind gRPC on {listen}")
-        await server.start()
-        for name in ("", SERVICE_NAME):
-            await self._health.set(name, health_pb2.HealthCheckResponse.SERVING)
-        self._server = server
-        self.port = port
-        return port
+        self._server, self._health, self.port = started.server, started.health, started.port
+        return started.port
 
     async def stop(self, grace: float = 2.0) -> None:
         if self._server is None:
             return
         server, self._server = self._server, None
-        await self._health.enter_graceful_shutdown()
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
         self.servicer.close_streams()
         await server.stop(grace)

@@ -44,6 +44,7 @@ from urllib.parse import urlsplit
 import aiohttp
 
 from bus.backoff import Backoff, ExponentialBackoff
+from bus.supervisor import Attempt, Supervisor, Verdict
 from listener.endpoints import PublisherAllowlist, PublisherNotAllowedError
 from listener.engine_events import (
     BlockHash,
@@ -257,11 +258,15 @@ class TrtllmPoller:
         self.stats = TrtllmPollerStats()
         self._on_batch = on_batch
         self._on_resync = on_resync
-        self._backoff = backoff if backoff is not None else ExponentialBackoff()
         self._allowlist = PublisherAllowlist(config.allowed_publishers)
         self._host = urlsplit(config.url).hostname or ""
         self._name = config.backend or self._host
-        self._failures = 0
+        self._supervisor = Supervisor(
+            self._run_once,
+            self._classify,
+            backoff=backoff if backoff is not None else ExponentialBackoff(),
+            on_retry=self._log_retry,
+        )
         self._last_ids = self.stats.last_event_ids
         self._uncertain: set[int] = set()
         """Ranks whose next event may follow a lost ``created`` (after a failed poll)."""
@@ -281,25 +286,24 @@ class TrtllmPoller:
             PublisherNotAllowedError: the URL's host is not in ``allowed_publishers``.
             asyncio.CancelledError: always propagated.
         """
-        while True:
-            try:
-                await self._run_once()
-            except PublisherNotAllowedError:
-                raise
-            except Exception as exc:
-                self._failures += 1
-                self.stats.poll_errors += 1
-                self._uncertain = set(self._last_ids)
-                delay = self._backoff.compute(self._failures)
-                logger.warning(
-                    "trtllm source %s: poll failed (%s: %s); retrying in %.2fs (failure %d)",
-                    self._name,
-                    type(exc).__name__,
-                    exc,
-                    delay,
-                    self._failures,
-                )
-                await asyncio.sleep(delay)
+        await self._supervisor.run()
+
+    def _classify(self, error: Exception | None) -> Verdict:
+        if isinstance(error, PublisherNotAllowedError):
+            return Verdict.FATAL  # a configuration error: retrying cannot help
+        self.stats.poll_errors += 1
+        self._uncertain = set(self._last_ids)
+        return Verdict.RETRY
+
+    def _log_retry(self, attempt: Attempt) -> None:
+        logger.warning(
+            "trtllm source %s: poll failed (%s: %s); retrying in %.2fs (failure %d)",
+            self._name,
+            type(attempt.error).__name__,
+            attempt.error,
+            attempt.delay,
+            attempt.failures,
+        )
 
     async def _run_once(self) -> None:
         """Check the host, then own one HTTP session, polling until a poll fails."""
@@ -314,9 +318,8 @@ class TrtllmPoller:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while True:
                 received = await self._poll(session)
-                if self._failures:
-                    self._failures = 0
-                    self._backoff.reset()
+                if self._supervisor.failures:  # the first good poll after an outage
+                    self._supervisor.healthy()
                 if not received:
                     await asyncio.sleep(cfg.poll_interval_ms / 1000)
 

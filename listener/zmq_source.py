@@ -36,8 +36,9 @@ raises :class:`PublisherNotAllowedError` before any socket exists. The replay en
 always connected to, so its host is checked the same way. ``ipc://`` and ``inproc://``
 endpoints are local and are not checked.
 
-Structure: :meth:`ZmqSource.run` is the supervisor (reconnects with an injected
-:class:`~listener.backoff.Backoff`); :meth:`ZmqSource._run_once` owns one socket's lifetime.
+Structure: :meth:`ZmqSource.run` runs a :class:`bus.supervisor.Supervisor` (reconnects with
+an injected :class:`bus.backoff.Backoff`); :meth:`ZmqSource._run_once` owns one socket's
+lifetime, and the first good frame after failures reports it healthy.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ import zmq
 import zmq.asyncio
 
 from bus.backoff import Backoff, ExponentialBackoff
+from bus.supervisor import Attempt, Supervisor, Verdict
 from listener.endpoints import (
     SCHEMES as _SCHEMES,
 )
@@ -217,6 +219,11 @@ class _ReplayError(Exception):
     pass
 
 
+def _classify(error: Exception | None) -> Verdict:
+    """An endpoint outside ``allowed_publishers`` is a configuration error: not retried."""
+    return Verdict.FATAL if isinstance(error, PublisherNotAllowedError) else Verdict.RETRY
+
+
 # --------------------------------------------------------------------------------------------
 # ZAP
 
@@ -302,7 +309,6 @@ class ZmqSource:
         """``on_batch`` when it is a plain function: the in-order path calls it directly."""
         self._on_resync = on_resync
         self._on_drained = on_drained
-        self._backoff = backoff if backoff is not None else ExponentialBackoff()
         self._allowlist = PublisherAllowlist(config.allowed_publishers)
         self._name = config.backend or config.endpoint
         if config.dp_rank is not None:
@@ -314,7 +320,12 @@ class ZmqSource:
         self._last_seq: int | None = None
         self._dup_floor: int | None = None
         """After a replay, live batches with ``dup_floor < seq <= last_seq`` are duplicates."""
-        self._failures = 0
+        self._supervisor = Supervisor(
+            self._run_once,
+            _classify,
+            backoff=backoff if backoff is not None else ExponentialBackoff(),
+            on_retry=self._log_retry,
+        )
         self._ready = asyncio.Event()
         self._bound_endpoint: str | None = None
         self._decode_error_logged = False
@@ -362,23 +373,7 @@ class ZmqSource:
                 zap_sock.bind(ZAP_ENDPOINT)
                 zap = _ZapHandler(self._allowlist, self.stats, self._name)
                 zap_task = asyncio.create_task(zap.serve(zap_sock), name=f"zap:{self._name}")
-            while True:
-                try:
-                    await self._run_once()
-                except PublisherNotAllowedError:
-                    raise
-                except Exception as exc:
-                    self._failures += 1
-                    delay = self._backoff.compute(self._failures)
-                    logger.warning(
-                        "zmq source %s: %s: %s; reconnecting in %.2fs (failure %d)",
-                        self._name,
-                        type(exc).__name__,
-                        exc,
-                        delay,
-                        self._failures,
-                    )
-                    await asyncio.sleep(delay)
+            await self._supervisor.run()
         finally:
             self._ready.clear()
             if zap_task is not None:
@@ -386,6 +381,16 @@ class ZmqSource:
                 await asyncio.wait([zap_task])
             self._ctx = None
             ctx.destroy(linger=0)
+
+    def _log_retry(self, attempt: Attempt) -> None:
+        logger.warning(
+            "zmq source %s: %s: %s; reconnecting in %.2fs (failure %d)",
+            self._name,
+            type(attempt.error).__name__,
+            attempt.error,
+            attempt.delay,
+            attempt.failures,
+        )
 
     # -- one connection's lifetime -----------------------------------------------------------
 
@@ -459,7 +464,7 @@ class ZmqSource:
         if (
             last is None
             or self._sync_batch is None
-            or self._failures
+            or self._supervisor.failures
             or len(frames) != 3
             or len(seq8 := frames[1]) != SEQ_LEN
             or int.from_bytes(seq8, "big") != last + 1
@@ -494,9 +499,8 @@ class ZmqSource:
                     len(frames[1]) if len(frames) > 1 else -1,
                 )
             return
-        if self._failures:
-            self._failures = 0
-            self._backoff.reset()
+        if self._supervisor.failures:
+            self._supervisor.healthy()
         seq, payload = parsed
         last = self._last_seq
         if last is None and seq > 0 and self.config.replay_endpoint:

@@ -10,7 +10,8 @@ collaborators it uses:
   hub: the KV consumers open their streams from it, ``router.serve``'s bus server
   registers the listeners' sessions in it), the Gemini service, the cache-salt step;
 * the forwarder (selection + upstream + relay) and, over it, one dialect per client API
-  (``router.dialects``), the status endpoints and the admin API.
+  (``router.dialects``), the status endpoints, the admin API and the gRPC KvIndex
+  service.
 
 ``Router.handle`` is the whole HTTP surface behind the server seam: a table from
 (method, path) to handler. Configuration is swapped as a whole on reload
@@ -36,6 +37,7 @@ from .eventbus.hub import EventBusHub
 from .forwarder import Forwarder
 from .gemini import GeminiService
 from .gemini.metrics import GeminiCollector, UsageTotals
+from .grpc_kvindex import KvIndexServicer
 from .http.types import Handler, Request, Response, StreamResponse
 from .kv_runtime import KvRuntime
 from .metrics import RouterMetrics
@@ -102,6 +104,13 @@ class Router:
             kv=self.kv,
             gemini=self.gemini,
         )
+        self.kvindex_service = KvIndexServicer(
+            self.kv,
+            self.pool,
+            lambda: self.config.prefix_routing.max_prefix_length,
+            self.admin_token,
+        )
+        """``continuum.kvindex.v1.KvIndex``, served by ``router.serve`` on ``grpc_listen``."""
         self._routes: dict[tuple[str, str], Handler] = {
             ("POST", "/v1/chat/completions"): chat.handle,
             ("POST", "/anthropic/v1/messages"): messages.handle,

@@ -8,13 +8,14 @@ probes plus consecutive connect failures seen by the proxy.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable
 from typing import Literal
 
 import orjson
+
+from bus.tasks import cancel_and_wait
 
 from .config import BackendConfig, HealthCheckConfig
 from .upstream import UpstreamClient, UpstreamError
@@ -234,9 +235,7 @@ class BackendPool:
 
     async def stop(self) -> None:
         if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+            await cancel_and_wait(self._task, log=log)
             self._task = None
 
     async def _loop(self) -> None:

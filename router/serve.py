@@ -3,24 +3,26 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import signal
 import socket
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+
+from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc
+from bus.grpc_server import generated, start_server
+from bus.grpc_tls import server_credentials
+from bus.tasks import cancel_and_wait
 
 from .app import Router
 from .config import RouterConfig, log_warnings, parse_hostport
 from .config.loader import ConfigIssue
+from .eventbus.hub import EventBusHub
+from .eventbus.server import EventBusConfigError, EventBusServer
+from .grpc_kvindex import SERVICE_NAME
 from .http.rsgi import EmbeddedServer, RSGIApp
 from .reload import ConfigReloader
-
-if TYPE_CHECKING:
-    from .eventbus.hub import EventBusHub
-    from .eventbus.server import EventBusServer
 
 __all__ = ["run"]
 
@@ -37,62 +39,34 @@ def _resolve_port(host: str, port: int) -> int:
         return s.getsockname()[1]
 
 
-def _read_pair(key: str, cert: str) -> tuple[bytes, bytes]:
-    """Start-up only, before serving: blocking reads are fine here."""
-    return Path(key).read_bytes(), Path(cert).read_bytes()
-
-
 async def _start_grpc(router: Router, config: RouterConfig) -> tuple[object, int]:
-    """Health, reflection and (with Tier 4) KvIndex on one grpc.aio server, same loop."""
-    import grpc
-    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-    from grpc_reflection.v1alpha import reflection
-
-    from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc
-
-    from .grpc_kvindex import SERVICE_NAME, KvIndexServicer
-
-    server = grpc.aio.server()
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    servicer = KvIndexServicer(
-        router.kv,
-        router.pool,
-        lambda: router.config.prefix_routing.max_prefix_length,
-        router.admin_token,
-    )
-    kvindex_pb2_grpc.add_KvIndexServicer_to_server(servicer, server)
-    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
-    await health_servicer.set(
-        SERVICE_NAME,
-        health_pb2.HealthCheckResponse.SERVING
-        if router.kv is not None
-        else health_pb2.HealthCheckResponse.NOT_SERVING,
-    )
-    reflection.enable_server_reflection(
-        [
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            SERVICE_NAME,
-            reflection.SERVICE_NAME,
-        ],
-        server,
-    )
+    """Health, reflection and KvIndex (NOT_SERVING without Tier 4) on one grpc.aio server,
+    on the same loop."""
     listen = config.server.grpc_listen
     assert listen is not None
     srv = config.server
-    if srv.grpc_tls_cert and srv.grpc_tls_key:
-        creds = grpc.ssl_server_credentials([_read_pair(srv.grpc_tls_key, srv.grpc_tls_cert)])
-        port = server.add_secure_port(listen, creds)
-    else:
-        port = server.add_insecure_port(listen)
-    await server.start()
-    return server, port
+    started = await start_server(
+        listen,
+        [
+            generated(
+                kvindex_pb2_grpc.add_KvIndexServicer_to_server,
+                router.kvindex_service,
+                SERVICE_NAME,
+            )
+        ],
+        credentials=(
+            server_credentials(srv.grpc_tls_cert, srv.grpc_tls_key)  # start-up: blocking is fine
+            if srv.grpc_tls_cert and srv.grpc_tls_key
+            else None
+        ),
+        health_status={"": True, SERVICE_NAME: router.kv is not None},
+        reflection=True,
+    )
+    return started.server, started.port
 
 
 async def _start_event_bus(hub: EventBusHub, config: RouterConfig) -> EventBusServer | None:
     """The TLS-only EventBus server on ``hub``; None (logged) when it cannot start."""
-    from .eventbus.server import EventBusConfigError, EventBusServer
-
     bus = config.dynamo.event_bus
     server = EventBusServer(bus, hub)
     try:
@@ -146,9 +120,7 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
     await stop.wait()
     grace = config.server.shutdown_grace_ms / 1000
     log.info("shutting down: %d requests in flight, up to %gs to finish", app.in_flight, grace)
-    watcher.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await watcher
+    await cancel_and_wait(watcher, log=log)
     app.close()
     left = await app.drain(grace)
     if left:

@@ -1,12 +1,12 @@
 """The listener's session with the router's event bus: a supervisor over one connection.
 
-:meth:`EventBusClient.run` loops: :meth:`_run_once` holds one channel and one Session call
-(Hello -> Welcome -> the router's Subscribe / Unsubscribe / Forbidden), one
-:class:`StreamWriter` task per Subscribe; when the call ends for any reason the writers
-are stopped and, unless the listener is draining, the supervisor waits
-``reconnect_backoff`` doubling per failure up to max(reconnect_backoff, 60 s) and dials
-again (a session that got its Welcome resets the count). ``CancelledError`` always
-propagates.
+:meth:`EventBusClient.run` runs a :class:`bus.supervisor.Supervisor` over
+:meth:`_run_once`, which holds one channel and one Session call (Hello -> Welcome -> the
+router's Subscribe / Unsubscribe / Forbidden), one :class:`StreamWriter` task per
+Subscribe; when the call ends for any reason the writers are stopped and, unless the
+listener is draining, the supervisor waits ``reconnect_backoff`` doubling per failure up
+to max(reconnect_backoff, 60 s) and dials again (a session that got its Welcome resets
+the count). ``CancelledError`` always propagates.
 
 Drain (SIGTERM, :meth:`drain`): send ``Draining``, close every open stream with
 ``CLOSE_REASON_DRAINING`` after its in-flight write, half-close the session and wait for
@@ -28,7 +28,10 @@ import grpc
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
 from bus.backoff import Backoff, ExponentialBackoff
+from bus.grpc_tls import channel_credentials
 from bus.stream_data import encode_stream_request
+from bus.supervisor import Attempt, Supervisor, Verdict
+from bus.tasks import cancel_and_wait
 
 from ..stream import EventHub
 from .config import EventBusClientConfig
@@ -82,6 +85,21 @@ def _read_text(path: str) -> bytes:
     return Path(path).read_bytes()
 
 
+_EXPECTED = (SessionEnded, SessionRefused, TimeoutError, OSError, grpc.RpcError)
+"""How a session ends in the normal run of things; anything else is logged as a bug."""
+
+
+def _why(exc: Exception | None) -> str:
+    """How a session ended, for ``last_error`` and the log."""
+    if exc is None:
+        return "session ended"
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    if isinstance(exc, SessionEnded):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
 class EventBusClient:
     """Runs push mode for one listener process (module docstring).
 
@@ -107,12 +125,17 @@ class EventBusClient:
         self.sources = list(sources)
         self.heartbeat_interval = heartbeat_interval
         base = cfg.reconnect_backoff_s
-        self._backoff = backoff or ExponentialBackoff(base, max(base, MAX_BACKOFF_S), 0.2)
         self._draining = False
+        self._supervisor = Supervisor(
+            self._connection,
+            self._classify,
+            backoff=backoff or ExponentialBackoff(base, max(base, MAX_BACKOFF_S), 0.2),
+            on_retry=self._log_retry,
+            should_stop=lambda: self._draining,
+        )
         self._call: grpc.aio.StreamStreamCall | None = None
         self._writers: dict[str, tuple[StreamWriter, asyncio.Task[None]]] = {}
         self._done_draining = asyncio.Event()
-        self._welcomed = False
         self.session_id: str | None = None
         self.stats: dict[str, int | str | None] = {
             "connected": 0,
@@ -126,13 +149,8 @@ class EventBusClient:
     async def _credentials(self) -> tuple[grpc.ChannelCredentials, list[tuple[str, str]]]:
         cfg = self.cfg
         # Re-read per connection, so a rotated token or certificate is picked up.
-        ca = await asyncio.to_thread(_read_text, cfg.ca_file) if cfg.ca_file else None
-        key = cert = None
-        if cfg.client_cert_file and cfg.client_key_file:
-            cert = await asyncio.to_thread(_read_text, cfg.client_cert_file)
-            key = await asyncio.to_thread(_read_text, cfg.client_key_file)
-        creds = grpc.ssl_channel_credentials(
-            root_certificates=ca, private_key=key, certificate_chain=cert
+        creds = await asyncio.to_thread(
+            channel_credentials, cfg.ca_file, cfg.client_cert_file, cfg.client_key_file
         )
         token = None
         if cfg.credential_file:
@@ -148,50 +166,43 @@ class EventBusClient:
 
     async def run(self) -> None:
         """Keep a session up until drained or cancelled."""
-        failures = 0
-        while not self._draining:
-            self._welcomed = False
-            try:
-                await self._run_once()
-                why = "session ended"
-            except grpc.aio.AioRpcError as exc:
-                why = f"{exc.code().name}: {exc.details()}"
-            except SessionEnded as exc:
-                why = str(exc)
-            except (SessionRefused, TimeoutError, OSError, grpc.RpcError) as exc:
-                why = f"{type(exc).__name__}: {exc}"
-            except Exception as exc:  # keep the listener alive whatever happened
-                log.exception("event bus: unexpected error")
-                why = f"{type(exc).__name__}: {exc}"
-            finally:
-                self.stats["connected"] = 0
-                self._stop_writers(pb.CLOSE_REASON_ERROR)
-            if self._draining:
-                break
-            self.stats["last_error"] = why
-            if self._welcomed:
-                failures = 0
-                self._backoff.reset()
-            failures += 1
-            delay = self._backoff.compute(failures)
-            # The first failure of an outage is a warning, then every tenth (the delay
-            # doubles, so that is rarely); the others are routine.
-            level = logging.WARNING if failures == 1 or failures % 10 == 0 else logging.INFO
-            if self._welcomed and why.startswith("UNAVAILABLE"):
-                level = logging.INFO  # the router went away (restart): routine, retrying
-            log.log(
-                level,
-                "event bus: %s (%s); reconnecting in %.2fs (failure %d)",
-                why,
-                self.cfg.url,
-                delay,
-                failures,
-            )
-            await asyncio.sleep(delay)
+        await self._supervisor.run()
         self._done_draining.set()
 
+    async def _connection(self) -> None:
+        """One session for the supervisor; its writers stop with it, however it ends."""
+        try:
+            await self._run_once()
+        finally:
+            self.stats["connected"] = 0
+            self._stop_writers(pb.CLOSE_REASON_ERROR)
+
+    def _classify(self, exc: Exception | None) -> Verdict:
+        """Every ending is retried (until the drain): the listener stays up whatever."""
+        if exc is not None and not isinstance(exc, _EXPECTED):
+            log.exception("event bus: unexpected error")
+        return Verdict.RETRY
+
+    def _log_retry(self, attempt: Attempt) -> None:
+        why = _why(attempt.error)
+        self.stats["last_error"] = why
+        failures = attempt.failures
+        # The first failure of an outage is a warning, then every tenth (the delay
+        # doubles, so that is rarely); the others are routine.
+        level = logging.WARNING if failures == 1 or failures % 10 == 0 else logging.INFO
+        if attempt.healthy and why.startswith("UNAVAILABLE"):
+            level = logging.INFO  # the router went away (restart): routine, retrying
+        log.log(
+            level,
+            "event bus: %s (%s); reconnecting in %.2fs (failure %d)",
+            why,
+            self.cfg.url,
+            attempt.delay,
+            failures,
+        )
+
     async def _run_once(self) -> None:
-        """One channel, one Session call; sets ``_welcomed`` once the router accepts."""
+        """One channel, one Session call; healthy once the router's Welcome arrives."""
         cfg = self.cfg
         creds, metadata = await self._credentials()
         options: list[tuple[str, int | str]] = list(_KEEPALIVE)
@@ -213,7 +224,7 @@ class EventBusClient:
                     raise SessionRefused("the router ended the session before its Welcome")
                 if first.WhichOneof("kind") != "welcome":
                     raise SessionRefused(f"expected a Welcome, got {first.WhichOneof('kind')}")
-                self._welcomed = True
+                self._supervisor.healthy()
                 self.session_id = first.welcome.session_id
                 self.stats["connected"] = 1
                 self.stats["sessions"] = int(self.stats["sessions"] or 0) + 1
@@ -308,9 +319,8 @@ class EventBusClient:
                         asyncio.shield(self._done_draining.wait()),
                         max(0.0, deadline - time.monotonic()),
                     )
-            run_task.cancel()  # not connected (e.g. waiting to reconnect): nothing to drain
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await run_task
+            # Whatever is left of it (a wait to reconnect, say) has nothing to drain.
+            await cancel_and_wait(run_task)
         for _w, t in list(self._writers.values()):
             t.cancel()
         log.info("event bus: drained")

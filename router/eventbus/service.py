@@ -9,7 +9,6 @@ ends only that one.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 from typing import Any, NoReturn
@@ -18,6 +17,7 @@ import grpc
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+from bus.tasks import cancel_and_wait
 
 from .auth import AuthError, Principal
 from .hub import CLOSE_REASONS, BusSession, ChannelClosed, EventBusHub, SessionEnd
@@ -110,9 +110,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
                     return
                 await context.write(msg)
         finally:
-            reader.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await reader
+            await cancel_and_wait(reader)
             self.hub.unregister(session)
 
     async def _read(self, session: BusSession, requests: AsyncIterator[pb.SessionRequest]) -> None:

@@ -24,7 +24,6 @@ management never fails a request, it only costs the cache.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Mapping
@@ -34,6 +33,7 @@ from typing import Any
 import orjson
 
 from bus.prefix_key import anchor_text, compute_prefix_key
+from bus.tasks import cancel_and_wait
 
 from ..config import GeminiContextCacheConfig
 from ..pool import Backend
@@ -386,8 +386,4 @@ class GeminiContextCache:
 
     async def close(self) -> None:
         tasks = list(self._tasks)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await cancel_and_wait(*tasks)

@@ -17,6 +17,8 @@ from granian.constants import HTTPModes, Interfaces
 from granian.rsgi import ProtocolClosed
 from granian.server.embed import Server
 
+from bus.tasks import cancel_and_wait
+
 from .types import Handler, Request, Response, StreamResponse
 
 __all__ = ["EmbeddedServer", "RSGIApp"]
@@ -217,5 +219,4 @@ class EmbeddedServer:
         if self._task is None:
             return
         self._server.stop()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(self._task, grace)
+        await cancel_and_wait(self._task, grace=grace)

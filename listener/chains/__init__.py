@@ -1,0 +1,64 @@
+"""Chain tracking: engine block events in, prefix-level ``KvEvent``s out, in bounded memory.
+
+One ``ChainTracker`` per source (backend). Engines report KV-cache *blocks* (stored,
+removed, all cleared), each chained to its parent by hash; the router needs *prefixes*:
+which backend holds how much of the chain under which prefix key (``bus.prefix_key``).
+The tracker turns one into the other:
+
+* ``blocks``       each stored block becomes a ``TrackedBlock`` in the ``BlockStore``,
+                   which holds the entry and token bounds and prunes single entries in a
+                   ``PruningPolicy``'s order (``LruPolicy`` by default);
+* ``states``       a block is ``PENDING`` (prefix unknown yet), ``KEYED`` (prefix known) or
+                   ``UNATTRIBUTED`` (can never be keyed); the table of allowed transitions
+                   (``TRANSITIONS``) and what each state holds;
+* ``attribution``  pending chains are detokenized off the ingestion path and keyed at the
+                   block whose text decides the key (router salts key a chain at once);
+* ``prefixes``     per-prefix counts of keyed blocks, diffed against what was last
+                   announced into ``cache_created`` / ``cache_offloaded`` /
+                   ``cache_evicted``; ``snapshot`` replays the announced state;
+* ``tracker``      ``ChainTracker``, the facade: ``apply`` (synchronous, O(blocks in the
+                   event), never waits for I/O), ``flush``, ``reset``, ``snapshot``,
+                   ``stats``, ``idle``, ``aclose``, ``check_invariants``.
+
+**Memory bound.** Only PENDING blocks retain token IDs, each block only its own segment
+and only if it ends within ``max_chain_tokens``; entries beyond ``max_tracked_blocks`` are
+pruned, and beyond ``max_retained_tokens`` the oldest holders lose their text. Hence at
+all times, per source::
+
+    retained token IDs <= min(max_retained_tokens, max_tracked_blocks * max_chain_tokens)
+
+Never a whole backend is dropped; a prefix goes (``cache_evicted``) only when its last
+block goes.
+
+**Events.** After every engine batch (or attribution) the tracker emits, per prefix, the
+difference from what it last announced, and ``cache_cleared`` when the engine cleared
+everything; ``reset`` forgets everything without events (the source resyncs).
+"""
+
+from .attribution import ChainAttributor
+from .blocks import LruPolicy, PruningPolicy, TrackedBlock
+from .states import (
+    KEYED,
+    PENDING,
+    TRANSITIONS,
+    UNATTRIBUTED,
+    BlockState,
+    Cause,
+    IllegalTransition,
+)
+from .tracker import ChainTracker
+
+__all__ = [
+    "KEYED",
+    "PENDING",
+    "TRANSITIONS",
+    "UNATTRIBUTED",
+    "BlockState",
+    "Cause",
+    "ChainAttributor",
+    "ChainTracker",
+    "IllegalTransition",
+    "LruPolicy",
+    "PruningPolicy",
+    "TrackedBlock",
+]
