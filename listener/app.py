@@ -18,7 +18,7 @@ import functools
 import logging
 import signal
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from bus.config import parse_hostport
 from bus.events import KvEvent
@@ -30,6 +30,7 @@ from .config import ListenerConfig, SourceConfig
 from .decode import decode_batch
 from .engine_events import EventBatch
 from .grpc_service import GrpcServer, ListenerServicer
+from .push.client import EventBusClient
 from .recovery import Attributor, Detokenizer
 from .saecache.advisor import EvictionAdvisor
 from .saecache.advisor import add_to_server as advisor_to_server
@@ -39,9 +40,6 @@ from .stream import EventHub
 from .templates import CHATML, LLAMA3, ChatTemplate, get_template, marker_template
 from .trtllm_source import TrtllmPoller, TrtllmPollerConfig
 from .zmq_source import ZmqSource, ZmqSourceConfig
-
-if TYPE_CHECKING:
-    from .push.client import EventBusClient
 
 __all__ = ["ListenerApp", "SourceRuntime", "run"]
 
@@ -182,8 +180,6 @@ class ListenerApp:
         self.push: EventBusClient | None = None
         self._push_task: asyncio.Task[None] | None = None
         if cfg.event_bus is not None:
-            from .push.client import EventBusClient
-
             self.push = EventBusClient(
                 cfg.event_bus,
                 self.hub,

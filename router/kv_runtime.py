@@ -18,16 +18,14 @@ import dataclasses
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .config import RouterConfig
 from .config.models import EventSourceConfig
+from .eventbus.hub import EventBusHub
 from .ingest import KvEventConsumerManager, StreamOpener
 from .kvindex import IndexStats, apply_event, apply_events, build_kv_index
 from .kvindex.scorer import KvOverlapScorer
-
-if TYPE_CHECKING:
-    from .eventbus.hub import EventBusHub
 
 __all__ = ["KvRuntime", "index_figures"]
 

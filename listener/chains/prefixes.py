@@ -16,12 +16,9 @@ exactly the announced state (what a subscriber that joins or resyncs starts from
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from bus.events import KvEvent
-
-if TYPE_CHECKING:
-    from .blocks import TrackedBlock
 
 __all__ = ["Prefix", "PrefixLedger"]
 
@@ -47,6 +44,17 @@ class Prefix:
         self.sent_count = 0
 
 
+class CountedBlock(Protocol):
+    """What the ledger reads of a keyed block (``blocks.TrackedBlock`` is one)."""
+
+    @property
+    def prefix(self) -> Prefix | None: ...
+    @property
+    def tier(self) -> str: ...
+    @property
+    def depth(self) -> int: ...
+
+
 class PrefixLedger:
     """The prefixes of one source's keyed blocks, and what subscribers were told of them.
 
@@ -68,7 +76,7 @@ class PrefixLedger:
             p = self.prefixes[key] = Prefix(key)
         return p
 
-    def account(self, b: TrackedBlock, sign: int) -> None:
+    def account(self, b: CountedBlock, sign: int) -> None:
         """Count keyed block ``b`` in (``sign`` 1) or out (-1) of its prefix."""
         p = b.prefix
         assert p is not None

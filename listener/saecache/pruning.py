@@ -34,13 +34,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+
+from listener.chains import TrackedBlock
 
 from .policy import SaeCache, SaeConfig, SaeParams
 from .types import Queue, TokenType
-
-if TYPE_CHECKING:
-    from listener.chains import TrackedBlock
 
 __all__ = ["SaePruningPolicy"]
 

@@ -27,13 +27,10 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from ..config import ScoringConfig
+from ..pool import Backend
 from .base import IndexEntry, KvIndex, Tier
-
-if TYPE_CHECKING:
-    from ..pool import Backend
 
 __all__ = ["DEFAULT_SCORER_THRESHOLD", "KvOverlapScorer", "Prepared"]
 

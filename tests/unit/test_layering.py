@@ -5,6 +5,9 @@
 * product code (router, listener, bus, certs) never imports ``bench`` or ``harness``;
 * only the composition root's caller (``router.serve``) imports ``router.app``: every
   other part gets its collaborators handed in, never the whole router;
+* Tier 4 runs one way: the index (``router.kvindex``) knows nothing of where its events
+  come from, ingestion (``router.ingest``) nothing of the index, and they meet in
+  ``router.kv_runtime``; the event bus takes its opener seam from ingestion;
 * no import cycle, between modules or between subpackages, counting every import:
   function-level ones and ``if TYPE_CHECKING:`` ones too (a type-only import is how a
   cycle hides), and a ``TYPE_CHECKING`` block never imports a project module.
@@ -170,6 +173,37 @@ def test_type_checking_blocks_import_no_project_module() -> None:
         str(i) for i in _all_imports() if _product(i) and i.type_only and _top(i.target) in PRODUCT
     ]
     assert not bad, "import it plainly (a type-only import hides a cycle):\n" + "\n".join(bad)
+
+
+def _imported_by(package: str) -> set[str]:
+    """The project modules that the modules of ``package`` import."""
+    return {
+        i.target
+        for i in _all_imports()
+        if (i.source == package or i.source.startswith(package + ".")) and _top(i.target) in PRODUCT
+    }
+
+
+@pytest.mark.parametrize(
+    ("package", "forbidden"),
+    [
+        ("router.kvindex", ("router.ingest", "router.eventbus", "router.kv_runtime")),
+        (
+            "router.ingest",
+            ("router.kvindex", "router.eventbus", "router.kv_runtime", "router.redis"),
+        ),
+        ("router.redis", ("router.kvindex", "router.cache", "router.ingest")),
+    ],
+)
+def test_tier4_imports_run_one_way(package: str, forbidden: tuple[str, ...]) -> None:
+    imported = _imported_by(package)
+    assert imported, f"{package} imports nothing from the project: the check is broken"
+    bad = sorted(n for n in imported if n.startswith(forbidden))
+    assert not bad, f"{package} imports {bad}"
+
+
+def test_the_event_bus_takes_the_opener_seam_from_ingest() -> None:
+    assert any(n.startswith("router.ingest") for n in _imported_by("router.eventbus"))
 
 
 def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
