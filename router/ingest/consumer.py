@@ -14,8 +14,9 @@ Layers, so that push mode (``transport: event_bus``) plugs in without touching p
 * **connection** — :meth:`KvEventConsumer._run_once` holds one opened stream in
   ``async with``, feeds chunks to a fresh :class:`bus.sse.SseParser` and handles records
   one at a time; it returns or raises when the stream is over.
-* **supervisor** — :meth:`KvEventConsumer.run` loops over connections with an injected
-  :class:`bus.backoff.Backoff` between them. ``asyncio.CancelledError`` always propagates.
+* **supervisor** — :meth:`KvEventConsumer.run` loops over connections under the shared
+  :class:`bus.supervisor.Supervisor`, with an injected :class:`bus.backoff.Backoff`
+  between them. ``asyncio.CancelledError`` always propagates.
 
 Per record:
 
@@ -69,6 +70,7 @@ import orjson
 from bus.backoff import Backoff, ExponentialBackoff
 from bus.events import EventError, KvEvent
 from bus.sse import SseOverflow, SseParser, SseRecord
+from bus.supervisor import Attempt, Supervisor, Verdict
 
 from ..config.models import EventSourceConfig
 from .errors import ConsumerError, EventApplyError, SourceUnavailable, StreamClosedByPeer
@@ -215,9 +217,7 @@ class KvEventConsumer:
         self.backend = source.backend_name
         self._apply = apply
         self._apply_many = apply_many
-        self._backoff = backoff if backoff is not None else default_backoff(source)
         self._clock = clock
-        self._sleep = sleep
         self._open: StreamOpener = (
             stream_opener
             if stream_opener is not None
@@ -226,7 +226,15 @@ class KvEventConsumer:
             )
         )
         self.stats = ConsumerStats(self.backend, last_event_id=last_event_id)
+        self._supervisor = Supervisor(
+            self._connection,
+            self._classify,
+            backoff=backoff if backoff is not None else default_backoff(source),
+            sleep=sleep,
+            on_retry=self._on_retry,
+        )
         self._applied_now = 0
+        """Events applied by the current connection."""
         self._drop_logged = False
 
     @property
@@ -238,65 +246,68 @@ class KvEventConsumer:
     async def run(self) -> None:
         """Consume until cancelled; may run once at a time per consumer.
 
-        Each connection (:meth:`_run_once`) that ends, by error or cleanly, is logged and
-        followed by ``backoff.compute(failures)`` seconds of waiting; a connection that
-        applied an event first resets ``failures`` (and calls ``backoff.reset()``).
+        A :class:`bus.supervisor.Supervisor` runs the connections (:meth:`_connection`):
+        each that ends, by error or cleanly, is logged and followed by
+        ``backoff.compute(failures)`` seconds of waiting; one that applied an event resets
+        ``failures`` (and calls ``backoff.reset()``); :class:`SourceUnavailable` waits the
+        first step without counting a failure.
 
         Raises:
             asyncio.CancelledError: always propagated, from a connection or from a wait.
         """
-        failures = 0
-        attempts = 0
-        while True:
-            if attempts:
-                self.stats.reconnects += 1
-            attempts += 1
-            self._applied_now = 0
-            self._drop_logged = False
-            try:
-                await self._run_once()
-            except SourceUnavailable as exc:
-                # Flat retry, no doubling and no warning per attempt (module docstring).
-                self.stats.last_error = str(exc)
-                log.debug("event source %s: %s", self.backend, exc)
-                await self._sleep(self._backoff.compute(1))
-                continue
-            except SseOverflow as exc:
-                self.stats.overflows += 1
-                self.stats.dropped += 1
-                why = f"overflow: {exc}"
-            except ConsumerError as exc:
-                why = str(exc)
-                if isinstance(exc, EventApplyError) and exc.__cause__ is not None:
-                    why += f": {type(exc.__cause__).__name__}: {exc.__cause__}"
-            except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-                why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-            except Exception as exc:  # a bug in an opener or in apply's wrapper: keep going
-                log.exception("event source %s: unexpected error", self.backend)
-                why = f"{type(exc).__name__}: {exc}"
-            else:
-                why = "stream ended"
-            finally:
-                self.stats.connected = False
-            self.stats.last_error = why
-            if self._applied_now:
-                failures = 0
-                self._backoff.reset()
-            failures += 1
-            delay = self._backoff.compute(failures)
-            # A stream that delivered and then ended cleanly is routine; anything else is not.
-            clean = why == "stream ended" and self._applied_now
-            level = logging.INFO if clean else logging.WARNING
-            log.log(
-                level,
-                "event source %s: %s; reconnecting in %.2fs from %s (failure %d)",
-                self.backend,
-                why,
-                delay,
-                self.stats.last_event_id or "the start",
-                failures,
-            )
-            await self._sleep(delay)
+        await self._supervisor.run()
+
+    async def _connection(self) -> None:
+        if self._supervisor.attempts > 1:
+            self.stats.reconnects += 1
+        self._drop_logged = False
+        self._applied_now = 0
+        try:
+            await self._run_once()
+        finally:
+            self.stats.connected = False
+            if self._applied_now:  # healthy: it applied events (reported as it ends)
+                self._supervisor.healthy()
+
+    def _classify(self, exc: Exception | None) -> Verdict:
+        """Why the connection ended (``stats.last_error``); only "unavailable" is flat."""
+        if isinstance(exc, SourceUnavailable):
+            return Verdict.RETRY_FLAT
+        if exc is None:
+            why = "stream ended"
+        elif isinstance(exc, SseOverflow):
+            self.stats.overflows += 1
+            self.stats.dropped += 1
+            why = f"overflow: {exc}"
+        elif isinstance(exc, ConsumerError):
+            why = str(exc)
+            if isinstance(exc, EventApplyError) and exc.__cause__ is not None:
+                why += f": {type(exc.__cause__).__name__}: {exc.__cause__}"
+        elif isinstance(exc, (aiohttp.ClientError, OSError, TimeoutError)):
+            why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        else:  # a bug in an opener or in apply's wrapper: keep going
+            log.exception("event source %s: unexpected error", self.backend)
+            why = f"{type(exc).__name__}: {exc}"
+        self.stats.last_error = why
+        return Verdict.RETRY
+
+    def _on_retry(self, attempt: Attempt) -> None:
+        if attempt.verdict is Verdict.RETRY_FLAT:
+            # No doubling and no warning per attempt (module docstring).
+            self.stats.last_error = str(attempt.error)
+            log.debug("event source %s: %s", self.backend, attempt.error)
+            return
+        # A stream that delivered and then ended cleanly is routine; anything else is not.
+        clean = attempt.error is None and attempt.healthy
+        log.log(
+            logging.INFO if clean else logging.WARNING,
+            "event source %s: %s; reconnecting in %.2fs from %s (failure %d)",
+            self.backend,
+            self.stats.last_error,
+            attempt.delay,
+            self.stats.last_event_id or "the start",
+            attempt.failures,
+        )
 
     # -- one connection ------------------------------------------------------------------------
 
