@@ -16,6 +16,8 @@ from typing import Any, Literal, TypeVar
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from .errors import BusError
+
 M = TypeVar("M", bound=BaseModel)
 
 __all__ = [
@@ -63,7 +65,7 @@ class ConfigIssue:
         return f"{self.severity}: {self.path}: {self.message}"
 
 
-class ConfigError(Exception):
+class ConfigError(BusError):
     """The file cannot be used; ``issues`` lists every error found, each with its path."""
 
     def __init__(self, issues: list[ConfigIssue]) -> None:

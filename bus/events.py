@@ -26,6 +26,8 @@ from typing import Any, Literal
 
 import orjson
 
+from .errors import BusError
+
 __all__ = [
     "BACKEND_NAME_RE",
     "EVENT_KINDS",
@@ -49,7 +51,7 @@ _valid_backends: set[str] = set()
 """Backend names already checked against ``BACKEND_NAME_RE``: a stream repeats one name."""
 
 
-class EventError(ValueError):
+class EventError(BusError, ValueError):
     """A record that is not a valid event; the message says which field and why."""
 
 

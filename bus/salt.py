@@ -26,6 +26,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from .errors import BusError
+
 __all__ = ["SALT_PREFIX", "SaltError", "SaltInfo", "encode_salt", "load_secret", "verify_salt"]
 
 SALT_PREFIX = "ctm1."
@@ -34,7 +36,7 @@ _MAC_LEN = 16
 _MAC_CHARS = 22  # base64url of 16 bytes, unpadded
 
 
-class SaltError(ValueError):
+class SaltError(BusError, ValueError):
     """A salt in our format whose MAC does not verify: the chain must be discarded."""
 
 

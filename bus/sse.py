@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .errors import BusError
+
 __all__ = [
     "MAX_SSE_BUFFER_SIZE",
     "SseOverflow",
@@ -31,7 +33,7 @@ _event_names: dict[bytes, str] = {}
 """Decoded ``event:`` values: a handful of kinds, seen once per record."""
 
 
-class SseOverflow(Exception):
+class SseOverflow(BusError):
     """A line or a record exceeded the cap; the stream must be dropped."""
 
 

@@ -12,8 +12,23 @@ through protobuf, so the wire format is exactly the one ``proto/`` declares.
 from __future__ import annotations
 
 from ._gen.continuum.bus.v1 import bus_pb2 as pb
+from .errors import BUFFER_OVERFLOW
 
-__all__ = ["decode_stream_request", "encode_stream_data", "encode_stream_request"]
+__all__ = [
+    "CLOSE_REASON_WORDS",
+    "decode_stream_request",
+    "encode_stream_data",
+    "encode_stream_request",
+]
+
+CLOSE_REASON_WORDS: dict[int, str] = {
+    pb.CLOSE_REASON_UNSPECIFIED: "error",
+    pb.CLOSE_REASON_BUFFER_OVERFLOW: BUFFER_OVERFLOW,
+    pb.CLOSE_REASON_DRAINING: "draining",
+    pb.CLOSE_REASON_UNSUBSCRIBED: "unsubscribed",
+    pb.CLOSE_REASON_ERROR: "error",
+}
+"""``StreamClose.reason`` as the word logs and counters use (the SSE error record's)."""
 
 # StreamRequest.data is field 2, StreamData.data field 1; both length-delimited (wire
 # type 2), so their tags are (2 << 3) | 2 and (1 << 3) | 2.

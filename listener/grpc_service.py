@@ -17,6 +17,7 @@ from grpc_health.v1 import health
 
 from bus import grpc_tls
 from bus._gen.continuum.listener.v1 import listener_pb2, listener_pb2_grpc
+from bus.errors import BUFFER_OVERFLOW
 from bus.grpc_server import generated, start_server
 
 from .config import GrpcTlsConfig, SourceConfig
@@ -147,7 +148,7 @@ class ListenerServicer(listener_pb2_grpc.ListenerServicer):
         finally:
             sub.close()
             self._subs.discard(sub)
-        if reason == "buffer_overflow":
+        if reason == BUFFER_OVERFLOW:
             log.warning("closed a slow gRPC subscriber of %s: buffer_overflow", backend)
             await context.abort(
                 grpc.StatusCode.RESOURCE_EXHAUSTED,

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from bus.errors import BUFFER_OVERFLOW
 from bus.sse import encode_comment
 
 from .stream import EventHub, StatsProvider, Subscription
@@ -236,7 +237,7 @@ class SseServer:
             await resp.prepare(request)
             async for batch in sse_batches(sub, self.heartbeat_interval, self._batch_limit):
                 await resp.write(b"".join(batch))
-            if sub.close_reason == "buffer_overflow":
+            if sub.close_reason == BUFFER_OVERFLOW:
                 log.warning("closed a slow subscriber of %s: buffer_overflow", backend)
             with contextlib.suppress(ConnectionError):
                 await resp.write_eof()

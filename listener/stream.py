@@ -66,11 +66,11 @@ from typing import Any, Protocol
 
 import orjson
 
+from bus.errors import BUFFER_OVERFLOW, ERROR_EVENT
 from bus.events import KvEvent
 from bus.sse import encode_record
 
 __all__ = [
-    "ERROR_EVENT",
     "EventHub",
     "HubRecord",
     "SnapshotProvider",
@@ -83,8 +83,6 @@ __all__ = [
 
 log = logging.getLogger("continuum.listener.stream")
 
-ERROR_EVENT = "error"
-"""The SSE ``event:`` of the record that ends a stream on overflow (never a KvEvent)."""
 
 SnapshotProvider = Callable[[], Iterable[KvEvent]]
 """Returns the backend's current prefixes as ``cache_created`` events. Synchronous."""
@@ -195,7 +193,7 @@ class Subscription:
     def _push(self, rec: HubRecord) -> bool:
         """Queue a live record; False (and the subscriber is finished) on overflow."""
         if len(self._live) >= self._limit:
-            self._finish("buffer_overflow", self._overflow_record())
+            self._finish(BUFFER_OVERFLOW, self._overflow_record())
             return False
         self._live.append(rec)
         self._wake()
@@ -204,7 +202,7 @@ class Subscription:
     def _overflow_record(self) -> HubRecord:
         data = orjson.dumps(
             {
-                "error": "buffer_overflow",
+                "error": BUFFER_OVERFLOW,
                 "backend": self.backend,
                 "detail": f"subscriber queue full ({self._limit} events); "
                 "resume from the last event id",

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 import grpc
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+from bus.errors import BUFFER_OVERFLOW
 from bus.stream_data import encode_stream_data
 
 from ..sse_server import sse_batches
@@ -42,7 +43,7 @@ OpenStream = Callable[..., grpc.aio.StreamUnaryCall]
 log = logging.getLogger("continuum.listener.push")
 
 _CLOSE_OF_SUB = {
-    "buffer_overflow": pb.CLOSE_REASON_BUFFER_OVERFLOW,
+    BUFFER_OVERFLOW: pb.CLOSE_REASON_BUFFER_OVERFLOW,
     "shutdown": pb.CLOSE_REASON_DRAINING,
 }
 

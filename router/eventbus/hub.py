@@ -45,26 +45,18 @@ from typing import Any
 import grpc
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
+from bus.errors import BUFFER_OVERFLOW
 
 from ..config.models import BrokerConfig, EventBusConfig
 from ..ingest import ConsumerError, SourceUnavailable, StreamClosedByPeer, StreamOpener
 from .auth import Authenticator, AuthError, Principal
 
-__all__ = ["CLOSE_REASONS", "BusSession", "EventBusHub", "NoSession", "StreamSlot"]
+__all__ = ["BusSession", "EventBusHub", "NoSession", "StreamSlot"]
 
 log = logging.getLogger("continuum.eventbus")
 
 _SOURCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
 _ROLES = {"kv_listener": pb.ROLE_KV_LISTENER, "broker": pb.ROLE_BROKER}
-
-CLOSE_REASONS: dict[int, str] = {
-    pb.CLOSE_REASON_UNSPECIFIED: "error",
-    pb.CLOSE_REASON_BUFFER_OVERFLOW: "buffer_overflow",
-    pb.CLOSE_REASON_DRAINING: "draining",
-    pb.CLOSE_REASON_UNSUBSCRIBED: "unsubscribed",
-    pb.CLOSE_REASON_ERROR: "error",
-}
-"""``StreamClose.reason`` as the word used in logs and counters."""
 
 
 class NoSession(SourceUnavailable):
@@ -437,7 +429,7 @@ class EventBusHub:
             # buffer_overflow close), or the router's own reason to drop the stream.
             if isinstance(exc, StreamClosedByPeer):
                 reason = exc.reason.split(" ", 1)[0]
-                if reason == "buffer_overflow":
+                if reason == BUFFER_OVERFLOW:
                     log.warning("event bus: %s stream closed by the listener: %s", source, reason)
             else:
                 reason = "rejected"

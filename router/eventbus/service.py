@@ -17,10 +17,11 @@ import grpc
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+from bus.stream_data import CLOSE_REASON_WORDS
 from bus.tasks import cancel_and_wait
 
 from .auth import AuthError, Principal
-from .hub import CLOSE_REASONS, BusSession, ChannelClosed, EventBusHub, SessionEnd
+from .hub import BusSession, ChannelClosed, EventBusHub, SessionEnd
 
 __all__ = ["EventBusServicer"]
 
@@ -167,7 +168,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
                 if data is None:
                     kind = req.WhichOneof("kind")
                     if kind == "close":
-                        reason = CLOSE_REASONS.get(req.close.reason, "error")
+                        reason = CLOSE_REASON_WORDS.get(req.close.reason, "error")
                         detail = req.close.detail[:500]
                         break
                     if kind != "data":

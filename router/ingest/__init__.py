@@ -11,7 +11,6 @@ Ingestion knows nothing of the index: each event goes to an injected ``apply`` c
 """
 
 from .consumer import (
-    ERROR_EVENT,
     MAX_BACKOFF_S,
     ApplyFn,
     ApplyManyFn,
@@ -30,7 +29,6 @@ from .manager import KvEventConsumerManager
 from .opener import StreamOpener
 
 __all__ = [
-    "ERROR_EVENT",
     "MAX_BACKOFF_S",
     "ApplyFn",
     "ApplyManyFn",

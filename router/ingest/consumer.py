@@ -68,6 +68,7 @@ import aiohttp
 import orjson
 
 from bus.backoff import Backoff, ExponentialBackoff
+from bus.errors import ERROR_EVENT
 from bus.events import EventError, KvEvent
 from bus.sse import SseOverflow, SseParser, SseRecord
 from bus.supervisor import Attempt, Supervisor, Verdict
@@ -78,7 +79,6 @@ from .opener import StreamOpener, closing_stream
 from .transports import builtin_opener
 
 __all__ = [
-    "ERROR_EVENT",
     "MAX_BACKOFF_S",
     "ApplyFn",
     "ApplyManyFn",
@@ -92,8 +92,6 @@ __all__ = [
 # The logger's name predates this package; kept so that log configs keep working.
 log = logging.getLogger("continuum.kvindex.consumer")
 
-ERROR_EVENT = "error"
-"""SSE ``event:`` of the listener's stream-ending error record (never a KvEvent)."""
 MAX_BACKOFF_S = 60.0
 """Reconnect delays double up to ``max(reconnect_interval_ms, MAX_BACKOFF_S)``."""
 
