@@ -35,7 +35,7 @@ import msgpack
 
 from bench._table import render_table
 from harness.publisher import DEFAULT_SALT_SECRET as SALT_SECRET
-from harness.publisher import salted_hub
+from harness.publisher import salted_publisher
 from harness.sim.kv_events import CapturePublisher
 from listener.chains import ChainTracker
 from listener.decode import decode_batch
@@ -49,7 +49,7 @@ FORMATS = {"M": "vllm-0.33", "A": "vllm-0.23.0"}
 def make_frames(fmt: str, batches: int, prefixes: int) -> list[bytes]:
     """The salted burst of ``ingest_bench`` (8 events per batch, chains of 64 blocks)."""
     cap = CapturePublisher()
-    hub = salted_hub(cap, fmt, (SALT_SECRET, "sim", prefixes))
+    hub = salted_publisher(cap, fmt, (SALT_SECRET, "sim", prefixes))
     asyncio.run(hub.burst(batches, 8))
     # As the listener does at start (listener.cli): what exists now is out of the cyclic
     # GC's reach, so the generator's objects do not weigh on the stages measured.

@@ -43,7 +43,7 @@ from router.config.models import RedisConfig, StorageOffloadingConfig
 from router.kvindex import (
     InMemoryKvIndex,
     RedisKvIndex,
-    Tier,
+    StorageTier,
     apply_event,
     apply_events,
 )
@@ -79,8 +79,8 @@ def build_memory(n: int, rng: random.Random) -> tuple[InMemoryKvIndex, list[str]
     idx = InMemoryKvIndex(max(n, 100), 600)
     prefixes = [_prefix(rng) for _ in range(n)]
     for i, p in enumerate(prefixes):
-        idx.put(p, BACKENDS[i % 8], 512 + i % 2048, Tier.GPU_HOT)
-        idx.put(p, BACKENDS[(i + 3) % 8], 256 + i % 1024, Tier.STORAGE_WARM)
+        idx.put(p, BACKENDS[i % 8], 512 + i % 2048, StorageTier.GPU_HOT)
+        idx.put(p, BACKENDS[(i + 3) % 8], 256 + i % 1024, StorageTier.STORAGE_WARM)
     return idx, prefixes
 
 
@@ -112,7 +112,7 @@ def bytes_per_entry(n_prefixes: int, per_prefix: int, rng: random.Random) -> tup
         for i, s in enumerate(seeds):
             p = s.hex()
             for j in range(per_prefix):
-                idx.put(p, BACKENDS[(i + j) % 8], 1000 + i, Tier.GPU_HOT)
+                idx.put(p, BACKENDS[(i + j) % 8], 1000 + i, StorageTier.GPU_HOT)
         index_bytes = tracemalloc.get_traced_memory()[0] - before
         del idx
         gc.collect()
@@ -136,9 +136,9 @@ async def redis_rows(url: str, loops: int, repeats: int) -> list[dict[str, Any]]
     idx = RedisKvIndex(client, 600, kp)
     try:
         p = "ab" * 32
-        await idx.upsert(p, "vllm-1", 2048, Tier.GPU_HOT)
-        await idx.upsert(p, "vllm-2", 1024, Tier.STORAGE_WARM)
-        await idx.upsert(p, "vllm-3", 512, Tier.GPU_HOT)
+        await idx.upsert(p, "vllm-1", 2048, StorageTier.GPU_HOT)
+        await idx.upsert(p, "vllm-2", 1024, StorageTier.STORAGE_WARM)
+        await idx.upsert(p, "vllm-3", 512, StorageTier.GPU_HOT)
         key = kp + p
         miss = "cd" * 32
         ev = KvEvent("cache_created", "vllm-4", p, 4096, "gpu")
@@ -307,7 +307,7 @@ def memory_rows(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict
             scorer._prepared.pop(key, None)
             p = drive(scorer.prepare(key, cands))
             for b in cands:
-                scorer.score_with_tier(p, b, cands)
+                scorer.score_with_tier(p, b)
 
         return run
 
@@ -315,7 +315,7 @@ def memory_rows(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict
     held = next(b for b in cands if b.name in prep.entries)
 
     def f_score() -> Callable[[], Any]:
-        return lambda: scorer.score_with_tier(prep, held, cands)
+        return lambda: scorer.score_with_tier(prep, held)
 
     cases: list[tuple[str, Callable[[], Any], str]] = [
         ("baseline: dict.get, 100k keys", f_dict(), ""),

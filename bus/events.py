@@ -40,7 +40,7 @@ EventKind = Literal["cache_created", "cache_evicted", "cache_offloaded", "cache_
 EVENT_KINDS: frozenset[str] = frozenset(
     ("cache_created", "cache_evicted", "cache_offloaded", "cache_cleared", "resync")
 )
-Tier = Literal["gpu", "storage"]
+StorageTier = Literal["gpu", "storage"]
 TIERS: frozenset[str] = frozenset(("gpu", "storage"))
 _PREFIXED = frozenset(("cache_created", "cache_evicted", "cache_offloaded"))
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")  # \Z, not $: "$" also matches before a final LF
@@ -61,7 +61,7 @@ class KvEvent:
     backend: str
     prefix_hash: str | None = None
     token_count: int | None = None
-    tier: Tier | None = None
+    tier: StorageTier | None = None
     reason: str | None = None
     """Why a ``resync`` happened (``restart``, ``gap``, ``unknown_id``...); informational."""
 

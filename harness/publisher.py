@@ -1,6 +1,6 @@
 """A simulated engine's KV event publisher, driven line by line on stdin.
 
-It runs the engine simulator's own burst code (``harness.sim.kv_events.KvEventHub.burst``:
+It runs the engine simulator's own burst code (``harness.sim.kv_events.KvEventPublisher.burst``:
 the simulator's vLLM/SGLang encoder, its tokenizer and its ZMQ PUB, so the bytes are
 what ``python -m harness.sim``'s ``POST /sim/burst`` sends) without the HTTP engine
 around it, and with one option the simulator has not: ``--salted`` puts a router-issued
@@ -14,7 +14,7 @@ secret). ``--prefixes N`` spreads the chains over N prefix keys (0: one key per 
 Commands, one a line; each is answered by one JSON line on stdout:
 
 * ``burst BATCHES EVENTS_PER_BATCH``: publish as fast as one core allows (chains of 64
-  blocks, one block per event); answers the hub's burst report (``events_per_s``,
+  blocks, one block per event); answers the publisher's burst report (``events_per_s``,
   ``first_seq``, ``last_seq``, ...);
 * ``paced RATE SECONDS EVENTS_PER_BATCH``: ``RATE`` events per second for ``SECONDS``,
   each batch a whole chain of its own, encoded up front and then sent on a fixed
@@ -42,11 +42,18 @@ import msgpack
 
 from bus.salt import encode_salt
 
-from .sim.kv_events import CapturePublisher, KvEventHub, ZmqPublisher
+from .sim.kv_events import CapturePublisher, KvEventPublisher, ZmqPublisher
 from .sim.kv_wire import get_format
 from .sim.tokenizer import SimpleTokenizer
 
-__all__ = ["DEFAULT_SALT_SECRET", "SALT_ENV", "SaltingEncoder", "main", "salted_hub", "send_paced"]
+__all__ = [
+    "DEFAULT_SALT_SECRET",
+    "SALT_ENV",
+    "SaltingEncoder",
+    "main",
+    "salted_publisher",
+    "send_paced",
+]
 
 SALT_ENV = "CONTINUUM_BENCH_SALT_SECRET"
 DEFAULT_SALT_SECRET = b"ingest-bench-salt-secret-0123456789"
@@ -58,7 +65,7 @@ _NIL = b"\xc0"  # msgpack nil: a burst event whose parent is nil starts a chain
 class SaltingEncoder:
     """The simulator's encoder, plus a router-issued cache salt on every chain's first block.
 
-    ``KvEventHub.burst`` packs a chain's first event with parent nil; this wrapper puts
+    ``KvEventPublisher.burst`` packs a chain's first event with parent nil; this wrapper puts
     ``[salt]`` into that event's ``extra_keys[0]`` (vLLM >= 0.17, both encodings), or into
     ``cache_salt`` for SGLang formats. ``prefixes == 0``: a new prefix key per chain.
     """
@@ -104,11 +111,13 @@ class SaltingEncoder:
         return self._enc.batch(ts, events, dp_rank)
 
 
-def salted_hub(publisher: Any, fmt: str, salt: tuple[bytes, str, int] | None) -> KvEventHub:
-    """The simulator's KV event hub publishing through ``publisher`` (a ``ZmqPublisher``,
+def salted_publisher(
+    publisher: Any, fmt: str, salt: tuple[bytes, str, int] | None
+) -> KvEventPublisher:
+    """The simulator's KV event publisher sending through ``publisher`` (a ``ZmqPublisher``,
     or a ``CapturePublisher`` to get the batches as bytes). ``salt`` = (secret, backend,
     prefixes) salts every chain's first block (:class:`SaltingEncoder`); None: unsalted."""
-    hub = KvEventHub(
+    events = KvEventPublisher(
         block_size=16,
         fmt=get_format(fmt),
         publisher=publisher,
@@ -116,21 +125,21 @@ def salted_hub(publisher: Any, fmt: str, salt: tuple[bytes, str, int] | None) ->
     )
     if salt is not None:
         secret, backend, prefixes = salt
-        hub.encoder = SaltingEncoder(hub.encoder, secret, backend, prefixes, 1)  # type: ignore[assignment]
-    return hub
+        events.encoder = SaltingEncoder(events.encoder, secret, backend, prefixes, 1)  # type: ignore[assignment]
+    return events
 
 
 async def send_paced(
-    hub: KvEventHub, pub: ZmqPublisher, rate: float, seconds: float, per: int
+    events: KvEventPublisher, pub: ZmqPublisher, rate: float, seconds: float, per: int
 ) -> Any:
     """Encode every batch first (the burst code, into a list), then send them on a fixed
     schedule through the real PUB socket, so encoding does not delay a send."""
     capture = CapturePublisher()
-    hub.publisher = capture  # type: ignore[assignment]
+    events.publisher = capture  # type: ignore[assignment]
     try:
-        await hub.burst(int(rate * seconds / per), per, chain_blocks=per)  # a chain per batch
+        await events.burst(int(rate * seconds / per), per, chain_blocks=per)  # a chain per batch
     finally:
-        hub.publisher = pub
+        events.publisher = pub
     interval = per / rate
     times: list[float] = []
     t0 = time.monotonic()
@@ -147,22 +156,22 @@ async def _serve(args: argparse.Namespace) -> None:
     secret = os.environ.get(SALT_ENV, "").encode() or DEFAULT_SALT_SECRET
     salt = (secret, args.backend, args.prefixes) if args.salted else None
     pub = ZmqPublisher(args.endpoint, hwm=args.hwm)
-    hub = salted_hub(pub, args.format, salt)
-    hub.start()
+    events = salted_publisher(pub, args.format, salt)
+    events.start()
     print("READY", flush=True)
     loop = asyncio.get_running_loop()
     try:
         while line := await loop.run_in_executor(None, sys.stdin.readline):
             cmd, *vals = line.split() or [""]
             if cmd == "burst":
-                res = await hub.burst(int(vals[0]), int(vals[1]))
+                res = await events.burst(int(vals[0]), int(vals[1]))
             elif cmd == "paced":
-                res = await send_paced(hub, pub, float(vals[0]), float(vals[1]), int(vals[2]))
+                res = await send_paced(events, pub, float(vals[0]), float(vals[1]), int(vals[2]))
             else:
                 res = {"error": f"unknown command {line.strip()!r}"}
             print(json.dumps(res), flush=True)
     finally:
-        hub.close()
+        events.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -6,8 +6,8 @@ collaborators it uses:
 * the backend pool (health, load), the metrics, the upstream HTTP client;
 * the selector (strategies, the CHWBL ring) with, under Tier 4, the KV scorer in front;
 * the response cache service (Tiers 2 and 3, with its semantic path), the KV runtime
-  (Tier 4: index, event consumers, scorer), push mode's session registry (the event bus
-  hub: the KV consumers open their streams from it, ``router.serve``'s bus server
+  (Tier 4: index, event consumers, scorer), push mode's session registry (the event bus's
+  session registry: the KV consumers open their streams from it, ``router.serve``'s bus server
   registers the listeners' sessions in it), the Gemini service, the cache-salt step;
 * the forwarder (selection + upstream + relay) and, over it, one dialect per client API
   (``router.dialects``), the status endpoints, the admin API and the gRPC KvIndex
@@ -33,7 +33,7 @@ from .cache.service import ResponseCacheService
 from .config import RouterConfig
 from .dialects import AnthropicMessages, CacheSalter, ChatCompletions, Embeddings
 from .errors import openai_error
-from .eventbus.hub import EventBusHub
+from .eventbus.sessions import SessionRegistry
 from .forwarder import Forwarder
 from .gemini import GeminiService
 from .gemini.metrics import GeminiCollector, UsageTotals
@@ -138,7 +138,7 @@ class Router:
         return cache
 
     @staticmethod
-    def _build_event_bus(config: RouterConfig, tier4: bool) -> EventBusHub | None:
+    def _build_event_bus(config: RouterConfig, tier4: bool) -> SessionRegistry | None:
         """One session registry per process, None without ``dynamo.event_bus``.
 
         Without Tier 4 there are no KV consumers: sessions are accepted, nothing is
@@ -152,7 +152,7 @@ class Router:
             for s in config.kv_cache_index.event_sources
             if tier4 and s.transport == "event_bus"
         ]
-        return EventBusHub.from_config(bus, sources)
+        return SessionRegistry.from_config(bus, sources)
 
     def _build_gemini(self, config: RouterConfig) -> GeminiService | None:
         gcc = config.gemini_context_cache

@@ -27,7 +27,7 @@ from bus.prefix_key import extract_prefix_key
 
 from .admin_auth import AdminToken
 from .kv_runtime import KvRuntime
-from .kvindex.base import Tier
+from .kvindex.base import StorageTier
 from .kvindex.scorer import Prepared
 from .pool import ENDPOINT_TYPES, BackendPool
 
@@ -35,7 +35,7 @@ __all__ = ["SERVICE_NAME", "KvIndexServicer"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvIndex"].full_name
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}\Z")
-_TIERS = {Tier.GPU_HOT: pb.TIER_GPU_HOT, Tier.STORAGE_WARM: pb.TIER_STORAGE_WARM}
+_TIERS = {StorageTier.GPU_HOT: pb.TIER_GPU_HOT, StorageTier.STORAGE_WARM: pb.TIER_STORAGE_WARM}
 
 
 def _unix_ms(t: Any) -> int:
@@ -148,7 +148,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             entry = entries.get(b.name)
             if entry is None:
                 continue  # only holders are scored
-            final, overlap, idle, health, tier = scorer.components(snapshot, b, candidates)
+            final, overlap, idle, health, tier = scorer.components(snapshot, b)
             scores.append(
                 pb.BackendScore(
                     backend=b.name,

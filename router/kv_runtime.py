@@ -6,7 +6,7 @@ as long as the process.
 
 This is where the KV index (``router.kvindex``, which knows nothing of where its events
 come from) meets ingestion (``router.ingest``, which knows nothing of the index but an
-``apply`` callable) and push mode's event bus hub (built once by the process and handed
+``apply`` callable) and push mode's session registry (built once by the process and handed
 in: the opener of every ``transport: event_bus`` source).
 """
 
@@ -22,7 +22,7 @@ from typing import Any
 
 from .config import RouterConfig
 from .config.models import EventSourceConfig
-from .eventbus.hub import EventBusHub
+from .eventbus.sessions import SessionRegistry
 from .ingest import KvEventConsumerManager, StreamOpener
 from .kvindex import IndexStats, apply_event, apply_events, build_kv_index
 from .kvindex.scorer import KvOverlapScorer
@@ -38,7 +38,7 @@ class KvRuntime:
         config: RouterConfig,
         on_decision: Callable[[str, str, float | None], None] | None = None,
         pools: Any = None,
-        event_bus: EventBusHub | None = None,
+        event_bus: SessionRegistry | None = None,
     ) -> None:
         """
         Args:

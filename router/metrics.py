@@ -159,7 +159,7 @@ class _KvCollector(Collector):
 
 
 def _event_bus_metrics(bus: dict[str, Any]) -> Iterator[Any]:
-    """Push mode (``dynamo.event_bus``): sessions and streams, from the hub's counters."""
+    """Push mode (``dynamo.event_bus``): sessions and streams, from the registry's counters."""
     yield GaugeMetricFamily(
         "continuum_event_bus_open_sessions",
         "Listener sessions open on the event bus.",

@@ -18,8 +18,8 @@ from bus.tasks import cancel_and_wait
 from .app import Router
 from .config import RouterConfig, log_warnings, parse_hostport
 from .config.loader import ConfigIssue
-from .eventbus.hub import EventBusHub
 from .eventbus.server import EventBusConfigError, EventBusServer
+from .eventbus.sessions import SessionRegistry
 from .grpc_kvindex import SERVICE_NAME
 from .http.rsgi import EmbeddedServer, RSGIApp
 from .reload import ConfigReloader
@@ -65,10 +65,12 @@ async def _start_grpc(router: Router, config: RouterConfig) -> tuple[object, int
     return started.server, started.port
 
 
-async def _start_event_bus(hub: EventBusHub, config: RouterConfig) -> EventBusServer | None:
-    """The TLS-only EventBus server on ``hub``; None (logged) when it cannot start."""
+async def _start_event_bus(
+    sessions: SessionRegistry, config: RouterConfig
+) -> EventBusServer | None:
+    """The TLS-only EventBus server on ``sessions``; None (logged) when it cannot start."""
     bus = config.dynamo.event_bus
-    server = EventBusServer(bus, hub)
+    server = EventBusServer(bus, sessions)
     try:
         await server.start()
     except (EventBusConfigError, RuntimeError) as exc:
@@ -102,9 +104,9 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
                 await grpc_server.stop(grace=0)  # type: ignore[attr-defined]
             await router.stop()
             return 1
-        hub = bus_server.hub
+        sessions = bus_server.sessions
         announce += f" bus={parse_hostport(config.dynamo.event_bus.listen)[0]}:{bus_server.port}"
-        hooks.append(lambda new: hub.update_brokers(new.dynamo.event_bus.brokers))
+        hooks.append(lambda new: sessions.update_brokers(new.dynamo.event_bus.brokers))
     reloader = ConfigReloader(config_path, router, on_apply=hooks)
     watcher = asyncio.get_running_loop().create_task(reloader.watch())
     stop = asyncio.Event()

@@ -46,7 +46,7 @@ from .httpserver import (
     json_response,
     loads,
 )
-from .kv_events import KvEventHub, TrtllmQueue, ZmqPublisher, offset_endpoint
+from .kv_events import KvEventPublisher, TrtllmQueue, ZmqPublisher, offset_endpoint
 from .kv_wire import get_format
 from .prefix_cache import KVEventCallback, PrefixCache, StoredBlock
 from .prompt import content_text
@@ -297,7 +297,7 @@ class SimEngine:
         self._paths = {path for _, path in self._routes}
         self._trivial_bodies = {m: self._build_trivial(m) for m in cfg.models}
 
-    def _build_kv_hub(self) -> KvEventHub | None:
+    def _build_kv_hub(self) -> KvEventPublisher | None:
         cfg = self.config
         if cfg.kv_events is None and not cfg.kv_events_trtllm:
             if cfg.kv_events_replay is not None or cfg.kv_events_burst:
@@ -328,7 +328,7 @@ class SimEngine:
                 max_events=cfg.trtllm_max_events,
                 poll_block_s=max(0, cfg.trtllm_poll_block_ms) / 1000,
             )
-        return KvEventHub(
+        return KvEventPublisher(
             block_size=cfg.block_size,
             fmt=fmt,
             hash_format=cfg.hash_format,

@@ -1,7 +1,7 @@
 """KV-event publishing of the simulated engine: ZMQ (vLLM / SGLang) and trtllm-serve's poll.
 
 Layers: :mod:`harness.sim.kv_wire` encodes one engine release's msgpack bytes, this module
-turns prefix-cache changes into events and moves them (``KvEventHub``), publishes batches
+turns prefix-cache changes into events and moves them (``KvEventPublisher``), publishes batches
 over ZMQ with replay (``ZmqPublisher``) and queues trtllm JSON events (``TrtllmQueue``).
 
 Transport, exactly as the engines do it (engine-formats.md §1, §6):
@@ -21,7 +21,7 @@ Transport, exactly as the engines do it (engine-formats.md §1, §6):
   0.5.22, ``[b"", topic, seq, payload]`` / ``[b"", b"", ff*8, b""]`` from them on. The
   buffer keeps the last ``buffer_steps`` batches.
 
-Events per cache change (``KvEventHub.changed``):
+Events per cache change (``KvEventPublisher.changed``):
 
 * vLLM: one ``BlockRemoved`` per evicted hash, then one ``BlockStored`` per run of newly
   stored blocks that chain onto each other (normally the whole uncached tail of the prompt).
@@ -37,7 +37,7 @@ a per-rank ``event_id`` (+1 each, ``created`` first with id 0), ``window_size``,
 ``stored`` (blocks listing their tokens, ``cache_salt`` on a request's first block) or
 ``removed``. Hashes are uint64 JSON numbers, often above 2**63.
 
-Burst mode (``KvEventHub.burst``): synthetic ``BlockStored`` batches (valid chains, token
+Burst mode (``KvEventPublisher.burst``): synthetic ``BlockStored`` batches (valid chains, token
 ids the sim's ``/detokenize`` can decode) published as fast as one core allows, for the
 listener's ingestion benchmark. Burst blocks are not in the simulated cache.
 """
@@ -64,7 +64,7 @@ from .prefix_cache import BlockHasher, StoredBlock
 __all__ = [
     "END_SEQ",
     "CapturePublisher",
-    "KvEventHub",
+    "KvEventPublisher",
     "TrtllmQueue",
     "ZmqPublisher",
     "offset_endpoint",
@@ -366,7 +366,7 @@ def _nodes(removed: list[Any], parents: list[Any]) -> list[list[Any]]:
     return [n[::-1] for n in nodes]
 
 
-class KvEventHub:
+class KvEventPublisher:
     """Turns prefix-cache changes into engine events for the configured sinks."""
 
     def __init__(

@@ -2,21 +2,21 @@
 
 Listeners dial in, authenticate per ``dynamo.event_bus.brokers[]`` entry (``auth``),
 announce their sources on a ``Session``; the KV event consumers of ``transport:
-event_bus`` sources ask the session registry (``hub``) for a stream, which sends a
+event_bus`` sources ask the session registry (``sessions``) for a stream, which sends a
 ``Subscribe`` down a session and hands the ``StreamData`` bytes of the matching
 ``Stream`` call to the consumer's SSE parser (``service``). ``server`` runs it.
 """
 
 from .auth import Authenticator, AuthError, Principal, hash_token
-from .hub import EventBusHub, NoSession
 from .server import EventBusServer
+from .sessions import NoSession, SessionRegistry
 
 __all__ = [
     "AuthError",
     "Authenticator",
-    "EventBusHub",
     "EventBusServer",
     "NoSession",
     "Principal",
+    "SessionRegistry",
     "hash_token",
 ]

@@ -11,7 +11,7 @@ Two credentials, checked on every call (``Session`` and ``Stream``):
 
 A token that matches no entry is UNAUTHENTICATED even when a certificate would match:
 a caller that sends a wrong secret is refused, not silently re-identified. No credential
-at all is UNAUTHENTICATED. Authorisation (role, client id, backends) is the hub's.
+at all is UNAUTHENTICATED. Authorisation (role, client id, backends) is the session registry's.
 """
 
 from __future__ import annotations

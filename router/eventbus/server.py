@@ -14,8 +14,8 @@ from bus.grpc_tls import server_credentials
 from bus.stream_data import decode_stream_request
 
 from ..config.models import EventBusConfig
-from .hub import EventBusHub
 from .service import EventBusServicer
+from .sessions import SessionRegistry
 
 __all__ = ["SERVICE_NAME", "EventBusConfigError", "EventBusServer", "method_handlers"]
 
@@ -70,9 +70,9 @@ class EventBusConfigError(RuntimeError):
 class EventBusServer:
     """Owns the grpc.aio server; ``start`` returns the bound port."""
 
-    def __init__(self, config: EventBusConfig, hub: EventBusHub) -> None:
+    def __init__(self, config: EventBusConfig, sessions: SessionRegistry) -> None:
         self.config = config
-        self.hub = hub
+        self.sessions = sessions
         self._server: Any = None
         self.port: int | None = None
 
@@ -95,7 +95,7 @@ class EventBusServer:
         limit = self.config.max_message_bytes
         started = await start_server(
             self.config.listen,
-            [functools.partial(_add_servicer, EventBusServicer(self.hub))],
+            [functools.partial(_add_servicer, EventBusServicer(self.sessions))],
             credentials=self._credentials(),
             options=[
                 ("grpc.max_receive_message_length", limit),
@@ -114,7 +114,7 @@ class EventBusServer:
 
     async def stop(self, grace: float = 2.0) -> None:
         """End every session (UNAVAILABLE), then stop the server. Idempotent."""
-        self.hub.close()
+        self.sessions.close()
         if self._server is not None:
             server, self._server = self._server, None
             await server.stop(grace)

@@ -1,4 +1,4 @@
-"""The ``continuum.bus.v1.EventBus`` servicer: Session and Stream calls onto the hub.
+"""The ``continuum.bus.v1.EventBus`` servicer: Session and Stream calls onto the session registry.
 
 Every call is authenticated first (``auth``); every refusal ends the call with a status
 code and a detail an operator can act on (the codes are listed in ``bus.proto``). A
@@ -21,7 +21,7 @@ from bus.stream_data import CLOSE_REASON_WORDS
 from bus.tasks import cancel_and_wait
 
 from .auth import AuthError, Principal
-from .hub import BusSession, ChannelClosed, EventBusHub, SessionEnd
+from .sessions import BusSession, ChannelClosed, SessionEnd, SessionRegistry
 
 __all__ = ["EventBusServicer"]
 
@@ -37,16 +37,16 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: AuthError) ->
 
 
 class EventBusServicer(pb_grpc.EventBusServicer):
-    def __init__(self, hub: EventBusHub) -> None:
-        self.hub = hub
+    def __init__(self, sessions: SessionRegistry) -> None:
+        self.sessions = sessions
 
     async def _principal(self, context: grpc.aio.ServicerContext[Any, Any]) -> Principal:
         try:
-            return self.hub.auth.authenticate(
+            return self.sessions.auth.authenticate(
                 context.invocation_metadata() or (), context.auth_context()
             )
         except AuthError as err:
-            self.hub.counters["sessions_rejected"] += 1
+            self.sessions.counters["sessions_rejected"] += 1
             log.warning("event bus: refused a call from %s: %s", context.peer(), err.detail)
             await _abort(context, err)
 
@@ -89,9 +89,9 @@ class EventBusServicer(pb_grpc.EventBusServicer):
                 ),
             )
         try:
-            session = self.hub.register(principal, first.hello)
+            session = self.sessions.register(principal, first.hello)
         except AuthError as err:
-            self.hub.counters["sessions_rejected"] += 1
+            self.sessions.counters["sessions_rejected"] += 1
             log.warning("event bus: refused a Hello from %s: %s", context.peer(), err.detail)
             await _abort(context, err)
         reader = asyncio.get_running_loop().create_task(self._read(session, requests))
@@ -112,7 +112,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
                 await context.write(msg)
         finally:
             await cancel_and_wait(reader)
-            self.hub.unregister(session)
+            self.sessions.unregister(session)
 
     async def _read(self, session: BusSession, requests: AsyncIterator[pb.SessionRequest]) -> None:
         """The listener's side of a session: Draining, then half-close."""
@@ -121,7 +121,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
             async for req in requests:
                 kind = req.WhichOneof("kind")
                 if kind == "draining":
-                    self.hub.draining(session)
+                    self.sessions.draining(session)
                     # Its streams end with CLOSE_REASON_DRAINING; consumers move elsewhere.
                 else:
                     end = SessionEnd(
@@ -154,7 +154,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
                 ),
             )
         try:
-            slot = self.hub.claim(principal, first.open.stream_id)
+            slot = self.sessions.claim(principal, first.open.stream_id)
         except AuthError as err:
             log.warning("event bus: refused a Stream from %s: %s", context.peer(), err.detail)
             await _abort(context, err)

@@ -20,7 +20,7 @@ from .base import (
     KvIndex,
     KvIndexError,
     KvIndexUnavailable,
-    Tier,
+    StorageTier,
 )
 from .fallback import FallbackKvIndex
 from .instrumented import InstrumentedKvIndex
@@ -43,7 +43,7 @@ __all__ = [
     "KvIndexUnavailable",
     "RedisKvIndex",
     "Restore",
-    "Tier",
+    "StorageTier",
     "apply_event",
     "apply_events",
     "build_kv_index",

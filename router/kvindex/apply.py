@@ -39,15 +39,15 @@ from typing import Literal
 from bus.events import KvEvent
 from router.config.models import StorageOffloadingConfig
 
-from .base import Change, KvIndex, Tier
+from .base import Change, KvIndex, StorageTier
 
 __all__ = ["ACTIONS", "Action", "apply_event", "apply_events"]
 
 Action = Literal["created", "offloaded", "evicted", "cleared", "resync", "ignored"]
 ACTIONS: tuple[str, ...] = ("created", "offloaded", "evicted", "cleared", "resync", "ignored")
 
-_GPU = Tier.GPU_HOT
-_WARM = Tier.STORAGE_WARM
+_GPU = StorageTier.GPU_HOT
+_WARM = StorageTier.STORAGE_WARM
 
 
 def _plan(ev: KvEvent, offloading: StorageOffloadingConfig) -> tuple[Action, Change | None]:

@@ -50,11 +50,11 @@ __all__ = [
     "KvIndex",
     "KvIndexError",
     "KvIndexUnavailable",
-    "Tier",
+    "StorageTier",
 ]
 
 
-class Tier(StrEnum):
+class StorageTier(StrEnum):
     """Where a backend keeps a prefix's KV blocks."""
 
     GPU_HOT = "gpu_hot"
@@ -63,7 +63,7 @@ class Tier(StrEnum):
     """Offloaded only (CPU memory, local disk, remote store): reusable after a reload."""
 
 
-Change = tuple[str, str, int, "Tier | None"]
+Change = tuple[str, str, int, "StorageTier | None"]
 """``(prefix_hash, backend, token_count, tier)``: an upsert, or with tier None a remove
 (``token_count`` is then ignored). See :meth:`KvIndex.write_many`."""
 
@@ -78,10 +78,12 @@ class IndexEntry:
 
     backend: str
     token_count: int
-    tier: Tier
+    tier: StorageTier
     expires_at: float
 
-    def __init__(self, backend: str, token_count: int, tier: Tier, expires_at: float) -> None:
+    def __init__(
+        self, backend: str, token_count: int, tier: StorageTier, expires_at: float
+    ) -> None:
         self.backend = backend
         self.token_count = token_count
         self.tier = tier
@@ -174,7 +176,9 @@ class KvIndex(abc.ABC):
         return {}
 
     @abc.abstractmethod
-    async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
+    async def upsert(
+        self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier
+    ) -> None:
         """Create or replace the entry; its TTL restarts. Idempotent.
 
         Raises:
@@ -200,7 +204,7 @@ class KvIndex(abc.ABC):
                 await self.upsert(prefix_hash, backend, token_count, tier)
 
     @abc.abstractmethod
-    async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
+    async def set_tier(self, prefix_hash: str, backend: str, tier: StorageTier) -> bool:
         """Move an existing live entry to ``tier``, keeping its ``token_count``; its TTL
         restarts. Returns False (and creates nothing) if there is no live entry."""
 

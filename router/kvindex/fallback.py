@@ -40,7 +40,7 @@ from collections.abc import Iterator, Sequence
 
 from router.redis import FallbackSupervisor, SupervisedStore
 
-from .base import Change, IndexEntry, IndexStats, KvIndex, KvIndexUnavailable, Tier
+from .base import Change, IndexEntry, IndexStats, KvIndex, KvIndexUnavailable, StorageTier
 from .memory import InMemoryKvIndex
 from .redis_index import RedisKvIndex, Restore
 
@@ -197,7 +197,9 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
         except KvIndexUnavailable as exc:
             return self._engage("backend_counts", exc).count_per_backend()
 
-    async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
+    async def upsert(
+        self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier
+    ) -> None:
         if token_count < 0:
             raise ValueError("token_count must be non-negative")
         if not self._supervisor.active:
@@ -232,7 +234,7 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
                     fb.put(prefix_hash, backend, token_count, tier)
                 self._mark(prefix_hash, backend, tier is not None)
 
-    async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
+    async def set_tier(self, prefix_hash: str, backend: str, tier: StorageTier) -> bool:
         if not self._supervisor.active:
             try:
                 return await self._primary.set_tier(prefix_hash, backend, tier)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from .base import Change, IndexEntry, IndexStats, KvIndex, Tier
+from .base import Change, IndexEntry, IndexStats, KvIndex, StorageTier
 
 __all__ = ["InstrumentedKvIndex"]
 
@@ -56,13 +56,15 @@ class InstrumentedKvIndex(KvIndex):
     async def backend_counts(self) -> dict[str, int]:
         return await self.inner.backend_counts()
 
-    async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
+    async def upsert(
+        self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier
+    ) -> None:
         await self.inner.upsert(prefix_hash, backend, token_count, tier)
 
     async def write_many(self, changes: Sequence[Change]) -> None:
         await self.inner.write_many(changes)
 
-    async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
+    async def set_tier(self, prefix_hash: str, backend: str, tier: StorageTier) -> bool:
         return await self.inner.set_tier(prefix_hash, backend, tier)
 
     async def remove(self, prefix_hash: str, backend: str) -> bool:

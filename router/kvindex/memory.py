@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator, Sequence
 from itertools import islice
 from operator import attrgetter
 
-from .base import EMPTY, Change, IndexEntry, IndexStats, KvIndex, Tier
+from .base import EMPTY, Change, IndexEntry, IndexStats, KvIndex, StorageTier
 
 __all__ = ["InMemoryKvIndex"]
 
@@ -113,7 +113,7 @@ class InMemoryKvIndex(KvIndex):
                 if e.expires_at > now:
                     yield prefix_hash, e
 
-    def put(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
+    def put(self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier) -> None:
         """``upsert`` without the coroutine."""
         if token_count < 0:
             raise ValueError("token_count must be non-negative")
@@ -201,7 +201,7 @@ class InMemoryKvIndex(KvIndex):
             del m[prefix_hash]
         return found
 
-    def retier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
+    def retier(self, prefix_hash: str, backend: str, tier: StorageTier) -> bool:
         """``set_tier`` without the coroutine."""
         m = self._map
         entries = m.get(prefix_hash)
@@ -290,7 +290,9 @@ class InMemoryKvIndex(KvIndex):
     async def backend_counts(self) -> dict[str, int]:
         return self.count_per_backend()
 
-    async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
+    async def upsert(
+        self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier
+    ) -> None:
         self.put(prefix_hash, backend, token_count, tier)
 
     async def write_many(self, changes: Sequence[Change]) -> None:
@@ -301,7 +303,7 @@ class InMemoryKvIndex(KvIndex):
             else:
                 put(prefix_hash, backend, token_count, tier)
 
-    async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
+    async def set_tier(self, prefix_hash: str, backend: str, tier: StorageTier) -> bool:
         return self.retier(prefix_hash, backend, tier)
 
     async def remove(self, prefix_hash: str, backend: str) -> bool:

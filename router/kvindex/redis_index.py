@@ -68,21 +68,21 @@ from .base import (
     KvIndex,
     KvIndexError,
     KvIndexUnavailable,
-    Tier,
+    StorageTier,
 )
 
 __all__ = ["DEFAULT_KEY_PREFIX", "RedisKvIndex", "Restore"]
 
 DEFAULT_KEY_PREFIX = "cr:kvidx:"
 
-Restore = tuple[str, str, int, "Tier | None", float]
+Restore = tuple[str, str, int, "StorageTier | None", float]
 """``(prefix_hash, backend, token_count, tier, ttl_left_s)`` for :meth:`RedisKvIndex.restore`:
 write the entry so that it expires ``ttl_left_s`` from now, or with tier None remove it
 (``token_count`` and ``ttl_left_s`` are then ignored)."""
 
 
-_TIER_CODE = {Tier.GPU_HOT: b"g", Tier.STORAGE_WARM: b"s"}
-_CODE_TIER = {ord("g"): Tier.GPU_HOT, ord("s"): Tier.STORAGE_WARM}
+_TIER_CODE = {StorageTier.GPU_HOT: b"g", StorageTier.STORAGE_WARM: b"s"}
+_CODE_TIER = {ord("g"): StorageTier.GPU_HOT, ord("s"): StorageTier.STORAGE_WARM}
 _MAX_NAMES = 4096
 _SCAN_COUNT = 500
 _REPLAY_CHUNK = 128
@@ -272,7 +272,7 @@ class RedisKvIndex(KvIndex):
         return result
 
     def _put_cmds(
-        self, key: bytes, backend: str, token_count: int, tier: Tier, expires_ms: int
+        self, key: bytes, backend: str, token_count: int, tier: StorageTier, expires_ms: int
     ) -> list[tuple[Any, ...]]:
         tkey = key + b":t"
         return [
@@ -298,14 +298,16 @@ class RedisKvIndex(KvIndex):
         for member, score in pairs:
             value = meta.get(member)
             if value is None:  # written by a foreign tool: GpuHot, the key TTL bounds it
-                tier, exp = Tier.GPU_HOT, now_ms + self._ttl_ms
+                tier, exp = StorageTier.GPU_HOT, now_ms + self._ttl_ms
             else:
                 exp = _expiry_ms(value)
                 if exp <= now_ms:
                     continue
                 if exp == math.inf:  # not our format: bounded by the key TTL
                     exp = now_ms + self._ttl_ms
-                tier = _CODE_TIER.get(value[0], Tier.GPU_HOT) if value else Tier.GPU_HOT
+                tier = (
+                    _CODE_TIER.get(value[0], StorageTier.GPU_HOT) if value else StorageTier.GPU_HOT
+                )
             out.append(IndexEntry(self._name(member), int(float(score)), tier, exp / 1000.0))
         if not out:
             return EMPTY
@@ -344,7 +346,9 @@ class RedisKvIndex(KvIndex):
             raise self._unavailable("backend_counts", exc) from exc
         return counts
 
-    async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
+    async def upsert(
+        self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier
+    ) -> None:
         if token_count < 0:
             raise ValueError("token_count must be non-negative")
         expires_ms = self._now_ms() + self._ttl_ms
@@ -381,7 +385,7 @@ class RedisKvIndex(KvIndex):
             except UNAVAILABLE_ERRORS as exc:
                 raise self._unavailable("write_many", exc) from exc
 
-    async def set_tier(self, prefix_hash: str, backend: str, tier: Tier) -> bool:
+    async def set_tier(self, prefix_hash: str, backend: str, tier: StorageTier) -> bool:
         key = self._key(prefix_hash)
         now_ms = self._now_ms()
         value = _TIER_CODE[tier] + str(now_ms + self._ttl_ms).encode()

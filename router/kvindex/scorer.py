@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..config import ScoringConfig
 from ..pool import Backend
-from .base import IndexEntry, KvIndex, Tier
+from .base import IndexEntry, KvIndex, StorageTier
 
 __all__ = ["DEFAULT_SCORER_THRESHOLD", "KvOverlapScorer", "Prepared"]
 
@@ -92,8 +92,8 @@ class KvOverlapScorer:
         return p
 
     def components(
-        self, p: Prepared, backend: Backend, candidates: Sequence[Backend]
-    ) -> tuple[float, float, float, float, Tier | None]:
+        self, p: Prepared, backend: Backend
+    ) -> tuple[float, float, float, float, StorageTier | None]:
         """(final, tier-weighted overlap, 1 - load_ratio, health, tier); final 0 = excluded."""
         entry = p.entries.get(backend.name)
         if entry is None:
@@ -103,7 +103,7 @@ class KvOverlapScorer:
         max_load = p.max_load
         if max_tokens <= 0:
             return 0.0, 0.0, 0.0, 0.0, None
-        mult = sc.gpu_tier_weight if entry.tier is Tier.GPU_HOT else sc.storage_tier_weight
+        mult = sc.gpu_tier_weight if entry.tier is StorageTier.GPU_HOT else sc.storage_tier_weight
         overlap = entry.token_count / max_tokens * mult
         own = p.in_flight.get(backend.name, backend.in_flight)
         idle = 1.0 - (own / max_load if max_load else 0.0)
@@ -116,25 +116,23 @@ class KvOverlapScorer:
         final = sc.overlap_weight * overlap + sc.load_weight * idle + sc.health_weight * health
         return final, overlap, idle, health, entry.tier
 
-    def score_with_tier(
-        self, p: Prepared, backend: Backend, candidates: Sequence[Backend]
-    ) -> tuple[float, Tier | None]:
+    def score_with_tier(self, p: Prepared, backend: Backend) -> tuple[float, StorageTier | None]:
         """The composite score and the tier it was read from, in one read of the snapshot."""
-        final, _, _, _, tier = self.components(p, backend, candidates)
+        final, _, _, _, tier = self.components(p, backend)
         return final, (tier if final > 0.0 else None)
 
-    def score(self, p: Prepared, backend: Backend, candidates: Sequence[Backend]) -> float:
-        return self.score_with_tier(p, backend, candidates)[0]
+    def score(self, p: Prepared, backend: Backend) -> float:
+        return self.score_with_tier(p, backend)[0]
 
     async def choose(self, prefix_key: bytes, candidates: Sequence[Backend]) -> Backend | None:
         """The Selector's hook: the best backend above the threshold, else None."""
         p = await self.prepare(prefix_key.hex(), candidates)
         best: Backend | None = None
         best_score = 0.0
-        best_tier: Tier | None = None
+        best_tier: StorageTier | None = None
         if p.entries:
             for b in candidates:
-                s, tier = self.score_with_tier(p, b, candidates)
+                s, tier = self.score_with_tier(p, b)
                 if s > best_score:
                     best, best_score, best_tier = b, s, tier
         if best is not None and best_score > self.threshold:

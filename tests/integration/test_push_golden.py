@@ -33,8 +33,8 @@ from listener.push.config import EventBusClientConfig
 from listener.sse_server import SseServer
 from listener.stream import EventHub
 from router.config.models import BrokerConfig, EventBusConfig
-from router.eventbus.hub import EventBusHub
 from router.eventbus.server import EventBusServer
+from router.eventbus.sessions import SessionRegistry
 
 from .conftest import ROOT, StartRouter, wait_until
 from .push_stack import TOKENS, BusPeer, Pki, broker, make_pki, router_config, router_state
@@ -120,7 +120,7 @@ async def test_sse_and_event_bus_carry_the_same_bytes(pki: Pki, tmp_path: Path) 
     # Push: the listener's client -> TLS -> the router's EventBus server -> the opener.
     hub = make_hub()
     bus_port = free_port()
-    router_hub = EventBusHub([BrokerConfig.model_validate(broker("kv-a", [B]))], [B])
+    router_hub = SessionRegistry([BrokerConfig.model_validate(broker("kv-a", [B]))], [B])
     server = EventBusServer(
         EventBusConfig.model_validate(
             {

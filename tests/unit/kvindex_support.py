@@ -8,10 +8,10 @@ from collections.abc import Sequence
 
 from redis.asyncio import Redis
 
-from router.kvindex import IndexEntry, Tier
+from router.kvindex import IndexEntry, StorageTier
 
-GPU = Tier.GPU_HOT
-WARM = Tier.STORAGE_WARM
+GPU = StorageTier.GPU_HOT
+WARM = StorageTier.STORAGE_WARM
 
 
 def P(i: int) -> str:
@@ -19,7 +19,7 @@ def P(i: int) -> str:
     return f"{i:064x}"
 
 
-def state(entries: Sequence[IndexEntry]) -> dict[str, tuple[int, Tier]]:
+def state(entries: Sequence[IndexEntry]) -> dict[str, tuple[int, StorageTier]]:
     return {e.backend: (e.token_count, e.tier) for e in entries}
 
 

@@ -24,7 +24,7 @@ from bus.backoff import NoBackoff
 from certs import dev_bundle
 from router.config.models import BrokerConfig, EventSourceConfig
 from router.eventbus.auth import Authenticator, AuthError, dns_sans, hash_token
-from router.eventbus.hub import ChannelClosed, EventBusHub, NoSession, SessionEnd
+from router.eventbus.sessions import ChannelClosed, NoSession, SessionEnd, SessionRegistry
 from router.ingest import KvEventConsumer, StreamClosedByPeer
 
 A, B = "vllm-1", "vllm-2"
@@ -88,12 +88,12 @@ def test_certificate_auth_uses_dns_sans_only_when_verified(tmp_path: Any) -> Non
 # -- sessions ------------------------------------------------------------------------------
 
 
-def _hub(*entries: BrokerConfig, sources: tuple[str, ...] = (A, B)) -> EventBusHub:
-    return EventBusHub(list(entries) or [entry()], sources, open_timeout=1.0)
+def _registry(*entries: BrokerConfig, sources: tuple[str, ...] = (A, B)) -> SessionRegistry:
+    return SessionRegistry(list(entries) or [entry()], sources, open_timeout=1.0)
 
 
-def _principal(hub: EventBusHub, eid: str = "kv-a") -> Any:
-    return hub.auth.authenticate(md(f"tok-{eid}"), {})
+def _principal(registry: SessionRegistry, eid: str = "kv-a") -> Any:
+    return registry.auth.authenticate(md(f"tok-{eid}"), {})
 
 
 @pytest.mark.parametrize(
@@ -107,43 +107,45 @@ def _principal(hub: EventBusHub, eid: str = "kv-a") -> Any:
     ],
 )
 def test_bad_hellos_are_refused_and_leave_no_session(msg: pb.Hello, code: Any, text: str) -> None:
-    hub = _hub()
+    registry = _registry()
     with pytest.raises(AuthError) as info:
-        hub.register(_principal(hub), msg)
+        registry.register(_principal(registry), msg)
     assert info.value.code == code and text in info.value.detail
-    assert hub.sessions == {}
+    assert registry.sessions == {}
 
 
 async def test_welcome_accepts_configured_sources_and_a_newer_session_replaces() -> None:
-    hub = _hub(sources=(B,))
-    first = hub.register(_principal(hub), hello(sources=(A, B, B)))
+    registry = _registry(sources=(B,))
+    first = registry.register(_principal(registry), hello(sources=(A, B, B)))
     assert first.accepted == (B,)
-    second = hub.register(_principal(hub), hello(sources=(B,)))
+    second = registry.register(_principal(registry), hello(sources=(B,)))
     end = first.outbox.get_nowait()
     assert isinstance(end, SessionEnd) and end.code == grpc.StatusCode.ABORTED
-    assert hub.sessions == {"kv-a": second}
+    assert registry.sessions == {"kv-a": second}
 
 
 async def test_reload_shrink_sends_forbidden_and_keeps_unaffected_sessions() -> None:
-    hub = _hub(entry("kv-a"), entry("kv-b"))
-    a = hub.register(_principal(hub, "kv-a"), hello("kv-a", (A, B)))
-    b = hub.register(_principal(hub, "kv-b"), hello("kv-b", (A,)))
-    hub.update_brokers([entry("kv-a", (A,)), entry("kv-b", (A,))])
+    registry = _registry(entry("kv-a"), entry("kv-b"))
+    a = registry.register(_principal(registry, "kv-a"), hello("kv-a", (A, B)))
+    b = registry.register(_principal(registry, "kv-b"), hello("kv-b", (A,)))
+    registry.update_brokers([entry("kv-a", (A,)), entry("kv-b", (A,))])
     end = a.outbox.get_nowait()
     assert isinstance(end, SessionEnd) and end.code == grpc.StatusCode.PERMISSION_DENIED
     assert end.forbidden is not None and list(end.forbidden.sources) == [B]
     assert "no longer include 'vllm-2'" in end.forbidden.reason
-    assert b.outbox.empty() and hub.sessions == {"kv-b": b}
+    assert b.outbox.empty() and registry.sessions == {"kv-b": b}
     # A removed entry and a changed token end sessions too.
-    hub.update_brokers([entry("kv-b", (A,), token_hash=hash_token("rotated"))])
+    registry.update_brokers([entry("kv-b", (A,), token_hash=hash_token("rotated"))])
     end = b.outbox.get_nowait()
-    assert isinstance(end, SessionEnd) and "token" in end.detail and hub.sessions == {}
+    assert isinstance(end, SessionEnd) and "token" in end.detail and registry.sessions == {}
 
 
 # -- streams -------------------------------------------------------------------------------
 
 
-async def _subscribed(hub: EventBusHub, session: Any, opener: Any) -> tuple[Any, pb.Subscribe]:
+async def _subscribed(
+    registry: SessionRegistry, session: Any, opener: Any
+) -> tuple[Any, pb.Subscribe]:
     it = opener("e-7")
     first = asyncio.ensure_future(anext(it))
     msg = await asyncio.wait_for(session.outbox.get(), 1)
@@ -152,16 +154,16 @@ async def _subscribed(hub: EventBusHub, session: Any, opener: Any) -> tuple[Any,
 
 
 async def test_opener_streams_bytes_then_raises_the_close_reason() -> None:
-    hub = _hub()
-    session = hub.register(_principal(hub), hello(sources=(A,)))
-    (it, first), sub = await _subscribed(hub, session, hub.opener(A))
+    registry = _registry()
+    session = registry.register(_principal(registry), hello(sources=(A,)))
+    (it, first), sub = await _subscribed(registry, session, registry.opener(A))
     assert sub.source == A and sub.last_event_id == "e-7"
     with pytest.raises(AuthError) as info:
-        hub.claim(hub.auth.authenticate(md("tok-kv-a"), {}), "unknown")
+        registry.claim(registry.auth.authenticate(md("tok-kv-a"), {}), "unknown")
     assert info.value.code == grpc.StatusCode.NOT_FOUND
-    slot = hub.claim(_principal(hub), sub.stream_id)
+    slot = registry.claim(_principal(registry), sub.stream_id)
     with pytest.raises(AuthError):  # single use
-        hub.claim(_principal(hub), sub.stream_id)
+        registry.claim(_principal(registry), sub.stream_id)
     assert await first == b""  # open: the consumer counts as connected
     await slot.channel.put(b"id: 1\n")
     await slot.channel.put(b"data: x\n\n")
@@ -169,23 +171,23 @@ async def test_opener_streams_bytes_then_raises_the_close_reason() -> None:
     assert [await anext(it), await anext(it)] == [b"id: 1\n", b"data: x\n\n"]
     with pytest.raises(StreamClosedByPeer, match="draining"):
         await anext(it)
-    assert hub.stream_closes == {"draining": 1} and hub.slots == {}
+    assert registry.stream_closes == {"draining": 1} and registry.slots == {}
 
 
 async def test_a_stream_id_of_another_client_is_permission_denied() -> None:
-    hub = _hub(entry("kv-a"), entry("kv-b"))
-    session = hub.register(_principal(hub, "kv-a"), hello("kv-a", (A,)))
-    _, sub = await _subscribed(hub, session, hub.opener(A))
+    registry = _registry(entry("kv-a"), entry("kv-b"))
+    session = registry.register(_principal(registry, "kv-a"), hello("kv-a", (A,)))
+    _, sub = await _subscribed(registry, session, registry.opener(A))
     with pytest.raises(AuthError) as info:
-        hub.claim(_principal(hub, "kv-b"), sub.stream_id)
+        registry.claim(_principal(registry, "kv-b"), sub.stream_id)
     assert info.value.code == grpc.StatusCode.PERMISSION_DENIED
 
 
 async def test_consumer_dropping_the_stream_unsubscribes_with_its_reason() -> None:
-    hub = _hub()
-    session = hub.register(_principal(hub), hello(sources=(A,)))
-    (it, first), sub = await _subscribed(hub, session, hub.opener(A))
-    slot = hub.claim(_principal(hub), sub.stream_id)
+    registry = _registry()
+    session = registry.register(_principal(registry), hello(sources=(A,)))
+    (it, first), sub = await _subscribed(registry, session, registry.opener(A))
+    slot = registry.claim(_principal(registry), sub.stream_id)
     await first
     with pytest.raises(ValueError):
         await it.athrow(ValueError("SSE line longer than 1048576 bytes"))
@@ -197,29 +199,29 @@ async def test_consumer_dropping_the_stream_unsubscribes_with_its_reason() -> No
 
 
 async def test_session_end_ends_its_streams_and_draining_sessions_get_no_subscribe() -> None:
-    hub = _hub(entry("kv-a"), entry("kv-b"))
-    a = hub.register(_principal(hub, "kv-a"), hello("kv-a", (A,)))
-    (it, first), sub = await _subscribed(hub, a, hub.opener(A))
-    hub.claim(_principal(hub), sub.stream_id)
+    registry = _registry(entry("kv-a"), entry("kv-b"))
+    a = registry.register(_principal(registry, "kv-a"), hello("kv-a", (A,)))
+    (it, first), sub = await _subscribed(registry, a, registry.opener(A))
+    registry.claim(_principal(registry), sub.stream_id)
     await first
-    hub.unregister(a)
+    registry.unregister(a)
     with pytest.raises(StreamClosedByPeer, match="session_ended"):
         await anext(it)
-    b = hub.register(_principal(hub, "kv-b"), hello("kv-b", (A,)))
-    hub.draining(b)
+    b = registry.register(_principal(registry, "kv-b"), hello("kv-b", (A,)))
+    registry.draining(b)
     with pytest.raises(NoSession, match="no_session"):
-        await anext(hub.opener(A)(None))
+        await anext(registry.opener(A)(None))
 
 
 async def test_subscribe_without_stream_open_times_out() -> None:
-    hub = EventBusHub([entry()], (A,), open_timeout=0.01)
-    hub.register(_principal(hub), hello(sources=(A,)))
+    registry = SessionRegistry([entry()], (A,), open_timeout=0.01)
+    registry.register(_principal(registry), hello(sources=(A,)))
     with pytest.raises(Exception, match="did not open stream"):
-        await anext(hub.opener(A)(None))
+        await anext(registry.opener(A)(None))
 
 
 async def test_no_session_is_retried_at_a_flat_interval_without_doubling() -> None:
-    hub = _hub()
+    registry = _registry()
     backoff = NoBackoff()
     slept: list[float] = []
 
@@ -233,13 +235,13 @@ async def test_no_session_is_retried_at_a_flat_interval_without_doubling() -> No
 
     src = EventSourceConfig(backend_name=A, transport="event_bus")
     consumer = KvEventConsumer(
-        src, apply, backoff=backoff, stream_opener=hub.opener(A), sleep=sleep
+        src, apply, backoff=backoff, stream_opener=registry.opener(A), sleep=sleep
     )
     with pytest.raises(asyncio.CancelledError):
         await consumer.run()
     assert backoff.computed == [1] * 5  # never 2, 3, ...: flat
     assert consumer.stats.last_error is not None and "no_session" in consumer.stats.last_error
-    assert hub.counters["no_session"] == 5
+    assert registry.counters["no_session"] == 5
 
 
 # -- chunking ------------------------------------------------------------------------------
@@ -249,10 +251,10 @@ GOLDEN = Path(__file__).resolve().parents[1] / "fixtures" / "push_stream_golden.
 
 async def _apply_through_bus(cuts: list[int]) -> list[tuple[str, str | None, int | None]]:
     """The golden stream cut at ``cuts`` into StreamData chunks, consumed by a real
-    KvEventConsumer through the hub's opener; returns what it applied, in order."""
+    KvEventConsumer through the registry's opener; returns what it applied, in order."""
     data = GOLDEN.read_bytes()
-    hub = _hub()
-    session = hub.register(_principal(hub), hello(sources=(A,)))
+    registry = _registry()
+    session = registry.register(_principal(registry), hello(sources=(A,)))
     applied: list[tuple[str, str | None, int | None]] = []
     done = asyncio.Event()
 
@@ -263,11 +265,11 @@ async def _apply_through_bus(cuts: list[int]) -> list[tuple[str, str | None, int
         return "created"
 
     src = EventSourceConfig(backend_name=A, transport="event_bus")
-    consumer = KvEventConsumer(src, apply, backoff=NoBackoff(), stream_opener=hub.opener(A))
+    consumer = KvEventConsumer(src, apply, backoff=NoBackoff(), stream_opener=registry.opener(A))
     task = asyncio.ensure_future(consumer.run())
     try:
         msg = await asyncio.wait_for(session.outbox.get(), 1)
-        slot = hub.claim(_principal(hub), msg.subscribe.stream_id)
+        slot = registry.claim(_principal(registry), msg.subscribe.stream_id)
         bounds = [0, *sorted(c % (len(data) + 1) for c in cuts), len(data)]
         for lo, hi in itertools.pairwise(bounds):
             await slot.channel.put(data[lo:hi])

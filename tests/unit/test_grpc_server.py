@@ -17,8 +17,8 @@ from bus.grpc_server import HEALTH_SERVICE_NAME, StartedServer, generated, start
 from bus.grpc_tls import channel_credentials, server_credentials
 from certs import dev_bundle
 from router.config.models import EventBusConfig, EventBusTlsConfig
-from router.eventbus.hub import EventBusHub
 from router.eventbus.server import EventBusConfigError, EventBusServer
+from router.eventbus.sessions import SessionRegistry
 
 KVINDEX = kvindex_pb2.DESCRIPTOR.services_by_name["KvIndex"].full_name
 REFLECTION = "grpc.reflection.v1alpha.ServerReflection"
@@ -162,7 +162,7 @@ async def test_the_event_bus_names_its_config_path_for_an_unreadable_pem(
 
     def server(**tls: str | None) -> EventBusServer:
         bus = EventBusConfig(enabled=True, listen="127.0.0.1:0", tls=EventBusTlsConfig(**tls))
-        return EventBusServer(bus, EventBusHub([], ()))
+        return EventBusServer(bus, SessionRegistry([], ()))
 
     with pytest.raises(EventBusConfigError) as info:
         await server(cert=cert, key=key, client_ca=missing).start()

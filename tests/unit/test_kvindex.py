@@ -30,7 +30,7 @@ from router.kvindex import (
     InstrumentedKvIndex,
     KvIndex,
     RedisKvIndex,
-    Tier,
+    StorageTier,
     apply_event,
     apply_events,
     build_kv_index,
@@ -329,7 +329,7 @@ OFF = StorageOffloadingConfig(enabled=False)
 DEMOTE = StorageOffloadingConfig(enabled=True, treat_eviction_as_offload=True)
 KEEP = StorageOffloadingConfig(enabled=True, treat_eviction_as_offload=False)
 
-S = dict[str, tuple[int, Tier]]
+S = dict[str, tuple[int, StorageTier]]
 # (event, {config name: (label, P(1) state after, P(2) state after)})
 TRANSITIONS: list[tuple[KvEvent, dict[str, tuple[str, S, S]]]] = [
     (

@@ -27,7 +27,7 @@ from router.kvindex import (
     KvIndexUnavailable,
     RedisKvIndex,
     Restore,
-    Tier,
+    StorageTier,
 )
 from router.redis import build_redis
 from tests.unit.kvindex_support import GPU, WARM, P, state
@@ -204,7 +204,9 @@ class FlakyPrimary(InMemoryKvIndex):
         self._check("query")
         return self.lookup(prefix_hash)
 
-    async def upsert(self, prefix_hash: str, backend: str, token_count: int, tier: Tier) -> None:
+    async def upsert(
+        self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier
+    ) -> None:
         self._check("upsert")
         self.put(prefix_hash, backend, token_count, tier)
 

@@ -14,7 +14,7 @@ import time
 import pytest
 
 from bus.salt import SaltError, verify_salt
-from harness.publisher import SaltingEncoder, salted_hub, send_paced
+from harness.publisher import SaltingEncoder, salted_publisher, send_paced
 from harness.sim.kv_events import CapturePublisher
 from listener.decode import decode_batch
 from listener.engine_events import BlockStored
@@ -37,7 +37,7 @@ async def test_every_chain_starts_with_a_salt_the_listener_verifies(
     fmt: str, prefixes: int
 ) -> None:
     cap = CapturePublisher()
-    hub = salted_hub(cap, fmt, (SECRET, "b1", prefixes))
+    hub = salted_publisher(cap, fmt, (SECRET, "b1", prefixes))
     assert isinstance(hub.encoder, SaltingEncoder)
     await hub.burst(40, 8)  # 320 events: 5 chains of 64 blocks
     keys = []
@@ -60,14 +60,14 @@ async def test_every_chain_starts_with_a_salt_the_listener_verifies(
 
 async def test_unsalted_burst_is_the_simulators() -> None:
     cap = CapturePublisher()
-    await salted_hub(cap, "vllm-0.33", None).burst(8, 8)
+    await salted_publisher(cap, "vllm-0.33", None).burst(8, 8)
     events = [e for batch in _stored(cap.payloads) for e in batch]
     assert len(events) == 64 and all(e.cache_salt is None for e in events)
 
 
 async def testsend_paced_run_sends_a_salted_chain_per_batch_on_schedule() -> None:
     sent = CapturePublisher()
-    hub = salted_hub(CapturePublisher(), "vllm-0.33", (SECRET, "b1", 0))
+    hub = salted_publisher(CapturePublisher(), "vllm-0.33", (SECRET, "b1", 0))
     rate, seconds, per = 4000.0, 0.05, 8
     t_start = time.monotonic()
     res = await send_paced(hub, sent, rate, seconds, per)  # type: ignore[arg-type]

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from router.config import RouterConfig, parse_config
-from router.kvindex import InMemoryKvIndex, InstrumentedKvIndex, KvIndex, Tier
+from router.kvindex import InMemoryKvIndex, InstrumentedKvIndex, KvIndex, StorageTier
 from router.kvindex.scorer import DEFAULT_SCORER_THRESHOLD, KvOverlapScorer
 from router.pool import Backend, BackendPool
 from router.selection import SelectionContext, Selector
@@ -81,7 +81,7 @@ async def scores(
     scorer: KvOverlapScorer, cands: Sequence[Backend], prefix: str = PREFIX
 ) -> dict[str, float]:
     p = await scorer.prepare(prefix, cands)
-    return {b.name: scorer.score(p, b, cands) for b in cands}
+    return {b.name: scorer.score(p, b) for b in cands}
 
 
 # -- the formula -------------------------------------------------------------------------
@@ -90,8 +90,8 @@ async def scores(
 async def test_raw_overlap_is_normalised_by_the_largest_holder_and_load_by_the_busiest() -> None:
     cfg, _, (a, b, c) = make()
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "a", 1000, Tier.GPU_HOT)
-    await index.upsert(PREFIX, "b", 500, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "a", 1000, StorageTier.GPU_HOT)
+    await index.upsert(PREFIX, "b", 500, StorageTier.GPU_HOT)
     a.in_flight, b.in_flight, c.in_flight = 2, 4, 0
     scorer, _ = scorer_for(cfg, index)
 
@@ -104,8 +104,8 @@ async def test_raw_overlap_is_normalised_by_the_largest_holder_and_load_by_the_b
     assert got["c"] == 0.0
 
     p = await scorer.prepare(PREFIX, (a, b, c))
-    final, overlap, idle, health, tier = scorer.components(p, b, (a, b, c))
-    assert (overlap, idle, health, tier) == (pytest.approx(0.5), 0.0, 1.0, Tier.GPU_HOT)
+    final, overlap, idle, health, tier = scorer.components(p, b)
+    assert (overlap, idle, health, tier) == (pytest.approx(0.5), 0.0, 1.0, StorageTier.GPU_HOT)
     assert final == pytest.approx(0.4)
 
 
@@ -114,8 +114,8 @@ async def test_the_max_holder_is_taken_among_candidates_only() -> None:
     shrink the candidates' raw overlap."""
     cfg, _, (a, b) = make(("a", "b"))
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "a", 500, Tier.GPU_HOT)
-    await index.upsert(PREFIX, "not-a-candidate", 1000, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "a", 500, StorageTier.GPU_HOT)
+    await index.upsert(PREFIX, "not-a-candidate", 1000, StorageTier.GPU_HOT)
     scorer, _ = scorer_for(cfg, index)
     got = await scores(scorer, (a, b))
     # a: 0.6 * 500/500 + 0.3 * (1 - 0) + 0.1 * 1.0 (all idle: load ratio 0)
@@ -125,8 +125,8 @@ async def test_the_max_holder_is_taken_among_candidates_only() -> None:
 async def test_tier_multipliers_weigh_the_overlap() -> None:
     cfg, _, (a, b) = make(("a", "b"))
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "a", 1000, Tier.STORAGE_WARM)
-    await index.upsert(PREFIX, "b", 1000, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "a", 1000, StorageTier.STORAGE_WARM)
+    await index.upsert(PREFIX, "b", 1000, StorageTier.GPU_HOT)
     scorer, decisions = scorer_for(cfg, index)
     got = await scores(scorer, (a, b))
     # a: 0.6 * (1.0 * 0.6) + 0.3 * 1 + 0.1 * 1 = 0.36 + 0.4
@@ -139,8 +139,8 @@ async def test_tier_multipliers_weigh_the_overlap() -> None:
     # Custom multipliers: gpu 0.8, storage 0.5 (and a smaller holder on the GPU).
     cfg2, _, (a2, b2) = make(("a", "b"), gpu_tier_weight=0.8, storage_tier_weight=0.5)
     index2 = InMemoryKvIndex()
-    await index2.upsert(PREFIX, "a", 800, Tier.STORAGE_WARM)
-    await index2.upsert(PREFIX, "b", 400, Tier.GPU_HOT)
+    await index2.upsert(PREFIX, "a", 800, StorageTier.STORAGE_WARM)
+    await index2.upsert(PREFIX, "b", 400, StorageTier.GPU_HOT)
     scorer2, decisions2 = scorer_for(cfg2, index2)
     got2 = await scores(scorer2, (a2, b2))
     # a: overlap 800/800 * 0.5 = 0.5 -> 0.6 * 0.5 + 0.3 + 0.1 = 0.7
@@ -154,25 +154,25 @@ async def test_tier_multipliers_weigh_the_overlap() -> None:
 async def test_min_overlap_threshold_excludes_small_holders() -> None:
     cfg, _, (a, b) = make(("a", "b"))
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "a", 1000, Tier.GPU_HOT)
-    await index.upsert(PREFIX, "b", 200, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "a", 1000, StorageTier.GPU_HOT)
+    await index.upsert(PREFIX, "b", 200, StorageTier.GPU_HOT)
     a.in_flight = 9  # a is the busiest; b idle would win on load alone
     scorer, _ = scorer_for(cfg, index)
     p = await scorer.prepare(PREFIX, (a, b))
-    final, overlap, idle, _, tier = scorer.components(p, b, (a, b))
+    final, overlap, idle, _, tier = scorer.components(p, b)
     # b: 200/1000 = 0.2 < 0.3 -> excluded (score 0), although it is idle.
     assert final == 0.0 and overlap == pytest.approx(0.2) and idle == 1.0
-    assert scorer.score_with_tier(p, b, (a, b)) == (0.0, None)
-    assert tier is Tier.GPU_HOT
+    assert scorer.score_with_tier(p, b) == (0.0, None)
+    assert tier is StorageTier.GPU_HOT
     # a: 0.6 * 1.0 + 0.3 * (1 - 9/9) + 0.1 = 0.7
-    assert scorer.score(p, a, (a, b)) == pytest.approx(0.7)
+    assert scorer.score(p, a) == pytest.approx(0.7)
     assert await scorer.choose(KEY, (a, b)) is a
 
     # Exactly at the threshold passes (the rule is "under the threshold").
     cfg2, _, (a2, b2) = make(("a", "b"), min_overlap_threshold=0.5)
     index2 = InMemoryKvIndex()
-    await index2.upsert(PREFIX, "a", 1000, Tier.GPU_HOT)
-    await index2.upsert(PREFIX, "b", 500, Tier.GPU_HOT)
+    await index2.upsert(PREFIX, "a", 1000, StorageTier.GPU_HOT)
+    await index2.upsert(PREFIX, "b", 500, StorageTier.GPU_HOT)
     scorer2, _ = scorer_for(cfg2, index2)
     got2 = await scores(scorer2, (a2, b2))
     # b: 0.6 * 0.5 + 0.3 + 0.1 = 0.7
@@ -183,7 +183,7 @@ async def test_storage_copies_under_the_threshold_are_excluded() -> None:
     """storage_tier_weight below min_overlap_threshold: a warm-only copy never counts."""
     cfg, _, (a, b) = make(("a", "b"), storage_tier_weight=0.2)
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "a", 1000, Tier.STORAGE_WARM)
+    await index.upsert(PREFIX, "a", 1000, StorageTier.STORAGE_WARM)
     scorer, decisions = scorer_for(cfg, index)
     assert await scores(scorer, (a, b)) == {"a": 0.0, "b": 0.0}
     assert await scorer.choose(KEY, (a, b)) is None
@@ -195,7 +195,7 @@ async def test_an_idle_uncached_backend_never_wins() -> None:
     uncached backend must score 0, so the busy holder wins."""
     cfg, _, (a, b, c) = make()
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "a", 64, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "a", 64, StorageTier.GPU_HOT)
     a.in_flight = 50
     scorer, decisions = scorer_for(cfg, index)
     got = await scores(scorer, (a, b, c))
@@ -215,13 +215,13 @@ async def test_the_pool_threshold_is_strictly_greater_than_0_3() -> None:
     # scores exactly 0.3 * 1.0 + 0.7 * (1 - 1/1) + 0.0 * 1.0 = 0.3.
     cfg, _, (a, b) = make(("a", "b"), overlap_weight=0.3, load_weight=0.7, health_weight=0.0)
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "a", 100, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "a", 100, StorageTier.GPU_HOT)
     a.in_flight = 1
     clock = Clock()
     scorer, decisions = scorer_for(cfg, index, clock)
     assert scorer.threshold == DEFAULT_SCORER_THRESHOLD == 0.3
     p = await scorer.prepare(PREFIX, (a, b))
-    assert scorer.score(p, a, (a, b)) == 0.3
+    assert scorer.score(p, a) == 0.3
     assert await scorer.choose(KEY, (a, b)) is None
     assert decisions.calls == [("fallback", "none", None)]
 
@@ -236,15 +236,15 @@ async def test_the_pool_threshold_is_strictly_greater_than_0_3() -> None:
 async def test_health_is_the_backends_success_rate() -> None:
     cfg, _, (a, b) = make(("a", "b"))
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "a", 1000, Tier.GPU_HOT)
-    await index.upsert(PREFIX, "b", 1000, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "a", 1000, StorageTier.GPU_HOT)
+    await index.upsert(PREFIX, "b", 1000, StorageTier.GPU_HOT)
     for i in range(100):
         a.record_outcome(i % 2 == 0)  # 50 of the last 100 failed
     assert a.success_rate == 0.5 and b.success_rate == 1.0
     scorer, decisions = scorer_for(cfg, index)
     p = await scorer.prepare(PREFIX, (a, b))
-    assert scorer.components(p, a, (a, b))[3] == 0.5
-    got = {x.name: scorer.score(p, x, (a, b)) for x in (a, b)}
+    assert scorer.components(p, a)[3] == 0.5
+    got = {x.name: scorer.score(p, x) for x in (a, b)}
     # a: 0.6 + 0.3 + 0.1 * 0.5 = 0.95; b: 0.6 + 0.3 + 0.1 * 1.0 = 1.0
     assert got == {"a": pytest.approx(0.95), "b": pytest.approx(1.0)}
     assert await scorer.choose(KEY, (a, b)) is b
@@ -257,8 +257,8 @@ async def test_health_is_the_backends_success_rate() -> None:
 async def test_load_ratio_reads_the_in_flight_snapshot_taken_by_prepare() -> None:
     cfg, _, (a, b) = make(("a", "b"))
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "a", 1000, Tier.GPU_HOT)
-    await index.upsert(PREFIX, "b", 1000, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "a", 1000, StorageTier.GPU_HOT)
+    await index.upsert(PREFIX, "b", 1000, StorageTier.GPU_HOT)
     a.in_flight, b.in_flight = 1, 4
     scorer, _ = scorer_for(cfg, index)
     p = await scorer.prepare(PREFIX, (a, b))
@@ -266,15 +266,15 @@ async def test_load_ratio_reads_the_in_flight_snapshot_taken_by_prepare() -> Non
     # The live gauge moves after the snapshot: the scores do not.
     a.in_flight, b.in_flight = 8, 0
     # a: 0.6 + 0.3 * (1 - 1/4) + 0.1 = 0.925; b: 0.6 + 0.3 * (1 - 4/4) + 0.1 = 0.7
-    assert scorer.score(p, a, (a, b)) == pytest.approx(0.925)
-    assert scorer.score(p, b, (a, b)) == pytest.approx(0.7)
+    assert scorer.score(p, a) == pytest.approx(0.925)
+    assert scorer.score(p, b) == pytest.approx(0.7)
 
 
 async def test_prepare_is_cached_for_100_ms_then_queries_again() -> None:
     cfg, _, (a, b) = make(("a", "b"))
     index = InstrumentedKvIndex(InMemoryKvIndex())
-    await index.upsert(PREFIX, "a", 1000, Tier.GPU_HOT)
-    await index.upsert(PREFIX, "b", 1000, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "a", 1000, StorageTier.GPU_HOT)
+    await index.upsert(PREFIX, "b", 1000, StorageTier.GPU_HOT)
     a.in_flight, b.in_flight = 0, 3
     clock = Clock(1000.0)
     t0 = clock.t
@@ -288,7 +288,7 @@ async def test_prepare_is_cached_for_100_ms_then_queries_again() -> None:
 
     # Within 100 ms: neither the index nor the in-flight gauge is read again.
     a.in_flight, b.in_flight = 5, 0
-    await index.upsert(PREFIX, "b", 4000, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "b", 4000, StorageTier.GPU_HOT)
     clock.t = t0 + 0.099
     assert await scorer.choose(KEY, (a, b)) is a
     assert index_queries() == 1
@@ -299,7 +299,7 @@ async def test_prepare_is_cached_for_100_ms_then_queries_again() -> None:
     assert index_queries() == 2
     # b: 0.6 * 1.0 + 0.3 * (1 - 0/5) + 0.1 = 1.0; a: 1000/4000 = 0.25 < 0.3, excluded.
     p = await scorer.prepare(PREFIX, (a, b))
-    assert scorer.score(p, a, (a, b)) == 0.0
+    assert scorer.score(p, a) == 0.0
     assert [d[0] for d in decisions.calls] == ["kv_aware"] * 3
     assert decisions.calls[-1] == ("kv_aware", "gpu_hot", pytest.approx(1.0))
 
@@ -315,7 +315,7 @@ async def test_selector_takes_the_scorer_pick_else_the_strategy() -> None:
     cfg, pool, cands = make(("a", "b", "c"))
     _, mask = pool.candidates("m", "chat")
     index = InMemoryKvIndex()
-    await index.upsert(PREFIX, "c", 512, Tier.GPU_HOT)
+    await index.upsert(PREFIX, "c", 512, StorageTier.GPU_HOT)
     clock = Clock()
     scorer, decisions = scorer_for(cfg, index, clock)
     sel = Selector(pool, cfg)

@@ -34,7 +34,7 @@ import zmq.asyncio
 
 from harness.procs import free_port
 from harness.sim.fleet import SimFleet
-from harness.sim.kv_events import KvEventHub, offset_endpoint, should_bind
+from harness.sim.kv_events import KvEventPublisher, offset_endpoint, should_bind
 from harness.sim.kv_wire import EventEncoder, get_format
 from harness.sim.prefix_cache import StoredBlock
 from harness.sim.prompt import render_anthropic_chatml, render_chatml
@@ -173,7 +173,7 @@ def test_hub_groups_sglang_removals_per_node_and_vllm_per_hash() -> None:
 
     def run(fmt: str) -> list[Any]:
         cap = Capture()
-        hub = KvEventHub(block_size=2, fmt=get_format(fmt), publisher=cap)  # type: ignore[arg-type]
+        hub = KvEventPublisher(block_size=2, fmt=get_format(fmt), publisher=cap)  # type: ignore[arg-type]
         stored = [
             StoredBlock(10, None, (1, 2)),
             StoredBlock(11, 10, (3, 4)),

@@ -10,7 +10,7 @@ interleave an inconsistent view):
   slot belongs to one session and one source.
 
 The consumer of source X (``router.ingest.KvEventConsumer``) gets its bytes from
-:meth:`EventBusHub.opener`:
+:meth:`SessionRegistry.opener`:
 
 1. pick the newest live, non-draining session that announced X; none: raise
    :class:`NoSession` (the consumer retries at a flat ``reconnect_interval_ms``);
@@ -51,7 +51,7 @@ from ..config.models import BrokerConfig, EventBusConfig
 from ..ingest import ConsumerError, SourceUnavailable, StreamClosedByPeer, StreamOpener
 from .auth import Authenticator, AuthError, Principal
 
-__all__ = ["BusSession", "EventBusHub", "NoSession", "StreamSlot"]
+__all__ = ["BusSession", "NoSession", "SessionRegistry", "StreamSlot"]
 
 log = logging.getLogger("continuum.eventbus")
 
@@ -167,7 +167,7 @@ class BusSession:
             self.ended = True
 
 
-class EventBusHub:
+class SessionRegistry:
     """Sessions, stream slots and the consumers' openers (see the module docstring).
 
     Args:
@@ -209,8 +209,8 @@ class EventBusHub:
         """Streams ended, by reason (``buffer_overflow``, ``draining``, ...)."""
 
     @classmethod
-    def from_config(cls, config: EventBusConfig, sources: Iterable[str] = ()) -> EventBusHub:
-        """The hub of ``dynamo.event_bus``: its brokers; client certificates verified when
+    def from_config(cls, config: EventBusConfig, sources: Iterable[str] = ()) -> SessionRegistry:
+        """The registry of ``dynamo.event_bus``: its brokers; client certificates verified when
         ``tls.client_ca`` is set. One per process: the KV consumers of ``sources`` open
         their streams from it and the bus server registers the listeners' sessions in it.
         """
