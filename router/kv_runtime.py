@@ -13,12 +13,13 @@ in: the opener of every ``transport: event_bus`` source).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import logging
 from collections.abc import Callable
 from typing import Any
+
+from bus.tasks import cancel_and_wait
 
 from .config import RouterConfig
 from .config.models import EventSourceConfig
@@ -93,10 +94,7 @@ class KvRuntime:
         self._cleanup = asyncio.get_running_loop().create_task(self._cleanup_loop())
 
     async def stop(self) -> None:
-        if self._cleanup is not None:
-            self._cleanup.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._cleanup
+        await cancel_and_wait(self._cleanup, log=log)
         await self.consumers.stop()
         await self.index.close()
 
