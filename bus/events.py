@@ -1,6 +1,6 @@
 """Prefix-level KV cache events: what the listener publishes and the router indexes.
 
-One JSON object per SSE record (DESIGN.md §3)::
+One JSON object per SSE record (docs/ARCHITECTURE.md §4)::
 
     {"event":"cache_created","backend":"vllm-1","prefix_hash":"<64 hex>",
      "token_count":2048,"tier":"gpu"}

@@ -107,7 +107,7 @@ EXAMPLES
         grpcurl -plaintext 127.0.0.1:7818 continuum.listener.v1.Listener/Stats
 
 SEE ALSO
-    continuum-router(1), DESIGN.md sections 3 and 5.
+    continuum-router(1), docs/ARCHITECTURE.md, listener/ENGINE_FORMATS.md.
 """
 
 

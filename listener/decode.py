@@ -1,6 +1,6 @@
 """Decode one vLLM / SGLang ZMQ payload (a msgpack ``EventBatch``) into ``engine_events``.
 
-The wire formats are described byte by byte in ``engine-formats.md`` (§2–§5). In short:
+The wire formats are described byte by byte in ``listener/ENGINE_FORMATS.md`` (§2–§5). In short:
 
 * The payload is always a msgpack **array** ``[ts, events, dp_rank]``. vLLM 0.9.0 has no
   ``dp_rank`` (it decodes as ``None``). Elements after the third are ignored.
@@ -59,7 +59,7 @@ How ``cache_salt`` is found:
   then reports the image identifier as its salt, and cannot be told apart on the wire.
   Before 0.17 the salt is not published at all. The rule does not require
   ``parent_block_hash`` to be nil, even though the engine only salts a request's first block
-  (engine-formats.md's own 0.23 example has a parent). It prefers reporting a salt to missing
+  (listener/ENGINE_FORMATS.md's own 0.23 example has a parent). It prefers reporting a salt to missing
   one. Consumers must therefore **verify** a salt (``bus.salt``'s HMAC) before trusting it.
   Never use it as an identity on its own.
 

@@ -3,7 +3,7 @@
 Both transports (``GET /events/{backend}`` and gRPC ``Listener.Subscribe``) read from one
 ``EventHub``, so they carry the same records with the same ids.
 
-Ids (DESIGN.md section 3). Every record published for a backend gets the SSE id
+Ids (docs/ARCHITECTURE.md §4). Every record published for a backend gets the SSE id
 ``<epoch>-<seq>``:
 
 * ``epoch`` is 8 lowercase hex characters drawn at random when the hub is created (once

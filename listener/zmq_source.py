@@ -1,6 +1,6 @@
 """ZMQ SUB source for vLLM / SGLang KV events (one per backend and data-parallel rank).
 
-Wire format (``engine-formats.md`` §1, §6): every live message is three frames,
+Wire format (``listener/ENGINE_FORMATS.md`` §1, §6): every live message is three frames,
 ``[topic, seq, payload]``, where ``seq`` is an 8-byte big-endian counter that starts at 0 when
 the engine's publisher starts and rises by 1 per batch. Anything else is counted as a
 malformed frame and dropped; an undecodable payload is counted as a decode error. Neither

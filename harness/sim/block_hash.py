@@ -1,4 +1,4 @@
-"""Block hashes as the engines publish them (engine-formats.md §4).
+"""Block hashes as the engines publish them (listener/ENGINE_FORMATS.md §4).
 
 With KV events on, the prefix cache uses one of these as its key function, so the hashes in
 the events are the cache's own keys and a removal names exactly what a store announced.

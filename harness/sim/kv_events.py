@@ -4,7 +4,7 @@ Layers: :mod:`harness.sim.kv_wire` encodes one engine release's msgpack bytes, t
 turns prefix-cache changes into events and moves them (``KvEventPublisher``), publishes batches
 over ZMQ with replay (``ZmqPublisher``) and queues trtllm JSON events (``TrtllmQueue``).
 
-Transport, exactly as the engines do it (engine-formats.md §1, §6):
+Transport, exactly as the engines do it (listener/ENGINE_FORMATS.md §1, §6):
 
 * PUB socket; it **binds** when the endpoint contains ``*`` or ``::`` or is ``ipc://`` /
   ``inproc://``, otherwise it **connects** (to a listener that bound its SUB). SNDHWM is
@@ -31,7 +31,7 @@ Events per cache change (``KvEventPublisher.changed``):
 * A prefix-cache reset sends ``AllBlocksCleared`` (vLLM's ``reset_prefix_cache``, SGLang's
   ``flush_cache``); trtllm has no such event, so its queue gets one ``removed`` instead.
 
-trtllm (engine-formats.md §7): ``POST /kv_cache_events`` drains a JSON array of events with
+trtllm (listener/ENGINE_FORMATS.md §7): ``POST /kv_cache_events`` drains a JSON array of events with
 a per-rank ``event_id`` (+1 each, ``created`` first with id 0), ``window_size``,
 ``attention_dp_rank`` (only with ``--dp-rank``) and ``data`` of type ``created``,
 ``stored`` (blocks listing their tokens, ``cache_salt`` on a request's first block) or

@@ -1,4 +1,4 @@
-"""Byte-exact msgpack encoding of vLLM / SGLang KV-event batches (engine-formats.md §2–§3).
+"""Byte-exact msgpack encoding of vLLM / SGLang KV-event batches (listener/ENGINE_FORMATS.md §2–§3).
 
 The engines encode with msgspec; this reproduces its output with plain ``msgpack`` for each
 supported release. What makes the bytes equal:

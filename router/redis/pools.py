@@ -2,7 +2,7 @@
 
 The response cache and the KV index both take their client from a :class:`RedisPools`
 registry, so one ``response_cache.redis`` section means one pool of ``pool_size``
-connections for the whole router (DESIGN.md §4).
+connections for the whole router.
 
 Client settings, from :class:`~router.config.models.RedisConfig`:
 

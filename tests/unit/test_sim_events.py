@@ -1,6 +1,6 @@
 """The simulator as a KV-event-publishing engine: wire bytes, ZMQ framing, replay, trtllm.
 
-Golden bytes come from engine-formats.md §3.3 (the engines' own msgspec output). The live
+Golden bytes come from listener/ENGINE_FORMATS.md §3.3 (the engines' own msgspec output). The live
 part runs four sims (one module-scoped fleet, started concurrently):
 
 * ``a``: vLLM 0.23.0 (array encoding), Qwen2 tokenizer, the sim *connects* to the SUB this
@@ -53,7 +53,7 @@ SYSTEM = (
 )
 
 
-# -- golden bytes (engine-formats.md §3.3) ---------------------------------------------------
+# -- golden bytes (listener/ENGINE_FORMATS.md §3.3) ---------------------------------------------------
 
 H = 14248744570211613888
 P = 3846834883482343549

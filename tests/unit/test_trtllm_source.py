@@ -1,6 +1,6 @@
 """TrtllmPoller against a fake trtllm-serve: a real aiohttp server on loopback.
 
-The fake serves ``POST /kv_cache_events`` the way trtllm-serve does (engine-formats.md §7):
+The fake serves ``POST /kv_cache_events`` the way trtllm-serve does (listener/ENGINE_FORMATS.md §7):
 a JSON array of every queued event, removed from the queue on read; an idle poll blocks
 (older builds wait ~2 s; here it wakes as soon as the test queues events). Event bodies follow
 ``KVCacheEventSerializer``: uint64 hashes written as exact JSON integers above 2**63, and the

@@ -26,10 +26,10 @@ if _version_not_supported:
 
 
 class EventBusStub:
-    """EventBus runs inside the router (bus/server.py); the listener is its client
-    (bus/client.py).
+    """EventBus runs inside the router (router/eventbus/); the listener is its client
+    (listener/push/).
 
-    The service name is fixed by DESIGN.md (`continuum.bus.v1.EventBus`), which
+    The service name is part of the wire contract (`continuum.bus.v1.EventBus`), which
     is why buf.yaml excepts the SERVICE_SUFFIX lint rule.
     """
 
@@ -52,10 +52,10 @@ class EventBusStub:
 
 
 class EventBusServicer:
-    """EventBus runs inside the router (bus/server.py); the listener is its client
-    (bus/client.py).
+    """EventBus runs inside the router (router/eventbus/); the listener is its client
+    (listener/push/).
 
-    The service name is fixed by DESIGN.md (`continuum.bus.v1.EventBus`), which
+    The service name is part of the wire contract (`continuum.bus.v1.EventBus`), which
     is why buf.yaml excepts the SERVICE_SUFFIX lint rule.
     """
 
@@ -113,10 +113,10 @@ def add_EventBusServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class EventBus:
-    """EventBus runs inside the router (bus/server.py); the listener is its client
-    (bus/client.py).
+    """EventBus runs inside the router (router/eventbus/); the listener is its client
+    (listener/push/).
 
-    The service name is fixed by DESIGN.md (`continuum.bus.v1.EventBus`), which
+    The service name is part of the wire contract (`continuum.bus.v1.EventBus`), which
     is why buf.yaml excepts the SERVICE_SUFFIX lint rule.
     """
 

@@ -28,7 +28,7 @@ if _version_not_supported:
 class KvIndexStub:
     """KvIndex answers questions about the router's KV cache index.
 
-    The service name is fixed by DESIGN.md (`continuum.kvindex.v1.KvIndex`),
+    The service name is part of the wire contract (`continuum.kvindex.v1.KvIndex`),
     which is why buf.yaml excepts the SERVICE_SUFFIX lint rule.
     """
 
@@ -68,7 +68,7 @@ class KvIndexStub:
 class KvIndexServicer:
     """KvIndex answers questions about the router's KV cache index.
 
-    The service name is fixed by DESIGN.md (`continuum.kvindex.v1.KvIndex`),
+    The service name is part of the wire contract (`continuum.kvindex.v1.KvIndex`),
     which is why buf.yaml excepts the SERVICE_SUFFIX lint rule.
     """
 
@@ -152,7 +152,7 @@ def add_KvIndexServicer_to_server(servicer, server):
 class KvIndex:
     """KvIndex answers questions about the router's KV cache index.
 
-    The service name is fixed by DESIGN.md (`continuum.kvindex.v1.KvIndex`),
+    The service name is part of the wire contract (`continuum.kvindex.v1.KvIndex`),
     which is why buf.yaml excepts the SERVICE_SUFFIX lint rule.
     """
 

@@ -28,7 +28,7 @@ if _version_not_supported:
 class ListenerStub:
     """Listener runs inside continuum-kv-listener (listener/grpc_service.py).
 
-    The service name is fixed by DESIGN.md (`continuum.listener.v1.Listener`),
+    The service name is part of the wire contract (`continuum.listener.v1.Listener`),
     which is why buf.yaml excepts the SERVICE_SUFFIX lint rule.
     """
 
@@ -58,7 +58,7 @@ class ListenerStub:
 class ListenerServicer:
     """Listener runs inside continuum-kv-listener (listener/grpc_service.py).
 
-    The service name is fixed by DESIGN.md (`continuum.listener.v1.Listener`),
+    The service name is part of the wire contract (`continuum.listener.v1.Listener`),
     which is why buf.yaml excepts the SERVICE_SUFFIX lint rule.
     """
 
@@ -129,7 +129,7 @@ def add_ListenerServicer_to_server(servicer, server):
 class Listener:
     """Listener runs inside continuum-kv-listener (listener/grpc_service.py).
 
-    The service name is fixed by DESIGN.md (`continuum.listener.v1.Listener`),
+    The service name is part of the wire contract (`continuum.listener.v1.Listener`),
     which is why buf.yaml excepts the SERVICE_SUFFIX lint rule.
     """
 
