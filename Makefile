@@ -38,6 +38,7 @@ test: $(VENV)/.installed-dev
 lint: $(VENV)/.installed-dev
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 proto: $(VENV)/.installed-dev
 	$(PY) proto/gen.py

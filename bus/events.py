@@ -132,9 +132,10 @@ class KvEvent:
 
 
 _new = object.__new__
-_set_event = KvEvent.event.__set__  # type: ignore[attr-defined]
-_set_backend = KvEvent.backend.__set__  # type: ignore[attr-defined]
-_set_prefix_hash = KvEvent.prefix_hash.__set__  # type: ignore[attr-defined]
-_set_token_count = KvEvent.token_count.__set__  # type: ignore[attr-defined]
-_set_tier = KvEvent.tier.__set__  # type: ignore[attr-defined]
-_set_reason = KvEvent.reason.__set__  # type: ignore[attr-defined]
+_slot = vars(KvEvent)  # the slot descriptors, by field name
+_set_event = _slot["event"].__set__
+_set_backend = _slot["backend"].__set__
+_set_prefix_hash = _slot["prefix_hash"].__set__
+_set_token_count = _slot["token_count"].__set__
+_set_tier = _slot["tier"].__set__
+_set_reason = _slot["reason"].__set__

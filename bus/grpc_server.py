@@ -17,13 +17,20 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection as grpc_reflection
 
-__all__ = ["HEALTH_SERVICE_NAME", "Registrar", "StartedServer", "generated", "start_server"]
+__all__ = [
+    "HEALTH_SERVICE_NAME",
+    "Registrar",
+    "StartedServer",
+    "abort",
+    "generated",
+    "start_server",
+]
 
 HEALTH_SERVICE_NAME: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
@@ -31,6 +38,16 @@ Registrar = Callable[[grpc.aio.Server], str]
 """Adds one service to a server; returns the service's full name (for reflection)."""
 
 S = TypeVar("S")
+
+
+async def abort(
+    context: grpc.aio.ServicerContext[Any, Any], code: grpc.StatusCode, detail: str
+) -> NoReturn:
+    """End the call with ``code`` and ``detail``. ``context.abort`` always raises; typed
+    ``NoReturn`` here so that the code after a refusal is known to run only when it did not
+    refuse."""
+    await context.abort(code, detail)
+    raise AssertionError("unreachable: abort raises")
 
 
 def generated(add: Callable[[S, grpc.aio.Server], object], servicer: S, name: str) -> Registrar:

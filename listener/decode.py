@@ -59,9 +59,9 @@ How ``cache_salt`` is found:
   then reports the image identifier as its salt, and cannot be told apart on the wire.
   Before 0.17 the salt is not published at all. The rule does not require
   ``parent_block_hash`` to be nil, even though the engine only salts a request's first block
-  (listener/ENGINE_FORMATS.md's own 0.23 example has a parent). It prefers reporting a salt to missing
-  one. Consumers must therefore **verify** a salt (``bus.salt``'s HMAC) before trusting it.
-  Never use it as an identity on its own.
+  (listener/ENGINE_FORMATS.md's own 0.23 example has a parent). It prefers reporting a
+  salt to missing one. Consumers must therefore **verify** a salt (``bus.salt``'s HMAC)
+  before trusting it. Never use it as an identity on its own.
 
 Hostile input is bounded by the payload length:
 

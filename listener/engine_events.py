@@ -26,7 +26,7 @@ __all__ = [
     "normalize_hash",
 ]
 
-BlockHash = NewType("BlockHash", "int | bytes")  # type: ignore[misc]
+BlockHash = NewType("BlockHash", "int | bytes")  # type: ignore[valid-newtype]
 
 _U64 = (1 << 64) - 1
 

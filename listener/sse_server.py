@@ -21,7 +21,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import Any
 
 import orjson
@@ -56,7 +56,7 @@ def _error(status: int, message: str, type_: str) -> web.Response:
 
 async def sse_batches(
     sub: Subscription, heartbeat_interval: float, batch_limit: int = 256
-) -> AsyncIterator[list[bytes]]:
+) -> AsyncGenerator[list[bytes], None]:
     """The records of one subscription exactly as ``GET /events/{backend}`` sends them.
 
     Each batch is the SSE records available at once (up to ``batch_limit``), or a

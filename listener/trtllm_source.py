@@ -1,4 +1,4 @@
-"""TensorRT-LLM source: polls trtllm-serve's ``POST /kv_cache_events`` (listener/ENGINE_FORMATS.md §7).
+"""TensorRT-LLM source: polls trtllm-serve's ``POST /kv_cache_events`` (ENGINE_FORMATS.md §7).
 
 The endpoint is a destructive drain: each call returns (and removes) every event queued
 since the last one, as a JSON array; there is no replay. Older builds block about 2 s on an

@@ -431,7 +431,7 @@ class ZmqSource:
             # pyzmq's awaitable recv completes at once while messages are queued, so a
             # busy engine would starve every other task on the loop (SSE writers, /stats,
             # detokenize jobs). Drain a bounded batch without awaiting, then yield.
-            raw = zmq.Socket.shadow(sock.underlying)
+            raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
             again = zmq.Again
             noblock = zmq.NOBLOCK
             take = self._take

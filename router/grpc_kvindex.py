@@ -23,6 +23,7 @@ import orjson
 
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from bus.grpc_server import abort
 from bus.prefix_key import extract_prefix_key
 
 from .admin_auth import AdminToken
@@ -35,7 +36,10 @@ __all__ = ["SERVICE_NAME", "KvIndexServicer"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvIndex"].full_name
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}\Z")
-_TIERS = {StorageTier.GPU_HOT: pb.TIER_GPU_HOT, StorageTier.STORAGE_WARM: pb.TIER_STORAGE_WARM}
+_TIERS: dict[StorageTier | None, Any] = {
+    StorageTier.GPU_HOT: pb.TIER_GPU_HOT,
+    StorageTier.STORAGE_WARM: pb.TIER_STORAGE_WARM,
+}
 
 
 def _unix_ms(t: Any) -> int:
@@ -64,18 +68,19 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
     async def _require_kv(self, context: grpc.aio.ServicerContext) -> KvRuntime:
         kv = self._kv
         if kv is None:
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.FAILED_PRECONDITION,
                 "the KV cache index is not enabled (kv_cache_index.enabled and "
                 "prefix_routing.enabled)",
             )
-            raise AssertionError("unreachable: abort raises")
         return kv
 
     @staticmethod
     async def _prefix(value: str, context: grpc.aio.ServicerContext) -> str:
         if not _HEX64.match(value):
-            await context.abort(
+            await abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 "prefix_hash must be 64 hex characters (a SHA-256 prefix key)",
             )
@@ -108,28 +113,28 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             try:
                 body = orjson.loads(request.request.request_json)
             except orjson.JSONDecodeError as exc:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, f"request_json is not JSON: {exc}"
+                await abort(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, f"request_json is not JSON: {exc}"
                 )
             if not isinstance(body, dict):
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, "request_json must be a JSON object"
+                await abort(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, "request_json must be a JSON object"
                 )
             model = request.request.model or body.get("model")
             if not isinstance(model, str) or not model:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a model is required")
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a model is required")
             key = extract_prefix_key(
                 body,
                 model=model,
                 max_prefix_length=self._max_prefix_length(),
             )
             if key is None:
-                await context.abort(
-                    grpc.StatusCode.INVALID_ARGUMENT, "the request has no text to key on"
+                await abort(
+                    context, grpc.StatusCode.INVALID_ARGUMENT, "the request has no text to key on"
                 )
             prefix = key.hex()
         else:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prefix_hash or request")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "set prefix_hash or request")
         if model is not None:
             candidates, _ = self._pool.candidates(model, "chat")
         else:  # every backend a chat request could be routed to
@@ -188,9 +193,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                     index_created=c.get("index_created", 0),
                     index_evicted=c.get("index_evicted", 0),
                     reconnects=c.get("reconnects", 0),
-                    last_event_at_unix_ms=int(last.timestamp() * 1000)
-                    if hasattr(last, "timestamp")
-                    else 0,
+                    last_event_at_unix_ms=int(last.timestamp() * 1000) if last is not None else 0,
                     last_event_id=c.get("last_event_id") or "",
                     entries=counts.get(name, 0),
                 )
@@ -218,7 +221,8 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         if self._token.required:
             meta = dict(context.invocation_metadata() or ())
             if not self._token.allows(str(meta.get("authorization", ""))):
-                await context.abort(
+                await abort(
+                    context,
                     grpc.StatusCode.UNAUTHENTICATED,
                     "Clear needs the admin token: metadata 'authorization: Bearer <token>'",
                 )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -269,7 +270,7 @@ class EventBusClient:
                 )
                 task = loop.create_task(writer.run(), name=f"bus-stream:{sub.source}")
                 self._writers[sub.stream_id] = (writer, task)
-                task.add_done_callback(lambda _t, sid=sub.stream_id: self._writers.pop(sid, None))
+                task.add_done_callback(functools.partial(self._forget_writer, sub.stream_id))
                 log.info(
                     "event bus: streaming %s (stream %s) from %s",
                     sub.source,
@@ -291,7 +292,10 @@ class EventBusClient:
                     msg.forbidden.reason,
                 )
 
-    def _stop_writers(self, reason: int) -> None:
+    def _forget_writer(self, stream_id: str, _task: asyncio.Task[None]) -> None:
+        self._writers.pop(stream_id, None)
+
+    def _stop_writers(self, reason: pb.CloseReason) -> None:
         for writer, _task in list(self._writers.values()):
             writer.stop(reason)
 

@@ -32,7 +32,7 @@ from bus.errors import BUFFER_OVERFLOW
 from bus.stream_data import encode_stream_data
 
 from ..sse_server import sse_batches
-from ..stream import EventHub, UnknownBackendError
+from ..stream import EventHub, Subscription, UnknownBackendError
 
 __all__ = ["OpenStream", "StreamWriter"]
 
@@ -42,7 +42,7 @@ OpenStream = Callable[..., grpc.aio.StreamUnaryCall]
 
 log = logging.getLogger("continuum.listener.push")
 
-_CLOSE_OF_SUB = {
+_CLOSE_OF_SUB: dict[str, pb.CloseReason] = {
     BUFFER_OVERFLOW: pb.CLOSE_REASON_BUFFER_OVERFLOW,
     "shutdown": pb.CLOSE_REASON_DRAINING,
 }
@@ -81,13 +81,13 @@ class StreamWriter:
         self.heartbeat_interval = heartbeat_interval
         self.batch_max_bytes = batch_max_bytes
         self.linger_s = linger_s
-        self._stop_reason: int | None = None
+        self._stop_reason: pb.CloseReason | None = None
         self._stopping = asyncio.Event()
-        self._sub = None
+        self._sub: Subscription | None = None
         self.bytes_sent = 0
         self.messages_sent = 0
 
-    def stop(self, reason: int) -> None:
+    def stop(self, reason: pb.CloseReason) -> None:
         """End the stream with ``reason`` (a CloseReason) after the write in flight."""
         if self._stop_reason is None:
             self._stop_reason = reason
@@ -99,7 +99,7 @@ class StreamWriter:
         """Open the Stream call, send until the subscription ends, close it. Never raises
         for transport errors (logged); CancelledError propagates."""
         call = self.open_stream(metadata=self.metadata)
-        reason = pb.CLOSE_REASON_ERROR
+        reason: pb.CloseReason = pb.CLOSE_REASON_ERROR
         detail = ""
         try:
             await call.write(pb.StreamRequest(open=pb.StreamOpen(stream_id=self.stream_id)))
@@ -154,7 +154,7 @@ class StreamWriter:
             if not call.done():
                 call.cancel()
 
-    async def _pump(self, call: grpc.aio.StreamUnaryCall, sub: object) -> None:
+    async def _pump(self, call: grpc.aio.StreamUnaryCall, sub: Subscription) -> None:
         max_bytes = self.batch_max_bytes
         linger = self.linger_s
         # Up to ~2.6x max_bytes of ~200-byte records per batch: a batch of max_bytes or more
@@ -163,7 +163,7 @@ class StreamWriter:
         # 10 ms that capped a stream near 100k records/s.
         batch_limit = max(16, max_bytes // 96)
         async with contextlib.aclosing(
-            sse_batches(sub, self.heartbeat_interval, batch_limit)  # type: ignore[arg-type]
+            sse_batches(sub, self.heartbeat_interval, batch_limit)
         ) as batches:
             async for records in batches:
                 # Joined first (a length per record in Python would cost more than the

@@ -440,7 +440,7 @@ class SaeCache:
         reused = ghost is not None
         if reused:
             self.ghost_misses += 1
-            if ghost[2] != session:
+            if ghost is not None and ghost[2] != session:
                 b.shared = True
         if queue is not None:
             b.queue = queue
@@ -605,7 +605,7 @@ class SaeCache:
             return session_cell(1 if b.queue == _AG else 0, b.ttype, b.offset)
         return s.cell()
 
-    def _timed(self, q: int, p: float, dt: float) -> float:
+    def _timed(self, q: Queue, p: float, dt: float) -> float:
         """Time part of a multi-turn block's priority: ``p_q(dt) / D(dt)``.
 
         ``p_q`` is the survival ``S(dt)`` or, with ``use_continuation``, the probability

@@ -70,7 +70,7 @@ TOKEN_TYPE_NAMES: dict[str, TokenType] = {
 QUEUE_NAMES: dict[str, Queue] = {q.name.lower(): q for q in Queue}
 SESSION_NAMES: dict[str, SessionClass] = {s.name.lower(): s for s in SessionClass}
 
-_MULTI = {SessionClass.CHAT: Queue.CHAT, SessionClass.AGENT: Queue.AGENT}
+_MULTI: dict[int, Queue] = {SessionClass.CHAT: Queue.CHAT, SessionClass.AGENT: Queue.AGENT}
 
 
 def route(ttype: int, sclass: int, shared: bool = False) -> Queue:

@@ -26,6 +26,8 @@ from typing import Any
 
 import orjson
 
+from ..http.types import Headers
+
 __all__ = ["UNKEYED_FIELDS", "cache_key", "ineligible_reason", "replay_sse", "tenant_of"]
 
 UNKEYED_FIELDS = (
@@ -54,7 +56,7 @@ _SOME = b"\x01"
 _SEP = b"\x00"
 
 
-def tenant_of(headers: Mapping[str, str]) -> str | None:
+def tenant_of(headers: Headers) -> str | None:
     """The caller's tenant: a digest of its bearer token (never the token itself)."""
     auth = headers.get("authorization") or headers.get("x-api-key") or ""
     token = auth.partition(" ")[2] if auth.lower().startswith("bearer ") else auth

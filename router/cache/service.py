@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from ..config import ResponseCacheConfig
 from ..config.models import OptimizationPolicyConfig
+from ..http.types import Headers
 from .response import cache_key, ineligible_reason, tenant_of
 from .semantic import (
     SemanticCache,
@@ -85,9 +86,7 @@ class ResponseCacheService:
         if self._on_result is not None:
             self._on_result(result)
 
-    async def lookup(
-        self, body: Mapping[str, Any], headers: Mapping[str, str], stream: bool
-    ) -> CacheLookup:
+    async def lookup(self, body: Mapping[str, Any], headers: Headers, stream: bool) -> CacheLookup:
         cfg, policy = self.config, self.policy
         if not (policy.cache_enabled and policy.exact_cache):
             self._count("skip")

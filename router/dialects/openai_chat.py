@@ -32,7 +32,7 @@ from ..errors import openai_error
 from ..forward_spec import ForwardSpec
 from ..forwarder import Forwarder
 from ..gemini import GeminiService, TranslationError
-from ..http.types import Request, Response, StreamResponse
+from ..http.types import Headers, Request, Response, StreamResponse
 from ..openai_api import bearer_headers, chat_path
 from ..pool import Backend, BackendPool
 from ..selection import SelectionContext
@@ -191,7 +191,7 @@ class ChatCompletions(PassThroughAnswers):
         return salter.salted_body(backend, key, spec.parsed)
 
 
-def _affinity(headers: Mapping[str, str], body: Mapping[str, Any]) -> str | None:
+def _affinity(headers: Headers, body: Mapping[str, Any]) -> str | None:
     """ConsistentHash's key: the ``x-session-id`` header, else the ``user`` field."""
     sid = headers.get("x-session-id")
     if sid:

@@ -17,6 +17,7 @@ import grpc
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 from bus._gen.continuum.bus.v1 import bus_pb2_grpc as pb_grpc
+from bus.grpc_server import abort
 from bus.stream_data import CLOSE_REASON_WORDS
 from bus.tasks import cancel_and_wait
 
@@ -32,8 +33,7 @@ _FIRST_TIMEOUT_S = 10.0
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: AuthError) -> NoReturn:
-    await context.abort(err.code, err.detail)
-    raise AssertionError("unreachable")  # abort raises
+    await abort(context, err.code, err.detail)
 
 
 class EventBusServicer(pb_grpc.EventBusServicer):
@@ -164,8 +164,9 @@ class EventBusServicer(pb_grpc.EventBusServicer):
         try:
             async for req in requests:
                 # bus.stream_data hands a canonical data message over as its payload.
-                data = req if type(req) is bytes else None
-                if data is None:
+                if isinstance(req, bytes):
+                    data = req
+                else:
                     kind = req.WhichOneof("kind")
                     if kind == "close":
                         reason = CLOSE_REASON_WORDS.get(req.close.reason, "error")

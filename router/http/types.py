@@ -6,10 +6,21 @@ today) can be swapped by rewriting one adapter module.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
-__all__ = ["Handler", "Request", "Response", "StreamResponse"]
+__all__ = ["Handler", "Headers", "Request", "Response", "StreamResponse"]
+
+
+class Headers(Protocol):
+    """Read access to request headers by lower-case name (a dict is one; so is the server
+    adapter's view of its own header map, which is not copied)."""
+
+    def get(self, key: str, default: str | None = None, /) -> str | None: ...
+    def __getitem__(self, key: str, /) -> str: ...
+    def __contains__(self, key: object, /) -> bool: ...
+    def items(self) -> Iterable[tuple[str, str]]: ...
 
 
 @dataclass(slots=True)
@@ -17,7 +28,7 @@ class Request:
     method: str
     path: str
     query: str
-    headers: Mapping[str, str]
+    headers: Headers
     """Header lookup by lower-case name."""
     body: bytes
     client: str = ""

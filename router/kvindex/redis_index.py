@@ -298,7 +298,7 @@ class RedisKvIndex(KvIndex):
         for member, score in pairs:
             value = meta.get(member)
             if value is None:  # written by a foreign tool: GpuHot, the key TTL bounds it
-                tier, exp = StorageTier.GPU_HOT, now_ms + self._ttl_ms
+                tier, exp = StorageTier.GPU_HOT, float(now_ms + self._ttl_ms)
             else:
                 exp = _expiry_ms(value)
                 if exp <= now_ms:

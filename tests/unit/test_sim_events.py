@@ -53,7 +53,7 @@ SYSTEM = (
 )
 
 
-# -- golden bytes (listener/ENGINE_FORMATS.md §3.3) ---------------------------------------------------
+# -- golden bytes (listener/ENGINE_FORMATS.md §3.3) -------------------------------------
 
 H = 14248744570211613888
 P = 3846834883482343549

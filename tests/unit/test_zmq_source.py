@@ -1,11 +1,12 @@
 """ZmqSource against real ZMQ sockets on loopback.
 
-The publisher side is built the way vLLM's ``ZmqEventPublisher`` works (listener/ENGINE_FORMATS.md §1,
-§6): frames ``[topic, seq(8 BE), payload]`` on a PUB socket (an XPUB here, only so the test can
-await the subscription instead of sleeping past the slow-joiner window), a ROUTER answering
-replay requests from its buffer in either reply layout, and a separate process for the
-engine-restart case. The decoder is a stub that understands the encoding-A batches these
-tests publish; ``listener.decode`` is tested on its own.
+The publisher side is built the way vLLM's ``ZmqEventPublisher`` works
+(listener/ENGINE_FORMATS.md §1, §6): frames ``[topic, seq(8 BE), payload]`` on a PUB
+socket (an XPUB here, only so the test can await the subscription instead of sleeping past
+the slow-joiner window), a ROUTER answering replay requests from its buffer in either
+reply layout, and a separate process for the engine-restart case. The decoder is a stub
+that understands the encoding-A batches these tests publish; ``listener.decode`` is tested
+on its own.
 """
 
 from __future__ import annotations
