@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -24,6 +24,7 @@ __all__ = [
     "ConfigError",
     "ConfigIssue",
     "clean_message",
+    "duplicate_names",
     "log_warnings",
     "parse_duration",
     "parse_hostport",
@@ -82,6 +83,30 @@ def parse_hostport(value: str) -> tuple[str, int]:
     if port > 65535:
         raise ValueError(f"port {port} is out of range 0-65535")
     return (m.group("v6") or m.group("host"), port)
+
+
+def duplicate_names(names: Sequence[str], section: str, field: str, what: str) -> list[ConfigIssue]:
+    """An error per repeated name of a list section (``backends[3].name``), naming the first.
+
+    ``what`` is how the message calls the name (``backend name``).
+
+    The names key per-backend state in both processes (streams, index entries, metrics
+    labels), so two entries with one name would silently share it.
+    """
+    issues: list[ConfigIssue] = []
+    first: dict[str, int] = {}
+    for i, name in enumerate(names):
+        if name in first:
+            issues.append(
+                ConfigIssue(
+                    "error",
+                    f"{section}[{i}].{field}",
+                    f"duplicate {what} {name!r} (first at {section}[{first[name]}])",
+                )
+            )
+        else:
+            first[name] = i
+    return issues
 
 
 def yaml_path(loc: Iterable[Any]) -> str:

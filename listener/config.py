@@ -39,6 +39,7 @@ from bus.config import (
     ConfigError,
     ConfigIssue,
     clean_message,
+    duplicate_names,
     parse_hostport,
     parse_validated,
     read_yaml,
@@ -524,20 +525,10 @@ def check_listener_config(cfg: ListenerConfig) -> list[ConfigIssue]:
         issues.append(
             ConfigIssue("warning", "sources", "no sources: every /events/{backend} is a 404")
         )
-    names: dict[str, int] = {}
+    names = [s.backend_name for s in cfg.sources]
+    issues += duplicate_names(names, "sources", "backend_name", "backend_name")
     bound: dict[str, str] = {}
     for i, s in enumerate(cfg.sources):
-        if s.backend_name in names:
-            issues.append(
-                ConfigIssue(
-                    "error",
-                    f"sources[{i}].backend_name",
-                    f"duplicate backend_name {s.backend_name!r} "
-                    f"(first at sources[{names[s.backend_name]}])",
-                )
-            )
-        else:
-            names[s.backend_name] = i
         source_issues = _check_source(cfg, i, s)
         issues.extend(source_issues)
         if (

@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from bus.config import ConfigError, ConfigIssue, parse_validated, read_yaml
+from bus.config import ConfigError, ConfigIssue, duplicate_names, parse_validated, read_yaml
 from bus.config import log_warnings as _log_warnings
 
 from .models import RouterConfig
@@ -47,19 +47,7 @@ RESTART_ONLY: tuple[str, ...] = (
 
 def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
     """Cross-field rules: errors the field types cannot express, and warnings."""
-    issues: list[ConfigIssue] = []
-    seen: dict[str, int] = {}
-    for i, b in enumerate(cfg.backends):
-        if b.name in seen:
-            issues.append(
-                ConfigIssue(
-                    "error",
-                    f"backends[{i}].name",
-                    f"duplicate backend name {b.name!r} (first at backends[{seen[b.name]}])",
-                )
-            )
-        else:
-            seen[b.name] = i
+    issues = duplicate_names([b.name for b in cfg.backends], "backends", "name", "backend name")
     if cfg.server.admin_token_file and not Path(cfg.server.admin_token_file).is_file():
         issues.append(
             ConfigIssue(
