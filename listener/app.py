@@ -118,7 +118,7 @@ class SourceRuntime:
                         ZmqSourceConfig(
                             endpoint=ep.endpoint,
                             mode=src.zmq_mode,
-                            engine=src.engine,  # type: ignore[arg-type]
+                            engine=src.engine,
                             topic=src.topic,
                             replay_endpoint=ep.replay_endpoint,
                             allowed_publishers=tuple(src.allowed_publishers),

@@ -109,7 +109,7 @@ class Headers(dict[str, str]):
     def __getitem__(self, key: str) -> str:
         return dict.__getitem__(self, key.lower())
 
-    def get(self, key: str, default: Any = None) -> Any:  # type: ignore[override]
+    def get(self, key: str, default: Any = None) -> Any:
         return dict.get(self, key.lower(), default)
 
     def __contains__(self, key: object) -> bool:

@@ -81,7 +81,7 @@ class Selector:
         elif name == "ConsistentHash":
             self.strategy = ConsistentHash(self.ring)
         elif current is None or current.name != name:
-            self.strategy = cls()  # type: ignore[call-arg]
+            self.strategy = cls()
 
     def _membership_changed(self) -> None:
         ring = self._rebuild_ring()
