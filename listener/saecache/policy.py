@@ -68,6 +68,9 @@ EMA 0.3; temperature 0.5; weight floor 0.02; min_dt 1 ms; o_max the largest offs
 the structure queue; continuation prior 0.5 with weight 2, half-life 2000 outcomes, end
 quantile z = 2.326 (the 99th percentile of the fitted gap distribution). They are fixed
 once for every workload, not per mixture. All times are seconds on the caller's clock.
+
+Size: one module (about 750 lines): the priority, the queues' bookkeeping and the online
+learners are one algorithm whose invariants (above) span all three.
 """
 
 from __future__ import annotations

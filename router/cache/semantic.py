@@ -25,6 +25,9 @@ store is dropped when a lookup meets it.
 
 numpy is imported where vectors are first handled, not with the module: a router without
 the semantic cache does not pay its import time at every start.
+
+Size: the partition digest, the vector index and the lookup stay together (about 500
+lines): the digest decides which vectors a lookup may ever compare.
 """
 
 from __future__ import annotations
