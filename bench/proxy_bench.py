@@ -17,13 +17,19 @@ For each concurrency and for non-streaming and streaming chat completions it mea
   separate venv under /tmp, never into the project), round_robin and cache_aware, in front
   of the same engines.
 
+* with ``--ref-tree DIR``: ``bare`` and ``full`` once more, the router's code taken from
+  another checkout of the repository (say ``git worktree add /tmp/ref <commit>``), so a
+  change's cost is a ratio measured in one run (``this tree / ref tree``) rather than two
+  runs on two days.
+
 Router CPU per request = (utime + stime of the router process and its descendants, from
 ``/proc/<pid>/stat``, delta over the measured run) / requests wrk completed. Every cell is
 repeated (rounds interleave the targets, so machine noise hits them alike) and the table
 shows medians. Targets: full/bare CPU per request <= 1.25, full pipeline >= 3000 req/s and
 <= 400 us CPU per request.
 
-Run: ``.venv/bin/python -m bench.proxy_bench [--quick] [--rust-routers] [--json out.json]``
+Run: ``.venv/bin/python -m bench.proxy_bench [--quick] [--rust-routers] [--ref-tree DIR]
+[--json out.json]``
 """
 
 from __future__ import annotations
@@ -294,6 +300,18 @@ def router_yaml(strategy: str, prefix: bool, backend_urls: list[str], cache: boo
     return "\n".join(lines) + "\n"
 
 
+def _from_tree(tree: Path, module: str, *args: str) -> list[str]:
+    """``python -m <module> args`` with ``tree`` first on ``sys.path``: that checkout's code,
+    whatever this one's venv and ``PYTHONPATH`` say."""
+    boot = (
+        "import runpy, sys; "
+        f"sys.path.insert(0, {str(tree)!r}); "
+        f"sys.argv = [{module!r}, *{list(args)!r}]; "
+        f"runpy.run_module({module!r}, run_name='__main__', alter_sys=True)"
+    )
+    return [sys.executable, "-c", boot]
+
+
 async def start_continuum(
     target: Target,
     strategy: str,
@@ -302,15 +320,18 @@ async def start_continuum(
     workdir: Path,
     cache: bool = False,
     module: str = "router",
+    tree: Path | None = None,
 ) -> Target:
     """``python -m <module> serve``: the router, or ``bench.aiohttp_router`` (the router on
-    an aiohttp upstream client, which says so in its log before it serves)."""
+    an aiohttp upstream client, which says so in its log before it serves); with ``tree``,
+    the router of that checkout."""
     cfg = workdir / f"{target.key}.yaml"
     cfg.write_text(router_yaml(strategy, prefix, urls, cache))
     log = workdir / f"{target.key}.log"
+    argv = ["serve", "--config", str(cfg)]
     target.child = await launch(
         f"router {target.key}",
-        python_module(module, "serve", "--config", str(cfg)),
+        _from_tree(tree, module, *argv) if tree is not None else python_module(module, *argv),
         ready_timeout=30,
         log=log,
     )
@@ -469,6 +490,17 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                         Target(key, label), strategy, prefix, urls, workdir, cache, module
                     )
                 )
+            if args.ref_tree:
+                ref = Path(args.ref_tree)
+                for key, label, strategy, prefix in (
+                    ("bare@ref", f"bare, router of {ref.name}", "RoundRobin", False),
+                    ("full@ref", f"full, router of {ref.name}", pah, True),
+                ):
+                    targets.append(
+                        await start_continuum(
+                            Target(key, label), strategy, prefix, urls, workdir, tree=ref
+                        )
+                    )
             if bindir is not None:
                 for kind in ("vllm", "sglang"):
                     for policy in ("round_robin", "cache_aware"):
@@ -658,6 +690,49 @@ def report(args: argparse.Namespace, res: dict[str, Any]) -> dict[str, Any]:
             client_rows,
         )
     )
+    if args.ref_tree:
+        ref_rows = []
+        for mode in modes:
+            for conc in args.concurrency:
+                for key in ("bare", "full"):
+                    this, ref = cells[(mode, conc, key)], cells[(mode, conc, key + "@ref")]
+                    rps_ratio, cpu_ratio = this.ratio(ref, "rps"), this.ratio(ref)
+                    ref_rows.append(
+                        [
+                            f"{mode} c={conc}",
+                            key,
+                            fmt_float(this.med("rps"), 0),
+                            fmt_float(ref.med("rps"), 0),
+                            fmt_float(rps_ratio, 3),
+                            fmt_float(this.med("cpu_us_per_req"), 0),
+                            fmt_float(ref.med("cpu_us_per_req"), 0),
+                            fmt_float(cpu_ratio, 3),
+                        ]
+                    )
+                    summary[(len(ref_rows) - 1) // 2].update(
+                        {f"{key}_over_ref_rps": rps_ratio, f"{key}_over_ref_cpu": cpu_ratio}
+                    )
+        print()
+        print(
+            f"this tree over the router of {args.ref_tree}, same run, paired per round, median "
+            "(CPU below 1 and req/s above 1: this tree is cheaper):"
+        )
+        print(
+            render_table(
+                [
+                    "cell",
+                    "router",
+                    "req/s",
+                    "ref req/s",
+                    "req/s ratio",
+                    "CPU us/req",
+                    "ref CPU us/req",
+                    "CPU ratio",
+                ],
+                ref_rows,
+                left=2,
+            )
+        )
     families = [
         ("continuum", "bare", "full", "PrefixAwareHash"),
         ("vllm-router", "vllm-round_robin", "vllm-cache_aware", "cache_aware"),
@@ -758,6 +833,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--rust-venv", default=str(DEFAULT_RUST_VENV))
     p.add_argument(
+        "--ref-tree",
+        metavar="DIR",
+        help="also run bare and full from the router of this checkout (a ratio in one run)",
+    )
+    p.add_argument(
         "--decompose",
         action="store_true",
         help="also run RoundRobin with prefix keys and PrefixAwareHash without them, to split "
@@ -772,6 +852,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if shutil.which("wrk") is None:
         print("error: wrk not found on PATH (apt-get install wrk)", file=sys.stderr)
         return 2
+    if args.ref_tree:
+        ref = Path(args.ref_tree).resolve()
+        if not (ref / "router" / "__main__.py").is_file():
+            print(f"error: --ref-tree {ref} holds no router/ package", file=sys.stderr)
+            return 2
+        args.ref_tree = str(ref)
     try:
         import uvloop
 
