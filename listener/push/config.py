@@ -67,7 +67,7 @@ class EventBusClientConfig(BaseModel):
     gRPC message per event, at a bounded extra latency. 10 ms rather than less: each gRPC
     message costs the listener tens of microseconds (grpc.aio, HTTP/2, TLS), and at 2 ms
     the bus used ~9 % more listener CPU per engine event than SSE pull; at 10 ms the two
-    are equal (bench/README.md, bus_bench) and the lag p99 stays under 20 ms."""
+    are equal (bench/RESULTS.md, bus_bench) and the lag p99 stays under 20 ms."""
     credential: Any = None
     """Not allowed: an inline credential is rejected with a pointer to the two ways."""
 
