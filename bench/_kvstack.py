@@ -129,7 +129,7 @@ class Publisher:
         self.child.send(f"burst {batches} {events_per_batch}")
         res = json.loads(self.child.expect(r"^\{", timeout=300).string)
         self.next_seq = int(res["last_seq"]) + 1
-        return res  # type: ignore[no-any-return]
+        return res
 
     def start_paced(self, rate: float, seconds: float, events_per_batch: int) -> None:
         """Start a paced run (a chain per batch at ``rate`` events/s); :meth:`paced_result`
@@ -140,7 +140,7 @@ class Publisher:
         """The send time of every batch of the paced run (monotonic clock)."""
         res = json.loads(self.child.expect(r"^\{", timeout=timeout).string)
         self.next_seq += len(res["times"])
-        return res  # type: ignore[no-any-return]
+        return res
 
     def stop(self) -> None:
         self.child.stop()
@@ -182,10 +182,10 @@ class Listener:
         self.pid = self.child.pid
 
     def stats(self) -> dict[str, Any]:
-        return http_json("GET", self.url + "/stats")  # type: ignore[no-any-return]
+        return http_json("GET", self.url + "/stats")
 
     def source(self) -> dict[str, Any]:
-        return self.stats()["sources"][BACKEND]  # type: ignore[no-any-return]
+        return self.stats()["sources"][BACKEND]
 
     def hub_seq(self) -> int:
         """The hub's last record number for BACKEND: one per announced record."""

@@ -34,6 +34,7 @@ from typing import Any
 import msgpack
 
 from bench._table import render_table
+from bus.events import KvEvent
 from harness.publisher import DEFAULT_SALT_SECRET as SALT_SECRET
 from harness.publisher import salted_publisher
 from harness.sim.kv_events import CapturePublisher
@@ -78,9 +79,13 @@ def _stage(
     def full() -> int:
         attributor = Attributor(model="", template=CHATML, backend="sim", salt_secret=SALT_SECRET)
         hub = EventHub(history_size=10_000, queue_size=1_000_000)
+
+        def emit(ev: KvEvent) -> None:  # the event id publish returns is not needed here
+            hub.publish("sim", ev)
+
         tracker = ChainTracker(
             "sim",
-            lambda ev: hub.publish("sim", ev),
+            emit,
             attributor,
             max_tracked_blocks=max_tracked_blocks,
         )

@@ -36,7 +36,7 @@ import time
 import tracemalloc
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 from bus.events import KvEvent
 from router.config.models import RedisConfig, StorageOffloadingConfig
@@ -50,6 +50,8 @@ from router.kvindex import (
 from router.redis import build_redis
 
 from ._table import median, paired_ratio, print_results, time_interleaved
+
+_T = TypeVar("_T")
 
 QUERY_TARGET_US = 20.0
 EVENTS_TARGET_PER_S = 100_000.0
@@ -213,15 +215,15 @@ async def redis_rows(url: str, loops: int, repeats: int) -> list[dict[str, Any]]
                 timings[i].append(spent[i] / chunks)
         base = timings[0]
         rows = []
-        for (label, _, judged, _), per in zip(cases, timings, strict=True):
-            ratio = paired_ratio(per, base)
+        for (label, _, judged, _), times in zip(cases, timings, strict=True):
+            ratio = paired_ratio(times, base)
             rows.append(
                 {
                     "case": label,
-                    "value": median(per) * 1e6,
+                    "value": median(times) * 1e6,
                     "unit": "us/call" if "per event" not in label else "us/event",
-                    "min": min(per) * 1e6,
-                    "max": max(per) * 1e6,
+                    "min": min(times) * 1e6,
+                    "max": max(times) * 1e6,
                     "ratio": ratio,
                     "target": f"<={REDIS_TARGET_RATIO:g}x" if judged else "",
                     "pass": (ratio <= REDIS_TARGET_RATIO) if judged else None,
@@ -244,7 +246,7 @@ def memory_rows(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict
     misses = [_prefix(rng) for _ in range(4096)]
     hits = [prefixes[rng.randrange(len(prefixes))] for _ in range(4096)]
 
-    def cyc(seq: list[Any]) -> Callable[[], Any]:
+    def cyc(seq: list[_T]) -> Callable[[], _T]:
         return itertools.cycle(seq).__next__
 
     def f_dict() -> Callable[[], Any]:
@@ -264,14 +266,14 @@ def memory_rows(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict
     events = make_events(300_000, 150_000, rng)
     for ev in events:  # steady state: full, evicting
         drive(apply_event(ev_index, ev, OFFLOADING))
-    store: dict[str, int] = {}
+    store: dict[str | None, int | None] = {}
 
     def f_store() -> Callable[[], Any]:
         nxt = cyc(events)
 
         def run() -> None:
             ev = nxt()
-            store[ev.prefix_hash] = ev.token_count  # type: ignore[index]
+            store[ev.prefix_hash] = ev.token_count
 
         return run
 

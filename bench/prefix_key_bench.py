@@ -99,14 +99,16 @@ def cases() -> list[tuple[str, Callable[[], Any], bool]]:
     ]
     for label, body in bodies.items():
         assert ext(body) is not None, label
-        out.append((label, lambda b=body: ext(b, enabled=True, max_prefix_length=1024), True))
-    out.append(
-        (
-            "disabled (enabled=False)",
-            lambda b=bodies["OpenAI, 1 KB system message"]: ext(b, enabled=False),
-            False,
-        )
-    )
+
+        def enabled(b: dict[str, Any] = body) -> Any:
+            return ext(b, enabled=True, max_prefix_length=1024)
+
+        out.append((label, enabled, True))
+
+    def disabled(b: dict[str, Any] = bodies["OpenAI, 1 KB system message"]) -> Any:
+        return ext(b, enabled=False)
+
+    out.append(("disabled (enabled=False)", disabled, False))
     return out
 
 
@@ -158,9 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows,
         )
     )
-    judged = [r for r in results if r["judged"]]
-    ok = all(r["pass"] for r in judged)
-    worst = max(judged, key=lambda r: r["median_us"])
+    judged_rows = [r for r in results if r["judged"]]
+    ok = all(r["pass"] for r in judged_rows)
+    worst = max(judged_rows, key=lambda r: r["median_us"])
     print(
         f"\nworst judged case: {worst['case']}: {worst['median_us']:.3f} us/call "
         f"({worst['ratio']:.2f}x sha256 of 1 KB) -> {verdict(ok)}"

@@ -860,11 +860,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.ref_tree = str(ref)
     try:
         import uvloop
-
-        runner = uvloop.run
     except ImportError:
-        runner = asyncio.run
-    res = runner(bench(args))
+        res = asyncio.run(bench(args))
+    else:
+        res = uvloop.run(bench(args))
     out = report(args, res)
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))

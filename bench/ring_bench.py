@@ -206,11 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         for r in results
     ]
     print(render_table(["case", "us/call", "min", "max", "vs bisect", f"<={TARGET_US:g}us"], rows))
-    judged = [r for r in results if r["pass"] is not None]
-    worst = max(judged, key=lambda r: r["median_us"])
+    judged_rows = [r for r in results if r["pass"] is not None]
+    worst = max(judged_rows, key=lambda r: r["median_us"])
     print(
         f"\nworst judged case: {worst['case']}: {worst['median_us']:.3f} us/pick "
-        f"({worst['ratio']:.2f}x bisect) -> {verdict(all(r['pass'] for r in judged))}"
+        f"({worst['ratio']:.2f}x bisect) -> {verdict(all(r['pass'] for r in judged_rows))}"
     )
     if args.json:
         with open(args.json, "w") as f:

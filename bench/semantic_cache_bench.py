@@ -23,6 +23,7 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 
 import importlib.util  # noqa: E402
 import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
 
 import numpy as np  # noqa: E402
 
@@ -85,7 +86,7 @@ def main() -> int:
         p = partition_digest(body, tenant_of(headers), "all-MiniLM-L6-v2")
         entry_key(p, last_user_text(body) or "")
 
-    def lookup(idx: VectorIndex, q: np.ndarray):  # type: ignore[no-untyped-def]
+    def lookup(idx: VectorIndex, q: np.ndarray) -> Callable[[], None]:
         def run() -> None:
             p = partition_digest(body, tenant_of(headers), "all-MiniLM-L6-v2")
             entry_key(p, last_user_text(body) or "")

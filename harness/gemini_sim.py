@@ -128,7 +128,7 @@ class GeminiSim:
         app = web.Application(client_max_size=64 << 20)
         r = app.router
         r.add_post("/v1beta/cachedContents", self.create)
-        r.add_get("/v1beta/cachedContents", self.list)
+        r.add_get("/v1beta/cachedContents", self.list_caches)
         r.add_get("/v1beta/cachedContents/{id}", self.get)
         r.add_patch("/v1beta/cachedContents/{id}", self.patch)
         r.add_delete("/v1beta/cachedContents/{id}", self.delete)
@@ -145,8 +145,8 @@ class GeminiSim:
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()
         server = site._server
-        assert server is not None
-        port = server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        assert isinstance(server, asyncio.Server)  # loop.create_server's, typed AbstractServer
+        port = server.sockets[0].getsockname()[1]
         self.url = f"http://{self.host}:{port}"
         return self
 
@@ -249,7 +249,7 @@ class GeminiSim:
         self.resources[name] = res
         return _json(res.doc(str(body.get("displayName") or "")))
 
-    async def list(self, request: web.Request) -> web.Response:
+    async def list_caches(self, request: web.Request) -> web.Response:
         now = self.now()
         live = [r.doc() for r in self.resources.values() if r.expire > now]
         return _json({"cachedContents": live} if live else {})

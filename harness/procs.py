@@ -432,8 +432,9 @@ class Service:
         self.url = ""
 
     @property
-    def proc(self) -> asyncio.subprocess.Process | None:
-        return None if self.child is None else self.child.proc
+    def proc(self) -> asyncio.subprocess.Process:
+        """The running (or last) process; raises if the service was never started."""
+        return self._started().proc
 
     @property
     def running(self) -> bool:

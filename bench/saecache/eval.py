@@ -27,6 +27,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from bench._table import fmt_float, median, render_table, verdict
 from listener.saecache import SaeConfig, SessionClass
@@ -43,7 +44,8 @@ from .trace import (
 
 __all__ = ["main"]
 
-ABLATIONS: dict[str, dict[str, bool]] = {
+# SaeConfig keyword arguments (its switches) per ablation row
+ABLATIONS: dict[str, dict[str, Any]] = {
     "full": {},
     "- type weights": {"use_type_weights": False},
     "- queue weights": {"use_queue_weights": False},
@@ -104,6 +106,7 @@ def _run(
     config: SaeConfig | None = None,
     predictor: Callable[[Request], SessionClass] | None = None,
 ) -> tuple[Result, SaePolicy | None]:
+    pol: LruPolicy | LfuPolicy | MinPolicy | SaePolicy
     if name == "lru":
         pol = LruPolicy()
     elif name == "lfu":
@@ -370,16 +373,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     base_a = median(a for a, _ in cost["lru"])
     base_e = median(e for _, e in cost["lru"] if e > 0)
     for p in ("lru", "lfu", "min", "sae"):
-        a = median(x for x, _ in cost[p])
-        e = median(y for _, y in cost[p] if y > 0)
-        out["cost"][p] = {"us_per_access": a, "us_per_eviction": e}
+        per_access = median(x for x, _ in cost[p])
+        per_eviction = median(y for _, y in cost[p] if y > 0)
+        out["cost"][p] = {"us_per_access": per_access, "us_per_eviction": per_eviction}
         rows.append(
             [
                 p.upper(),
-                fmt_float(a, 2),
-                fmt_float(a / base_a, 1),
-                fmt_float(e, 2),
-                fmt_float(e / base_e, 1),
+                fmt_float(per_access, 2),
+                fmt_float(per_access / base_a, 1),
+                fmt_float(per_eviction, 2),
+                fmt_float(per_eviction / base_e, 1),
             ]
         )
     print("\nCost (median over the main runs; whole simulator step per block access)")

@@ -90,8 +90,12 @@ class _Policy:
 
     name = "base"
 
-    def __len__(self) -> int: ...
-    def __contains__(self, key: Hashable) -> bool: ...
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def __contains__(self, key: Hashable) -> bool:
+        raise NotImplementedError
+
     def begin(self, req: Request, i: int) -> None:
         """A request starts (``i``: its index in the trace)."""
 
@@ -150,7 +154,8 @@ class _LeafHeap(_Policy):
     def __contains__(self, key: Hashable) -> bool:
         return key in self._b
 
-    def _score(self, rec: list) -> tuple: ...
+    def _score(self, rec: list) -> tuple:
+        raise NotImplementedError
 
     def _touch(self, rec: list, req: Request, j: int) -> None: ...
 

@@ -472,7 +472,7 @@ def build_trace(
             ans = _rand_ids(rng, v, int(_lognormal(rng, 150, 0.7))) + v.im_end
             reqs.append(s.request(t, sid, kind, True, False, [(ans, AST)]))
         if first_text is not None and len(reqs) > n_before:
-            first = reqs[n_before]
+            first_req = reqs[n_before]
             if kind == "single":
                 system_text = tmpl_text if as_system else ""
                 user_text = first_text[:2048] if as_system else tmpl_text + "\n" + first_text
@@ -481,7 +481,7 @@ def build_trace(
             else:
                 system_text, user_text = v.system_texts[sys_i], first_text
             n_msgs = 1 if kind == "single" and not as_system else 2
-            first.text_features = tuple(
+            first_req.text_features = tuple(
                 text_features(system_text, user_text, n_msgs, kind == "agent")
             )
     reqs.sort(key=lambda r: r.t)

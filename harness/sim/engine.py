@@ -974,7 +974,9 @@ class SimEngine:
         """``POST /sim/burst {"batches": N, "events_per_batch": 8, "blocks_per_event": 1,
         "chain_blocks": 64}``: publish synthetic BlockStored batches; answers the rate."""
         if self.kv is None:
-            return self._error(409, "KV events are not enabled (--kv-events/--kv-events-trtllm)")
+            return self._error(
+                409, "KV events are not enabled (--kv-events/--kv-events-trtllm)", False
+            )
         try:
             body = self._json_body(req) if req.body.strip() else {}
         except ApiError as e:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -174,6 +174,9 @@ class SimFleet:
 
     def __getitem__(self, index: int) -> SimProcess:
         return self.sims[index]
+
+    def __iter__(self) -> Iterator[SimProcess]:
+        return iter(self.sims)
 
     async def stats(self) -> list[dict[str, Any]]:
         """``/sim/stats`` of every sim, in fleet order."""

@@ -168,7 +168,8 @@ class Qwen2Tokenizer:
         self._tok = Tokenizer.from_file(str(file))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         special = {t.content for t in self._tok.get_added_tokens_decoder().values() if t.special}
-        self._special_ids = {self._tok.token_to_id(s) for s in special}
+        # token_to_id is Optional only for strings outside the vocabulary; added tokens are in it
+        self._special_ids = {i for s in special if (i := self._tok.token_to_id(s)) is not None}
         self._plain_base = 1000  # ids >= this and below the specials are ordinary BPE tokens
         self._plain_top = min(self._special_ids or {self.vocab_size})
 

@@ -197,6 +197,12 @@ class RouterProc(Service):
         self.grpc_target = self.ready.fields.get("grpc")
         return self
 
+    @property
+    def grpc_address(self) -> str:
+        """``grpc_target`` of a router configured to serve gRPC (its READY line must say)."""
+        assert self.grpc_target is not None, "READY must announce the gRPC port"
+        return self.grpc_target
+
     # -- observation ------------------------------------------------------------------
 
     async def wait_for_log(self, text: str, within: float = 5.0) -> str:
@@ -467,8 +473,11 @@ class FaultProxy:
             up.close()
 
 
+MakeFaultProxy = Callable[[str, Mapping[str, str]], Awaitable[FaultProxy]]
+
+
 @pytest_asyncio.fixture(loop_scope="session")
-async def fault_proxy() -> AsyncIterator[Callable[..., Awaitable[FaultProxy]]]:
+async def fault_proxy() -> AsyncIterator[MakeFaultProxy]:
     """``await fault_proxy(sim_url, {"x-sim-status": "500"}) -> FaultProxy`` (per test)."""
     proxies: list[FaultProxy] = []
 

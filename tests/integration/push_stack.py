@@ -212,7 +212,7 @@ class Publisher:
         self.child.proc.stdin.write(f"burst {batches} {events_per_batch}\n".encode())
         await self.child.proc.stdin.drain()
         report = await self.child.expect(r"^\{", 60, what="the burst's report")
-        return orjson.loads(report.string)  # type: ignore[no-any-return]
+        return orjson.loads(report.string)
 
     async def stop(self) -> None:
         """Closing stdin ends the publisher; SIGKILL if it has not gone after 5 s."""
@@ -238,7 +238,7 @@ class ListenerProc(Service):
     async def stats(self) -> dict[str, Any]:
         async with aiohttp.ClientSession() as s, s.get(self.url + "/stats") as r:
             assert r.status == 200
-            return await r.json()  # type: ignore[no-any-return]
+            return await r.json()
 
     async def warm_up(self, pub: Publisher) -> None:
         """Bursts of one event until the listener saw a frame (ZMQ's slow joiner)."""
@@ -365,7 +365,7 @@ class BusPeer:
         await self.channel.close()
 
     async def hello(
-        self, client_id: str, sources: list[str], role: int = bpb.ROLE_KV_LISTENER
+        self, client_id: str, sources: list[str], role: bpb.Role = bpb.ROLE_KV_LISTENER
     ) -> tuple[Any, Any]:
         """Open a Session with a Hello; returns (call, first message or EOF)."""
         call = self.stub.Session(metadata=self.metadata)
@@ -376,7 +376,7 @@ class BusPeer:
         return call, first
 
     async def refusal(
-        self, client_id: str, sources: list[str], role: int = bpb.ROLE_KV_LISTENER
+        self, client_id: str, sources: list[str], role: bpb.Role = bpb.ROLE_KV_LISTENER
     ) -> tuple[grpc.StatusCode, str]:
         """The status a Hello is refused with (fails if it is welcomed)."""
         try:

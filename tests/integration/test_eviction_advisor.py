@@ -41,10 +41,10 @@ async def advisor(
         async with grpc.aio.insecure_channel(target) as channel:
             yield pb_grpc.EvictionAdvisorStub(channel), channel, target
     finally:
-        assert await listener.stop() == 0, listener.log_path.read_text()
+        assert await listener.stop() == 0, listener.log()
 
 
-def _ev(kind: int, h: bytes = b"", **kw: Any) -> pb.BlockEvent:
+def _ev(kind: pb.BlockEventKind, h: bytes = b"", **kw: Any) -> pb.BlockEvent:
     return pb.BlockEvent(kind=kind, block_hash=h, **kw)
 
 
@@ -192,6 +192,7 @@ async def test_a_listener_with_a_session_predictor_classifies_over_grpc(tmp_path
     }
     listener = await ListenerProc(config, tmp_path / "listener.yaml").start()
     try:
+        assert listener.log_path is not None  # beside its config: Service's default
         assert "session predictor" in listener.log_path.read_text()
         async with grpc.aio.insecure_channel(target) as channel:
             stub = pb_grpc.EvictionAdvisorStub(channel)
@@ -207,7 +208,7 @@ async def test_a_listener_with_a_session_predictor_classifies_over_grpc(tmp_path
             assert code == grpc.StatusCode.INVALID_ARGUMENT
             assert "10 features; the session predictor takes 72" in detail
     finally:
-        assert await listener.stop() == 0, listener.log_path.read_text()
+        assert await listener.stop() == 0, listener.log()
 
 
 async def test_the_engine_simulator_evicts_through_the_advisor(advisor) -> None:

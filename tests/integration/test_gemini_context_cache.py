@@ -13,11 +13,16 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, cast
 
 import openai
 import orjson
 import pytest_asyncio
+from anthropic.types import ToolParam, ToolUseBlockParam
+from openai.types.chat import (
+    ChatCompletionFunctionToolParam,
+    ChatCompletionMessageFunctionToolCall,
+)
 
 from harness.gemini_sim import GeminiSim
 
@@ -115,9 +120,9 @@ async def test_single_flight_then_reference(router: RouterProc, sim: GeminiSim) 
         # Every one of them went out whole, at once, while the create was held.
         sent = requests_to(sim, "/v1beta/openai/chat/completions", start)
         assert len(sent) == 20
-        for r in sent:
-            assert r["body"]["messages"][0] == {"role": "system", "content": system}
-            assert "extra_body" not in r["body"]
+        for req in sent:
+            assert req["body"]["messages"][0] == {"role": "system", "content": system}
+            assert "extra_body" not in req["body"]
         s = await stats(router)
         assert s["in_flight"] == 1
         assert s["counters"]["miss"] - before["miss"] == 20
@@ -321,7 +326,7 @@ def sdk(router: RouterProc) -> openai.AsyncOpenAI:
 
 async def test_native_round_trip_with_sdk(native_router: RouterProc, sim: GeminiSim) -> None:
     system = big_system("native")
-    tools = [
+    tools: list[ChatCompletionFunctionToolParam] = [
         {
             "type": "function",
             "function": {
@@ -381,14 +386,16 @@ async def test_native_round_trip_with_sdk(native_router: RouterProc, sim: Gemini
         first = await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "call weather"}],
-            tools=tools,  # type: ignore[arg-type]
+            tools=tools,
             tool_choice="auto",
         )
         msg = first.choices[0].message
         assert first.choices[0].finish_reason == "tool_calls"
-        assert msg.tool_calls and msg.tool_calls[0].function.name == "lookup"
-        assert orjson.loads(msg.tool_calls[0].function.arguments) == {"q": "weather"}
+        assert msg.tool_calls
         call = msg.tool_calls[0]
+        assert isinstance(call, ChatCompletionMessageFunctionToolCall)  # not a custom tool's
+        assert call.function.name == "lookup"
+        assert orjson.loads(call.function.arguments) == {"q": "weather"}
         second = await client.chat.completions.create(
             model=MODEL,
             messages=[
@@ -406,7 +413,7 @@ async def test_native_round_trip_with_sdk(native_router: RouterProc, sim: Gemini
                 },
                 {"role": "tool", "tool_call_id": call.id, "content": '{"temp": 21}'},
             ],
-            tools=tools,  # type: ignore[arg-type]
+            tools=tools,
         )
         assert second.choices[0].message.content == 'tool said: {"temp":21}'
 
@@ -414,7 +421,7 @@ async def test_native_round_trip_with_sdk(native_router: RouterProc, sim: Gemini
         stream = await client.chat.completions.create(
             model=MODEL,
             messages=[{"role": "user", "content": "call news"}],
-            tools=tools,  # type: ignore[arg-type]
+            tools=tools,
             stream=True,
         )
         calls, finish = [], None
@@ -523,11 +530,11 @@ async def test_anthropic_messages_via_gemini(router: RouterProc, sim: GeminiSim)
         assert "systemInstruction" not in sent["body"]
 
         # Tool use round trip.
-        tools = [{"name": "lookup", "input_schema": {"type": "object"}}]
+        tools: list[ToolParam] = [{"name": "lookup", "input_schema": {"type": "object"}}]
         msg = await client.messages.create(
             model=MODEL,
             max_tokens=32,
-            tools=tools,  # type: ignore[list-item]
+            tools=tools,
             messages=[{"role": "user", "content": "call forecast"}],
         )
         assert msg.stop_reason == "tool_use"
@@ -536,10 +543,11 @@ async def test_anthropic_messages_via_gemini(router: RouterProc, sim: GeminiSim)
         reply = await client.messages.create(
             model=MODEL,
             max_tokens=32,
-            tools=tools,  # type: ignore[list-item]
+            tools=tools,
             messages=[
                 {"role": "user", "content": "call forecast"},
-                {"role": "assistant", "content": [use.model_dump()]},  # type: ignore[list-item]
+                # The response block goes back as it came (model_dump has the param's keys).
+                {"role": "assistant", "content": [cast("ToolUseBlockParam", use.model_dump())]},
                 {
                     "role": "user",
                     "content": [

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +34,20 @@ SECRET = "e2e-salt-secret-" + "x" * 16
 SALT_ENV = "CONTINUUM_SALT_SECRET"
 
 
+def key_hex(req: Mapping[str, Any]) -> str:
+    """The request's prefix key in hex (every request here has one)."""
+    key = extract_prefix_key(req)
+    assert key is not None, req
+    return key.hex()
+
+
 class ListenerProc(Service):
     def __init__(self, config: dict[str, Any], path: Path) -> None:
         super().__init__("listener", ["listener"], config, path, env={SALT_ENV: SECRET})
 
     async def stats(self) -> dict[str, Any]:
         async with aiohttp.ClientSession() as s, s.get(self.url + "/stats") as r:
-            return await r.json()  # type: ignore[no-any-return]
+            return await r.json()
 
 
 class SseClient:
@@ -87,7 +94,11 @@ class SseClient:
         ]
 
     def created_keys(self) -> set[str]:
-        return {e.prefix_hash for e in self.events() if e.event == "cache_created"}  # type: ignore[misc]
+        return {
+            e.prefix_hash
+            for e in self.events()
+            if e.event == "cache_created" and e.prefix_hash is not None
+        }
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
@@ -146,7 +157,7 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[
         try:
             yield {"fleet": fleet, "listener": listener, "tmp": tmp}
         finally:
-            assert await listener.stop() == 0, listener.log_path.read_text()
+            assert await listener.stop() == 0, listener.log()
 
 
 async def post(url: str, body: dict[str, Any]) -> dict[str, Any]:
@@ -214,10 +225,7 @@ async def test_listener_keys_equal_the_routers_for_openai_and_anthropic(stack) -
         "system": [{"type": "text", "text": long_system("an")}],
         "messages": [{"role": "user", "content": LONG_QUESTION}],
     }
-    expected = {
-        extract_prefix_key(r).hex()  # type: ignore[union-attr]
-        for r in (openai_req, parts_req, no_system_req, anthropic_req)
-    }
+    expected = {key_hex(r) for r in (openai_req, parts_req, no_system_req, anthropic_req)}
     async with SseClient(events_url) as sse:
         await post(fleet.urls[0] + "/v1/chat/completions", openai_req)
         await post(fleet.urls[0] + "/v1/chat/completions", parts_req)
@@ -231,11 +239,9 @@ async def test_listener_keys_equal_the_routers_for_openai_and_anthropic(stack) -
             await wait_until(all_seen, within=20, what="cache_created for every request's key")
         except AssertionError:
             names = ["openai", "parts", "no_system", "anthropic"]
-            reqs = (openai_req, parts_req, no_system_req, anthropic_req)
+            reqs: tuple[dict[str, Any], ...] = (openai_req, parts_req, no_system_req, anthropic_req)
             missing = [
-                n
-                for n, r in zip(names, reqs, strict=True)
-                if extract_prefix_key(r).hex() not in sse.created_keys()  # type: ignore[union-attr]
+                n for n, r in zip(names, reqs, strict=True) if key_hex(r) not in sse.created_keys()
             ]
             raise AssertionError(f"missing keys for {missing}: {await listener.stats()}") from None
     # The stream starts with resync (+ snapshot) for a consumer without an event ID.
@@ -278,7 +284,7 @@ async def test_salt_echo_attributes_without_detokenizing_and_rejects_forgeries(s
             return stats.get("salt_failures", 0) >= 1
 
         await wait_until(forged_discarded, within=10, what="the forged salt to be counted")
-        forged_key = extract_prefix_key(forged_req).hex()  # type: ignore[union-attr]
+        forged_key = key_hex(forged_req)
         assert forged_key not in sse.created_keys()
         assert other_key.hex() not in sse.created_keys()
 
@@ -296,7 +302,7 @@ async def test_reconnect_with_last_event_id_has_no_duplicate_and_no_gap(stack) -
     last_id = first.records[-1].id
     assert last_id is not None
     await post(fleet.urls[0] + "/v1/chat/completions", sys_req("r2"))
-    expected_key = extract_prefix_key(sys_req("r2")).hex()  # type: ignore[union-attr]
+    expected_key = key_hex(sys_req("r2"))
 
     async with SseClient(url, last_event_id=last_id) as second:
 
@@ -307,7 +313,8 @@ async def test_reconnect_with_last_event_id_has_no_duplicate_and_no_gap(stack) -
     epoch, _, seq = last_id.partition("-")
     resumed = [r for r in second.records if r.id]
     assert resumed[0].event != "resync"  # replayed from the ring, not re-synchronised
-    seqs = [int(r.id.partition("-")[2]) for r in resumed if r.id.startswith(epoch + "-")]
+    ids = [r.id for r in resumed if r.id]
+    seqs = [int(i.partition("-")[2]) for i in ids if i.startswith(epoch + "-")]
     assert seqs == list(range(int(seq) + 1, int(seq) + 1 + len(seqs)))  # no gap, no duplicate
 
 
@@ -315,7 +322,7 @@ async def test_listener_restart_gives_resync_and_snapshot(stack) -> None:
     fleet, listener = stack["fleet"], stack["listener"]
     url = f"{listener.url}/events/engine-1"
     req = sys_req("restart")
-    key = extract_prefix_key(req).hex()  # type: ignore[union-attr]
+    key = key_hex(req)
     async with SseClient(url) as sse:
         await post(fleet.urls[0] + "/v1/chat/completions", req)
 
@@ -388,11 +395,12 @@ async def test_trtllm_source_takes_keys_from_router_salts(tmp_path: Path) -> Non
                     return key.hex() in sse.created_keys()
 
                 await wait_until(seen, within=15, what="the salted trtllm prefix")
-                unsalted_key = extract_prefix_key(unsalted).hex()  # type: ignore[union-attr]
+                unsalted_key = key_hex(unsalted)
                 assert unsalted_key not in sse.created_keys()
             stats = (await listener.stats())["sources"]["trt-1"]
             assert stats["polls"] > 0 and stats["attributed_prefixes"] >= 1
         finally:
-            assert await listener.stop() == 0, listener.log_path.read_text()
+            assert await listener.stop() == 0, listener.log()
         # Salts never appear in the listener's logs.
+        assert listener.log_path is not None  # beside its config: Service's default
         assert salt not in listener.log_path.read_text()

@@ -53,7 +53,9 @@ async def mtls_router(
     yield await module_router_launcher.start(cfg), port
 
 
-async def refused(peer: BusPeer, client_id: str, sources: list[str], role: int = 1) -> Any:
+async def refused(
+    peer: BusPeer, client_id: str, sources: list[str], role: bpb.Role = bpb.ROLE_KV_LISTENER
+) -> Any:
     try:
         return await peer.refusal(client_id, sources, role)
     finally:

@@ -55,9 +55,9 @@ async def test_events_reach_the_index_over_tls_with_a_token(
     async with running(listener, pub):
         await listener.warm_up(pub)
         await pub.burst(40, 8)  # 320 block events: 5 chains of 64 blocks
-        state = await wait_router_matches(router.grpc_target, listener, B)
+        state = await wait_router_matches(router.grpc_address, listener, B)
         assert len(state) >= 5
-        st = await backend_status(router.grpc_target, B)
+        st = await backend_status(router.grpc_address, B)
         assert st.connected and st.transport == "event_bus"
         assert st.last_event_id.startswith((await listener.stats())["epoch"] + "-")
         # The listener keeps its own SSE endpoint for pull consumers.
@@ -76,7 +76,7 @@ async def test_mtls_client_certificate_alone_authenticates(
     async with running(listener, pub):
         await listener.warm_up(pub)
         await pub.burst(16, 8)
-        await wait_router_matches(router.grpc_target, listener, B)
+        await wait_router_matches(router.grpc_address, listener, B)
         assert "(kv_listener, certificate)" in router.log()
 
 
@@ -92,15 +92,15 @@ async def test_listener_sigkill_and_restart_resyncs_without_stale_entries(
     async with running(listener, pub):
         await listener.warm_up(pub)
         await pub.burst(24, 8)
-        before = await wait_router_matches(router.grpc_target, listener, B)
+        before = await wait_router_matches(router.grpc_address, listener, B)
         assert before
         await listener.kill()  # mid-stream: no Draining, no StreamClose, no FIN handshake
         await listener.start()  # new epoch, empty tracker
         await listener.warm_up(pub)
         await pub.burst(8, 8)
-        after = await wait_router_matches(router.grpc_target, listener, B)
+        after = await wait_router_matches(router.grpc_address, listener, B)
         assert after and not set(after) & set(before)  # every old entry is gone
-        st = await backend_status(router.grpc_target, B)
+        st = await backend_status(router.grpc_address, B)
         assert st.last_event_id.startswith((await listener.stats())["epoch"] + "-")
 
 
@@ -116,13 +116,13 @@ async def test_router_restart_rebuilds_the_index_from_the_listener(
     async with running(listener, pub):
         await listener.warm_up(pub)
         await pub.burst(16, 8)
-        await wait_router_matches(router.grpc_target, listener, B)
+        await wait_router_matches(router.grpc_address, listener, B)
         router.proc.send_signal(signal.SIGTERM)  # sessions end UNAVAILABLE; index lost
         assert await router.proc.wait() == 0
         second = await start_router(config)  # same bus port: the listener reconnects
-        await wait_router_matches(second.grpc_target, listener, B)
+        await wait_router_matches(second.grpc_address, listener, B)
         await pub.burst(8, 8)  # and live events keep flowing to the new router
-        await wait_router_matches(second.grpc_target, listener, B)
+        await wait_router_matches(second.grpc_address, listener, B)
         assert "event bus: session" in listener.log()
 
 
@@ -149,14 +149,14 @@ async def test_sigterm_drains_and_a_second_listener_takes_over(
         epochs = {(await a.stats())["epoch"]: a, (await b.stats())["epoch"]: b}
 
         async def streaming_from() -> ListenerProc | None:
-            st = await backend_status(router.grpc_target, B)
+            st = await backend_status(router.grpc_address, B)
             return epochs.get(st.last_event_id.partition("-")[0])
 
         serving = await wait_until(streaming_from, 20, what="a stream from one listener")
         other = b if serving is a else a
-        await wait_router_matches(router.grpc_target, serving, B)
+        await wait_router_matches(router.grpc_address, serving, B)
         assert await serving.terminate() == 0  # SIGTERM: Draining, streams closed, exit 0
         assert "event bus: drained" in serving.log()
         await pub.burst(8, 8)  # events after the drain reach the router through the other
-        await wait_router_matches(router.grpc_target, other, B)
+        await wait_router_matches(router.grpc_address, other, B)
         assert "is draining" in router.log()

@@ -62,7 +62,7 @@ async def test_a_slow_router_gets_buffer_overflow_and_then_misses_nothing(
     listener = await ListenerProc(cfg, tmp_path / "l.yaml", TOKENS["kv-a"]).start()
     async with running(listener, pub):
         await listener.warm_up(pub)
-        await wait_router_matches(router.grpc_target, listener, B)
+        await wait_router_matches(router.grpc_address, listener, B)
         router.proc.send_signal(signal.SIGSTOP)  # the router's consumer stops reading
         try:
             await pub.burst(1000, 8)
@@ -74,7 +74,7 @@ async def test_a_slow_router_gets_buffer_overflow_and_then_misses_nothing(
             await wait_until(overflowed, 20, what="the listener to close the slow stream")
         finally:
             router.proc.send_signal(signal.SIGCONT)
-        state = await wait_router_matches(router.grpc_target, listener, B, within=30)
+        state = await wait_router_matches(router.grpc_address, listener, B, within=30)
         assert len(state) >= 1000 * 8 // 64
         hub = (await listener.stats())["hub"]["backends"][B]
         # One resync block for the router's first subscription, the others were this
@@ -143,7 +143,7 @@ async def test_malformed_and_oversized_frames_end_only_that_stream(
         await _send_all(call, [head] + [b"data: {not json %d\n\n" % i for i in range(1000)])
 
         async def all_dropped() -> bool:
-            st = await backend_status(router.grpc_target, B)
+            st = await backend_status(router.grpc_address, B)
             return st.events_dropped >= 1000 and st.connected
 
         await wait_until(all_dropped, 20, what="1000 dropped records on an open stream")
@@ -186,7 +186,7 @@ async def test_malformed_and_oversized_frames_end_only_that_stream(
         await call.write(bpb.StreamRequest(data=bpb.StreamData(data=rec)))
 
         async def applied() -> bool:
-            _, state = await router_state(router.grpc_target, B, [prefix])
+            _, state = await router_state(router.grpc_address, B, [prefix])
             return state == {prefix: 512}
 
         await wait_until(applied, 10, what="the valid record to be applied")

@@ -200,8 +200,8 @@ async def test_router_index_is_the_same_over_pull_and_push(
             await call.write(bpb.StreamRequest(data=bpb.StreamData(data=golden[i : i + 7])))
 
         async def both_done() -> bool:
-            got = [await router_state(router.grpc_target, b, list(P.values())) for b in pull]
-            got += [await router_state(router.grpc_target, "g-push", list(P.values()))]
+            got = [await router_state(router.grpc_address, b, list(P.values())) for b in pull]
+            got += [await router_state(router.grpc_address, "g-push", list(P.values()))]
             return all(g == (len(FINAL), FINAL) for g in got)
 
         await wait_until(both_done, 10, what="the fixture's final state on both backends")

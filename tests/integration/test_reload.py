@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
+from collections.abc import Awaitable
 from types import SimpleNamespace
 from typing import Any
 
@@ -95,8 +96,12 @@ async def test_virtual_nodes_reload_under_load_drops_nothing(
         for vnodes in (7, 400, 64):
             mark = done
             assert await router.reload(with_prefix(cfg, virtual_nodes=vnodes))
+
             # Keep the traffic going across each swap of the ring.
-            await wait_until(lambda m=mark: completed(m + 30), 10, what="traffic after reload")
+            def flowing(m: int = mark) -> Awaitable[bool]:
+                return completed(m + 30)
+
+            await wait_until(flowing, 10, what="traffic after reload")
         # Keep the load on for at least ~1.5 s in all (plain load, not synchronisation).
         await asyncio.sleep(max(0.0, 1.5 - (time.monotonic() - started)))
     finally:

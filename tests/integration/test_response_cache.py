@@ -9,6 +9,7 @@ from typing import Any
 
 import openai
 import pytest
+from openai.types.chat import ChatCompletionMessageParam
 
 from tests.redis_fixture import redis_url  # noqa: F401 - fixture
 
@@ -66,7 +67,7 @@ async def test_tenants_never_share_entries(start_router, sims) -> None:
     q = f"tenant question {uuid.uuid4()}"
     a = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="tenant-a")
     b = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="tenant-b")
-    msgs = [{"role": "user", "content": q}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": q}]
     await a.chat.completions.create(model="demo-model", messages=msgs)
     rb = await b.chat.completions.with_raw_response.create(model="demo-model", messages=msgs)
     assert rb.headers["x-cache"] == "MISS"
@@ -77,14 +78,18 @@ async def test_tenants_never_share_entries(start_router, sims) -> None:
 async def test_stream_is_cached_and_replayed_to_the_sdk(start_router, sims) -> None:
     router = await start_router(cache_config(sims))
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="s")
-    msgs = [{"role": "user", "content": f"stream me {uuid.uuid4()}"}]
+    msgs: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": f"stream me {uuid.uuid4()}"}
+    ]
 
     async def collect() -> tuple[str, str]:
         raw = await client.chat.completions.with_raw_response.create(
             model="demo-model", messages=msgs, stream=True
         )
         text = ""
-        async for chunk in raw.parse():
+        stream = raw.parse()
+        assert isinstance(stream, openai.AsyncStream)  # with_raw_response loses the stream overload
+        async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 text += chunk.choices[0].delta.content
         return raw.headers["x-cache"], text
@@ -112,14 +117,18 @@ async def test_a_stream_cut_in_the_middle_is_never_stored(start_router, sims) ->
     engine and completes (then, once stored, a HIT)."""
     router = await start_router(cache_config(sims))
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="c", max_retries=0)
-    msgs = [{"role": "user", "content": f"cut me {uuid.uuid4()} " + "word " * 40}]
+    msgs: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": f"cut me {uuid.uuid4()} " + "word " * 40}
+    ]
 
     async def collect(**headers: str) -> tuple[str, str]:
         raw = await client.chat.completions.with_raw_response.create(
             model="demo-model", messages=msgs, stream=True, max_tokens=64, extra_headers=headers
         )
         text = ""
-        async for chunk in raw.parse():
+        stream = raw.parse()
+        assert isinstance(stream, openai.AsyncStream)  # with_raw_response loses the stream overload
+        async for chunk in stream:
             if chunk.choices and chunk.choices[0].delta.content:
                 text += chunk.choices[0].delta.content
         return raw.headers["x-cache"], text
@@ -142,19 +151,23 @@ async def test_a_stream_over_the_buffer_limit_is_passed_through_not_stored(
 ) -> None:
     router = await start_router(cache_config(sims, max_stream_buffer_size=64))
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="b")
-    msgs = [{"role": "user", "content": f"long stream {uuid.uuid4()}"}]
+    msgs: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": f"long stream {uuid.uuid4()}"}
+    ]
     for _ in range(2):
         raw = await client.chat.completions.with_raw_response.create(
             model="demo-model", messages=msgs, stream=True
         )
-        text = "".join([c.choices[0].delta.content or "" async for c in raw.parse() if c.choices])
+        stream = raw.parse()
+        assert isinstance(stream, openai.AsyncStream)  # with_raw_response loses the stream overload
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         assert raw.headers["x-cache"] == "MISS" and text  # complete, never cached
 
 
 async def test_oversized_response_is_not_stored(start_router, sims) -> None:
     router = await start_router(cache_config(sims, max_response_size=10))
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="o")
-    msgs = [{"role": "user", "content": f"big {uuid.uuid4()}"}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"big {uuid.uuid4()}"}]
     for _ in range(2):
         r = await client.chat.completions.with_raw_response.create(
             model="demo-model", messages=msgs
@@ -165,7 +178,7 @@ async def test_oversized_response_is_not_stored(start_router, sims) -> None:
 async def test_invalidate(start_router, sims) -> None:
     router = await start_router(cache_config(sims))
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="i")
-    msgs = [{"role": "user", "content": f"inv {uuid.uuid4()}"}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"inv {uuid.uuid4()}"}]
     await client.chat.completions.create(model="demo-model", messages=msgs)
     res = await router.post_json("/admin/response-cache/invalidate", {"clear_all": True})
     assert res["success"] is True and res["action"] == "clear_all"
@@ -181,7 +194,7 @@ async def test_two_routers_share_hits_through_redis(start_router, sims, redis_ur
     rc = {"backend": "redis", "redis": {"url": redis_url, "key_prefix": prefix}}
     a = await start_router(cache_config(sims, **rc))
     b = await start_router(cache_config(sims, **rc))
-    msgs = [{"role": "user", "content": f"shared {uuid.uuid4()}"}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": f"shared {uuid.uuid4()}"}]
     ca = openai.AsyncOpenAI(base_url=a.url + "/v1", api_key="t")
     cb = openai.AsyncOpenAI(base_url=b.url + "/v1", api_key="t")
     first = await ca.chat.completions.with_raw_response.create(model="demo-model", messages=msgs)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import aiohttp
 
@@ -17,6 +19,8 @@ from harness.sim.fleet import SimFleet
 
 from .conftest import (
     HttpResult,
+    MakeFaultProxy,
+    RouterProc,
     StartRouter,
     assert_openai_error,
     backend,
@@ -26,7 +30,9 @@ from .conftest import (
 DELAY_MS = 3000  # the engine's answer time: SIGTERM lands while the request is in flight
 
 
-async def _slow_router(start_router: StartRouter, fault_proxy, sims: SimFleet, **server):  # type: ignore[no-untyped-def]
+async def _slow_router(
+    start_router: StartRouter, fault_proxy: MakeFaultProxy, sims: SimFleet, **server: Any
+) -> tuple[RouterProc, Callable[[], Awaitable[bool]]]:
     slow = await fault_proxy(sims[0].url, {"x-sim-delay-ms": str(DELAY_MS)})
     rp = await start_router(
         {
@@ -43,12 +49,12 @@ async def _slow_router(start_router: StartRouter, fault_proxy, sims: SimFleet, *
 
 
 async def test_sigterm_lets_requests_in_flight_finish(
-    start_router: StartRouter, fault_proxy, sims: SimFleet
-) -> None:  # type: ignore[no-untyped-def]
+    start_router: StartRouter, fault_proxy: MakeFaultProxy, sims: SimFleet
+) -> None:
     rp, one_in_flight = await _slow_router(start_router, fault_proxy, sims)
     pending = asyncio.ensure_future(rp.chat())
     await wait_until(one_in_flight, what="the slow request in flight")
-    proc = rp.child.proc  # type: ignore[union-attr]
+    proc = rp.proc
     proc.send_signal(signal.SIGTERM)
 
     async def refused_with_503() -> HttpResult | None:
@@ -70,17 +76,19 @@ async def test_sigterm_lets_requests_in_flight_finish(
 
 
 async def test_the_grace_bounds_the_wait(
-    start_router: StartRouter, fault_proxy, sims: SimFleet
-) -> None:  # type: ignore[no-untyped-def]
+    start_router: StartRouter, fault_proxy: MakeFaultProxy, sims: SimFleet
+) -> None:
     rp, one_in_flight = await _slow_router(start_router, fault_proxy, sims, shutdown_grace_ms=200)
     pending = asyncio.ensure_future(rp.chat(total_s=10))
     await wait_until(one_in_flight, what="the slow request in flight")
-    proc = rp.child.proc  # type: ignore[union-attr]
+    proc = rp.proc
     started = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(proc.wait(), 10) == 0
     # It did not wait for the engine's answer (DELAY_MS), only about the grace.
     assert time.monotonic() - started < DELAY_MS / 1000, rp.log()
     assert "1 requests still in flight after 0.2s are cut" in rp.log()
-    result = await asyncio.gather(pending, return_exceptions=True)
-    assert isinstance(result[0], Exception) or result[0].status >= 500, result
+    [outcome] = await asyncio.gather(pending, return_exceptions=True)
+    assert isinstance(outcome, Exception) or (
+        isinstance(outcome, HttpResult) and outcome.status >= 500
+    ), outcome

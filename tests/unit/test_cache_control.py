@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 from router.dialects.cache_control import has_cache_control, inject_cache_control, should_inject
 
@@ -26,7 +27,7 @@ def test_only_last_system_block_is_marked() -> None:
 
 
 def test_existing_marker_anywhere_skips_injection() -> None:
-    base = {
+    base: dict[str, Any] = {
         "system": [{"type": "text", "text": "a"}],
         "messages": [{"role": "user", "content": [{"type": "text", "text": "q"}]}],
         "tools": [{"name": "t", "input_schema": {}}],

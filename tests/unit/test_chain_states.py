@@ -33,7 +33,13 @@ from listener.chains import (
     TrackedBlock,
 )
 from listener.chains.prefixes import Prefix
-from listener.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EngineEvent
+from listener.engine_events import (
+    AllBlocksCleared,
+    BlockHash,
+    BlockRemoved,
+    BlockStored,
+    EngineEvent,
+)
 from tests.unit.test_chains import (
     BS,
     SECRET,
@@ -106,7 +112,7 @@ ILLEGAL = [(s, c) for s in BlockState for c in Cause if c not in TRANSITIONS[s]]
 
 @pytest.mark.parametrize(("state", "cause", "to"), ALLOWED)
 def test_every_allowed_transition_works(state: BlockState, cause: Cause, to: BlockState) -> None:
-    b = TrackedBlock((0, 0, "GPU", 1), 0, BS, "gpu", state)
+    b = TrackedBlock((0, 0, "GPU", BlockHash(1)), 0, BS, "gpu", state)
     prefix = Prefix(b"\x01" * 32) if to is KEYED else None
     assert b.transition(cause, prefix) is to
     assert b.state is to and b.prefix is prefix
@@ -117,7 +123,8 @@ def _tracker_with_every_state() -> tuple[ChainTracker, dict[BlockState, TrackedB
     tracker, _, _ = make()
     salt = encode_salt(SECRET, "b1", PrefixKey(b"\x02" * 32))
     tracker.apply(batch(stored([5] * 2 * BS, salt=salt)))  # keyed by its salt
-    tracker.apply(batch(BlockStored([9001], None, [1, 2, 3], BS)))  # mismatch: length only
+    mismatch = BlockStored([BlockHash(9001)], None, [1, 2, 3], BS)  # mismatch: length only
+    tracker.apply(batch(mismatch))
     tracker.apply(batch(stored(tokens_of(body("Pending.", "q")))))  # waits for /detokenize
     by_state = {b.state: b for b in tracker._nodes.values()}
     assert set(by_state) == set(BlockState)
@@ -199,7 +206,7 @@ async def test_a_blocked_block_under_insufficient_text_is_given_up(
 ) -> None:
     tracker, router, _ = make("sglang")
     root = stored(encode("<|im_start|>user\nquestion")[: 2 * BS])  # the anchor is cut: NEED_MORE
-    child = BlockStored([9101], root.block_hashes[-1], [1, 2, 3], BS)  # no text
+    child = BlockStored([BlockHash(9101)], root.block_hashes[-1], [1, 2, 3], BS)  # no text
     tracker.apply(batch(root, child))
     await tracker.idle()
     assert [(b.key[3], c) for b, _, c, _ in transitions] == [(9101, Cause.TEXT_INSUFFICIENT)]
@@ -231,7 +238,7 @@ def test_births_are_not_transitions(transitions: list[Record]) -> None:
     salted = stored([5] * BS, salt=encode_salt(SECRET, "b1", PrefixKey(b"\x04" * 32)))
     tracker.apply(batch(salted))  # born keyed
     tracker.apply(batch(stored([6] * BS, salted.block_hashes[-1])))  # inherits: fast path
-    tracker.apply(batch(BlockStored([9201], None, [1, 2, 3], BS)))  # born unattributed
+    tracker.apply(batch(BlockStored([BlockHash(9201)], None, [1, 2, 3], BS)))  # born unattributed
     tracker.apply(batch(stored(tokens_of(body("P.", "q")))))  # born pending
     assert transitions == []
     assert {b.state for b in tracker._nodes.values()} == set(BlockState)
@@ -261,7 +268,7 @@ _SALTS = [
 def state_events(draw: st.DrawFn) -> list[tuple[EngineEvent, int]]:
     """Chains of real text grown a block or two at a time, with removals anywhere in a
     chain (pending subtrees cut off), text-less blocks, salted roots and clears."""
-    chains_: list[tuple[int, list[int], list[int]]] = []  # (dp, text, hashes so far)
+    chains_: list[tuple[int, list[int], list[BlockHash]]] = []  # (dp, text, hashes so far)
     out: list[tuple[EngineEvent, int]] = []
     next_hash = 1
     for _ in range(draw(st.integers(1, 40))):
@@ -273,7 +280,7 @@ def state_events(draw: st.DrawFn) -> list[tuple[EngineEvent, int]]:
         if action == "root" or not chains_:
             dp, text = draw(st.integers(0, 1)), draw(st.sampled_from(_TEXTS))
             n = draw(st.integers(1, 3))
-            hashes = list(range(next_hash, next_hash + n))
+            hashes = [BlockHash(h) for h in range(next_hash, next_hash + n)]
             next_hash += n
             salt = draw(st.sampled_from(_SALTS))
             out.append((BlockStored(hashes, None, text[: n * BS], BS, cache_salt=salt), dp))
@@ -285,13 +292,13 @@ def state_events(draw: st.DrawFn) -> list[tuple[EngineEvent, int]]:
             out.append((BlockRemoved([h]), dp))
             continue
         if action == "odd":
-            out.append((BlockStored([next_hash], hashes[-1], [7] * (BS - 1), BS), dp))
+            out.append((BlockStored([BlockHash(next_hash)], hashes[-1], [7] * (BS - 1), BS), dp))
             next_hash += 1
             continue
         n = draw(st.integers(1, 2))
         at = len(hashes) * BS
         toks = (text + encode("c" * 64))[at : at + n * BS]
-        new = list(range(next_hash, next_hash + n))
+        new = [BlockHash(h) for h in range(next_hash, next_hash + n)]
         next_hash += n
         medium = draw(st.sampled_from([None, None, None, "CPU"]))
         out.append((BlockStored(new, hashes[-1], toks, BS, medium=medium), dp))

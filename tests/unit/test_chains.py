@@ -23,6 +23,7 @@ from bus.salt import encode_salt
 from listener.chains import ChainTracker, TrackedBlock
 from listener.engine_events import (
     AllBlocksCleared,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     EngineEvent,
@@ -129,7 +130,14 @@ def stored(
 ) -> BlockStored:
     if hashes is None:
         hashes = [next(_ids) for _ in range(len(toks) // bs)]
-    return BlockStored(hashes, parent, toks, bs, medium=medium, cache_salt=salt)
+    return BlockStored(
+        [BlockHash(h) for h in hashes],
+        None if parent is None else BlockHash(parent),
+        toks,
+        bs,
+        medium=medium,
+        cache_salt=salt,
+    )
 
 
 def batch(*events: EngineEvent, dp: int = 0) -> EventBatch:
@@ -303,7 +311,8 @@ async def test_trtllm_needs_a_salt_and_uses_per_block_counts() -> None:
     tracker.apply(batch(stored([1] * 8)))
     assert tracker.stats()["discarded_chains"] == 1 and router.events == []
     key = PrefixKey(b"\x07" * 32)
-    ev = BlockStored([1, 2, 3], None, [9] * 70, 32, cache_salt=encode_salt(SECRET, "b1", key))
+    hashes = [BlockHash(1), BlockHash(2), BlockHash(3)]
+    ev = BlockStored(hashes, None, [9] * 70, 32, cache_salt=encode_salt(SECRET, "b1", key))
     ev.block_token_counts = [32, 32, 6]  # partial last block
     tracker.apply(batch(ev))
     assert router.events == [KvEvent("cache_created", "b1", key.hex(), 70, "gpu")]
@@ -321,11 +330,11 @@ async def test_mismatched_block_is_length_only_and_counted() -> None:
     tracker.apply(batch(ev))
     await tracker.idle()
     # Under a keyed chain the mismatched block still extends the prefix (length only).
-    tracker.apply(batch(BlockStored([90001], ev.block_hashes[-1], [1, 2, 3], BS)))
+    tracker.apply(batch(BlockStored([BlockHash(90001)], ev.block_hashes[-1], [1, 2, 3], BS)))
     assert router.events[-1].token_count == len(ev.token_ids) + 3
     # A mismatched root has no text: its chain is unattributed.
-    tracker.apply(batch(BlockStored([90002], None, [1, 2, 3, 4, 5], BS)))
-    tracker.apply(batch(BlockStored([90003], 90002, [1, 2, 3, 4], BS)))
+    tracker.apply(batch(BlockStored([BlockHash(90002)], None, [1, 2, 3, 4, 5], BS)))
+    tracker.apply(batch(BlockStored([BlockHash(90003)], BlockHash(90002), [1, 2, 3, 4], BS)))
     stats = tracker.stats()
     assert stats["mismatches"] == 2 and stats["unattributed_blocks"] == 2
     check(tracker, router)
@@ -337,12 +346,13 @@ async def test_vllm_null_blocks_fold_into_the_first_hash() -> None:
     req = body("Windowed.", "q")
     toks = tokens_of(req)
     n = len(toks) // BS
-    tracker.apply(batch(BlockStored(list(range(500, 500 + n - 1)), None, toks, BS)))
+    hashes = [BlockHash(h) for h in range(500, 500 + n - 1)]
+    tracker.apply(batch(BlockStored(list(hashes), None, toks, BS)))
     await tracker.idle()
     assert router.events == [KvEvent("cache_created", "b1", key_hex(req), len(toks), "gpu")]
     assert tracker.stats()["mismatches"] == 0
     sg, _, _ = make("sglang")  # SGLang never skips: the same event is a mismatch there
-    sg.apply(batch(BlockStored(list(range(500, 500 + n - 1)), None, toks, BS)))
+    sg.apply(batch(BlockStored(list(hashes), None, toks, BS)))
     assert sg.stats()["mismatches"] == 1
 
 
@@ -450,7 +460,7 @@ def test_tracked_blocks_hold_only_their_own_segment() -> None:
 
 # -- the memory bound under random event streams ------------------------------------------
 
-_HASHES = st.integers(1, 40)
+_HASHES = st.integers(1, 40).map(BlockHash)
 
 
 @st.composite
@@ -537,14 +547,14 @@ def chain_events(draw: st.DrawFn) -> list[tuple[EngineEvent, int]]:
         encode_salt(SECRET, "b1", b"\x06" * 32),
         encode_salt(SECRET, "x", b"\x05" * 32),
     ]
-    tips: list[tuple[int, int] | None] = []  # per chain: (dp, last hash)
+    tips: list[tuple[int, BlockHash] | None] = []  # per chain: (dp, last hash)
     out: list[tuple[EngineEvent, int]] = []
     next_hash = itertools.count(1)
     for _ in range(draw(st.integers(1, 60))):
         action = draw(st.sampled_from(["grow"] * 6 + ["root", "remove", "odd"]))
         live = [i for i, t in enumerate(tips) if t is not None]
         if action == "root" or not live:
-            dp, h = draw(st.integers(0, 1)), next(next_hash)
+            dp, h = draw(st.integers(0, 1)), BlockHash(next(next_hash))
             salt = draw(st.sampled_from(salts))
             out.append((BlockStored([h], None, [1] * BS, BS, cache_salt=salt), dp))
             tips.append((dp, h))
@@ -557,7 +567,7 @@ def chain_events(draw: st.DrawFn) -> list[tuple[EngineEvent, int]]:
             out.append((BlockRemoved([parent], draw(st.sampled_from([None, "CPU"]))), dp))
             tips[i] = None
             continue
-        h = next(next_hash)
+        h = BlockHash(next(next_hash))
         medium = draw(st.sampled_from([None, None, "GPU", "gpu", "CPU"]))
         size = BS if action == "grow" else draw(st.sampled_from([BS - 1, 2 * BS]))
         out.append((BlockStored([h], parent, [2] * size, BS, medium=medium), dp))

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 from listener.decode import DEFAULT_MAX_FRAME_BYTES, DecodeError, decode_batch
 from listener.engine_events import (
     AllBlocksCleared,
+    BlockHash,
     BlockRemoved,
     BlockStored,
     EventBatch,
@@ -27,8 +28,8 @@ from listener.engine_events import (
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "engine" / "kv_event_frames.json"
 GOLDEN: list[dict[str, Any]] = json.loads(FIXTURE.read_text())["frames"]
 
-H = 14248744570211613888  # the document's example hash (uint64, >= 2**63)
-P = 3846834883482343549
+H = BlockHash(14248744570211613888)  # the document's example hash (uint64, >= 2**63)
+P = BlockHash(3846834883482343549)
 TS = 1700000000.5
 U64 = (1 << 64) - 1
 
@@ -94,7 +95,7 @@ def m_stored(**kw: Any) -> dict[str, Any]:
 
 
 def stored(**kw: Any) -> BlockStored:
-    f = {
+    f: dict[str, Any] = {
         "block_hashes": [H],
         "parent_block_hash": P,
         "token_ids": [101, 102, 103, 104],
@@ -207,9 +208,9 @@ def test_sglang_mixes_array_and_map_events_too() -> None:
         "sglang",
     )
     assert batch.events == [
-        BlockStored([U64], None, [1, 2], 2, "GPU"),
-        BlockStored([U64 - 1], None, [3, 4], 2, None),
-        BlockRemoved([U64, U64 - 1], "CPU_PINNED"),
+        BlockStored([BlockHash(U64)], None, [1, 2], 2, "GPU"),
+        BlockStored([BlockHash(U64 - 1)], None, [3, 4], 2, None),
+        BlockRemoved([BlockHash(U64), BlockHash(U64 - 1)], "CPU_PINNED"),
     ]
 
 

@@ -40,7 +40,9 @@ def md(token: str) -> list[tuple[str, str]]:
     return [("authorization", f"Bearer {token}")]
 
 
-def hello(cid: str = "kv-a", sources: tuple[str, ...] = (A,), role: int = 1) -> pb.Hello:
+def hello(
+    cid: str = "kv-a", sources: tuple[str, ...] = (A,), role: pb.Role = pb.ROLE_KV_LISTENER
+) -> pb.Hello:
     return pb.Hello(client_id=cid, role=role, sources=sources)
 
 
@@ -99,8 +101,12 @@ def _principal(registry: SessionRegistry, eid: str = "kv-a") -> Any:
 @pytest.mark.parametrize(
     ("msg", "code", "text"),
     [
-        (hello(role=0), grpc.StatusCode.INVALID_ARGUMENT, "Hello.role is not set"),
-        (hello(role=2), grpc.StatusCode.PERMISSION_DENIED, "has role kv_listener"),
+        (
+            hello(role=pb.ROLE_UNSPECIFIED),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "Hello.role is not set",
+        ),
+        (hello(role=pb.ROLE_BROKER), grpc.StatusCode.PERMISSION_DENIED, "has role kv_listener"),
         (hello(cid="kv-b"), grpc.StatusCode.PERMISSION_DENIED, "is not the credential's"),
         (hello(sources=("x y",)), grpc.StatusCode.INVALID_ARGUMENT, "not a source id"),
         (hello(sources=(A, "vllm-9")), grpc.StatusCode.PERMISSION_DENIED, "'vllm-9' is not in"),
@@ -192,6 +198,7 @@ async def test_consumer_dropping_the_stream_unsubscribes_with_its_reason() -> No
     with pytest.raises(ValueError):
         await it.athrow(ValueError("SSE line longer than 1048576 bytes"))
     msg = session.outbox.get_nowait()
+    assert isinstance(msg, pb.SessionResponse)
     assert msg.unsubscribe.stream_id == sub.stream_id
     assert "SSE line longer than 1048576 bytes" in msg.unsubscribe.reason
     with pytest.raises(ChannelClosed, match="SSE line longer"):
@@ -269,6 +276,7 @@ async def _apply_through_bus(cuts: list[int]) -> list[tuple[str, str | None, int
     task = asyncio.ensure_future(consumer.run())
     try:
         msg = await asyncio.wait_for(session.outbox.get(), 1)
+        assert isinstance(msg, pb.SessionResponse)
         slot = registry.claim(_principal(registry), msg.subscribe.stream_id)
         bounds = [0, *sorted(c % (len(data) + 1) for c in cuts), len(data)]
         for lo, hi in itertools.pairwise(bounds):

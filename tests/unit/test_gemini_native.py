@@ -337,7 +337,10 @@ def test_fill_cached_tokens() -> None:
     u: dict[str, Any] = {"prompt_tokens": 100}
     fill_cached_tokens(u, 80)
     assert u["prompt_tokens_details"] == {"cached_tokens": 80}
-    reported = {"prompt_tokens": 100, "prompt_tokens_details": {"cached_tokens": 90}}
+    reported: dict[str, Any] = {
+        "prompt_tokens": 100,
+        "prompt_tokens_details": {"cached_tokens": 90},
+    }
     fill_cached_tokens(reported, 80)
     assert reported["prompt_tokens_details"]["cached_tokens"] == 90  # the backend's count wins
     capped: dict[str, Any] = {"prompt_tokens": 50, "prompt_tokens_details": None}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Set as AbstractSet
 from datetime import UTC, datetime
 from typing import Any
 
@@ -127,7 +128,7 @@ class ScriptedServer:
     """
 
     def __init__(
-        self, scripts: list[list[Step]], *, end: set[int] = frozenset(), ws: bool = False
+        self, scripts: list[list[Step]], *, end: AbstractSet[int] = frozenset(), ws: bool = False
     ) -> None:
         self.scripts = scripts
         self.end = end
@@ -169,6 +170,7 @@ class ScriptedServer:
                 if isinstance(step, bytes):
                     await resp.write(step)
                 else:
+                    assert callable(step), step  # an SSE script is bytes and callables
                     await step()
             if i not in self.end:
                 await self.release.wait()
@@ -185,6 +187,7 @@ class ScriptedServer:
             if isinstance(step, str):
                 await ws.send_str(step)
             else:
+                assert isinstance(step, bytes), step  # a WebSocket script is str and bytes
                 await ws.send_bytes(step)
         if i not in self.end:
             await self.release.wait()
@@ -326,7 +329,7 @@ async def test_server_restart_resumes_from_last_event_id_without_gap_or_duplicat
         hub.publish(B, created(i))
     gate.opened.clear()
     await lst.stop()
-    await wait_until(lambda: not c.stats.connected and gate.delays, "the disconnect")
+    await wait_until(lambda: not c.stats.connected and bool(gate.delays), "the disconnect")
     for i in range(11, 16):  # published while the consumer is away
         hub.publish(B, created(i))
     await lst.start()  # same hub (same epoch), same port
@@ -662,9 +665,7 @@ async def test_apply_many_takes_a_slice_at_once_and_a_failed_slice_is_asked_agai
         # The invalid record (no id of its own) sits in the first slice: 255 events.
         assert opened == [None, "p-255"]  # resumed after the first, fully applied slice
         assert calls == [255, 256, 256, 89]
-        assert sorted({e.prefix_hash for e in applied}) == sorted(
-            f"{i:064x}" for i in range(1, n + 1)
-        )
+        assert {e.prefix_hash for e in applied} == {f"{i:064x}" for i in range(1, n + 1)}
         assert c.stats.dropped == 1 and c.stats.index_created == n
         assert c.stats.last_event_id == f"p-{n}"
     finally:

@@ -14,8 +14,9 @@ import asyncio
 import random
 import time
 import tracemalloc
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pytest
 from redis.asyncio import Redis
@@ -26,6 +27,7 @@ from router.kvindex import (
     EMPTY,
     Change,
     FallbackKvIndex,
+    IndexEntry,
     InMemoryKvIndex,
     InstrumentedKvIndex,
     KvIndex,
@@ -289,7 +291,7 @@ async def test_concurrent_upserts_and_queries_stay_consistent(harness: Harness) 
     idx = harness.make()
     prefixes = [P(i) for i in range(20)]
     backends = [f"b{j}" for j in range(8)]
-    ops = []
+    ops: list[Coroutine[Any, Any, Sequence[IndexEntry] | None]] = []
     for p in prefixes:
         for j, b in enumerate(backends):
             ops.append(idx.upsert(p, b, 100 * (j + 1), GPU if j % 2 else WARM))

@@ -114,7 +114,7 @@ def _imports_of(module: str) -> list[Import]:
                 package = node.module or ""
             for alias in node.names:
                 full = f"{package}.{alias.name}"
-                target = _known(full) if full in _files() else (_known(package) or package)
+                target = full if full in _files() else (_known(package) or package)
                 if target != module:
                     out.append(Import(module, target, node.lineno, type_only))
     return out

@@ -229,7 +229,9 @@ def test_trtllm_requires_endpoint_and_salt_secret_and_forbids_zmq() -> None:
     # With a secret (env needs no file) and the fields removed it is valid, even though
     # the env variable is not set here: that is checked at start, not by --check.
     cfg, issues = parse_listener_config({"salt_secret_env": "X_SALT", "sources": [trtllm()]})
-    assert issues == [] and cfg.sources[0].trtllm_endpoint.endswith("/kv_cache_events")
+    assert issues == []
+    endpoint = cfg.sources[0].trtllm_endpoint
+    assert endpoint is not None and endpoint.endswith("/kv_cache_events")
 
 
 def test_trtllm_host_must_be_an_allowed_publisher() -> None:

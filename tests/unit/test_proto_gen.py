@@ -145,7 +145,7 @@ def test_services_have_the_design_names_and_shapes() -> None:
     # The grpc modules expose the usual stub/servicer/registration trio.
     assert callable(bus_pb2_grpc.add_EventBusServicer_to_server)
     assert callable(kvindex_pb2_grpc.add_KvIndexServicer_to_server)
-    assert bus_pb2_grpc.EventBusStub and kvindex_pb2_grpc.KvIndexStub
+    assert callable(bus_pb2_grpc.EventBusStub) and callable(kvindex_pb2_grpc.KvIndexStub)
 
 
 def test_score_request_key_is_a_oneof() -> None:

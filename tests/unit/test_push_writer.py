@@ -31,11 +31,11 @@ class FakeCall:
 
     async def write(self, req: pb.StreamRequest | bytes) -> None:
         wire = encode_stream_request(req)
-        req = pb.StreamRequest.FromString(wire)
-        assert decode_stream_request(wire) in (req, req.data.data)
-        self.requests.append(req)
-        if req.WhichOneof("kind") == "data":
-            self.data += req.data.data
+        sent = pb.StreamRequest.FromString(wire)
+        assert decode_stream_request(wire) in (sent, sent.data.data)
+        self.requests.append(sent)
+        if sent.WhichOneof("kind") == "data":
+            self.data += sent.data.data
 
     async def done_writing(self) -> None:
         self._done.set()
@@ -81,7 +81,7 @@ async def replay(
     """Runs a writer from ``start`` until it has sent ``expected``; its requests."""
     stub = FakeStub()
     writer = StreamWriter(
-        stub.Stream,  # type: ignore[arg-type]
+        stub.Stream,
         [],
         hub,
         pb.Subscribe(stream_id="s", source=B, last_event_id=start),

@@ -15,7 +15,7 @@ import logging
 import math
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import pytest
 from redis.asyncio import Redis
@@ -81,7 +81,8 @@ class OutageLog:
         self.memory.append(item)
 
     async def in_redis(self) -> list[bytes]:
-        return await self.client.lrange(self.key, 0, -1)
+        # build_redis clients answer bytes (decode_responses=False); redis-py types str too
+        return cast("list[bytes]", await self.client.lrange(self.key, 0, -1))
 
     async def ping(self) -> object:
         self.pings += 1

@@ -39,7 +39,7 @@ async def test_close_answers_503_and_drain_waits_for_requests_in_flight() -> Non
 
     async def handler(req: Request) -> Response:
         await release.wait()
-        return Response(200, [("content-type", "application/json")], b'{"ok":true}')
+        return Response(200, b'{"ok":true}', [("content-type", "application/json")])
 
     app = RSGIApp(handler, 1024)
     assert await app.drain(0.01) == 0  # idle: nothing to wait for

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Hashable
 
 import numpy as np
 import pytest
@@ -125,7 +126,7 @@ def test_finished_conversation_goes_before_an_older_live_one() -> None:
     live = session_cell(False, T.ASSISTANT, 3)
     params = _params(continuation={done: 0.02, live: 0.7})
 
-    def run(cfg: SaeConfig) -> object:
+    def run(cfg: SaeConfig) -> list[Hashable | None]:
         c = SaeCache(cfg)
         c.begin_request("chat", 0.0, SessionClass.CHAT)
         _chain(c, ["c0", "c1", "c2", "c3"], T.ASSISTANT, 0.0, "chat")
@@ -427,8 +428,8 @@ def _simulate(seed: int, capacity: int, steps: int) -> list[object]:
         c.begin_request(session, t, rng.choice(list(SessionClass)))
         depth = rng.randint(1, 6)
         branch = rng.randrange(3)
-        held: list[object] = []
-        parent = None
+        held: list[tuple[int, int, int]] = []
+        parent: tuple[int, int, int] | None = None
         for d in range(depth):
             key = (branch, session if d > 1 else 0, d)
             if key in c:

@@ -11,7 +11,15 @@ from array import array
 from collections.abc import Iterator
 
 from bus.salt import encode_salt
-from listener.chains import KEYED, UNATTRIBUTED, ChainTracker, LruPolicy, TrackedBlock
+from listener.chains import (
+    KEYED,
+    UNATTRIBUTED,
+    BlockState,
+    ChainTracker,
+    LruPolicy,
+    TrackedBlock,
+)
+from listener.engine_events import BlockHash
 from listener.saecache.pruning import SaePruningPolicy
 from tests.unit.test_chains import SECRET, Router, batch, check, make, stored
 
@@ -69,8 +77,8 @@ def test_lru_pruning_loses_it_under_the_same_pressure() -> None:
     assert tracker.orphans > 0  # later conversations under it could not be tracked
 
 
-def _block(i: int, start: int, state: int = KEYED, tokens: bool = False) -> TrackedBlock:
-    b = TrackedBlock((0, 0, "GPU", i), start, start + 16, "gpu")
+def _block(i: int, start: int, state: BlockState = KEYED, tokens: bool = False) -> TrackedBlock:
+    b = TrackedBlock((0, 0, "GPU", BlockHash(i)), start, start + 16, "gpu")
     b.state = state
     if tokens:
         b.tokens = array("I", [1] * 16)

@@ -52,7 +52,7 @@ def test_read_sharegpt_chunk_boundaries() -> None:
     text = json.dumps([_conv(i) for i in range(40)]).encode()
 
     class Slow(io.BytesIO):
-        def read(self, n: int = -1) -> bytes:  # 7-byte reads split records and UTF-8
+        def read(self, n: int | None = -1, /) -> bytes:  # 7-byte reads split records and UTF-8
             return super().read(7)
 
     assert len(read_sharegpt(100, Slow(text))) == 40

@@ -340,7 +340,7 @@ def test_unit_vector_never_raises(payload: bytes) -> None:
 
 def rc_config(**sem: Any) -> ResponseCacheConfig:
     semantic = {"enabled": True, "backend": "emb", "embedding_model": "minilm", **sem}
-    return ResponseCacheConfig(enabled=True, semantic=semantic)
+    return ResponseCacheConfig.model_validate({"enabled": True, "semantic": semantic})
 
 
 def test_threshold_falls_back_to_the_policy_bps() -> None:

@@ -257,8 +257,7 @@ async def env() -> AsyncIterator[Env]:
     port_a = sub_a.bind_to_random_port("tcp://127.0.0.1")
     pb, pc = free_port(), free_port()
     replay = {"a": free_port(), "b": free_port(), "c": free_port()}
-    common = {"die_with_parent": True}
-    overrides = {
+    overrides: dict[int, dict[str, Any]] = {
         0: {
             "kv_events": f"tcp://127.0.0.1:{port_a}",  # connect: the test bound the SUB
             "kv_events_format": "vllm-0.23.0",
@@ -285,7 +284,9 @@ async def env() -> AsyncIterator[Env]:
         3: {"kv_events_trtllm": True, "trtllm_poll_block_ms": 300, "capacity_blocks": 6},
     }
     async with (
-        SimFleet(n=4, names=["a", "b", "c", "d"], overrides=overrides, **common) as fleet,
+        SimFleet(
+            n=4, names=["a", "b", "c", "d"], overrides=overrides, die_with_parent=True
+        ) as fleet,
         aiohttp.ClientSession() as http,
     ):
         subs = {"a": Sub(sub_a, fleet.urls[0])}

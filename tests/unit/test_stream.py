@@ -31,7 +31,7 @@ def evicted(i: int, backend: str = B) -> KvEvent:
 
 
 def hub(history: int = 100, queue: int = 100, **kw: object) -> EventHub:
-    return EventHub(history, queue, backends=[B, "other"], epoch=EPOCH, **kw)  # type: ignore[arg-type]
+    return EventHub(history, queue, backends=[B, "other"], epoch=EPOCH, **kw)
 
 
 def seqs(records: list[HubRecord]) -> list[int]:

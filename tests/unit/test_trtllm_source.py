@@ -20,7 +20,7 @@ import pytest
 from aiohttp import web
 
 from bus.backoff import NoBackoff
-from listener.engine_events import BlockRemoved, BlockStored, EventBatch
+from listener.engine_events import BlockHash, BlockRemoved, BlockStored, EventBatch
 from listener.trtllm_source import TrtllmPoller, TrtllmPollerConfig, map_event
 from listener.zmq_source import PublisherNotAllowedError
 from tests import waiting
@@ -241,7 +241,7 @@ async def test_events_are_mapped(serve: FakeTrtllmServe, caplog: pytest.LogCaptu
     assert batch.dp_rank == 0 and batch.skipped == 0
     first, cpu, v2, gone, gone_big = batch.events
     assert first == BlockStored(
-        block_hashes=[BIG, BIG2],
+        block_hashes=[BlockHash(BIG), BlockHash(BIG2)],
         parent_block_hash=None,
         token_ids=[11, 12, 13, 14, 15, 16],
         block_size=4,
@@ -254,8 +254,8 @@ async def test_events_are_mapped(serve: FakeTrtllmServe, caplog: pytest.LogCaptu
     assert isinstance(v2, BlockStored)
     assert v2.block_hashes == [bytes.fromhex(V2_HASH)]
     assert v2.parent_block_hash == bytes.fromhex(V2_PARENT)
-    assert gone == BlockRemoved(block_hashes=[BIG, BIG2])
-    assert gone_big == BlockRemoved(block_hashes=[BIG])
+    assert gone == BlockRemoved(block_hashes=[BlockHash(BIG), BlockHash(BIG2)])
+    assert gone_big == BlockRemoved(block_hashes=[BlockHash(BIG)])
     st = poller.stats
     assert (st.updated_ignored, st.restarts, st.gaps, st.duplicates) == (1, 1, 0, 0)
     assert st.last_event_ids == {0: 6}

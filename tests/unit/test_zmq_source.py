@@ -28,7 +28,7 @@ import zmq.asyncio
 
 from bus.backoff import ExponentialBackoff, NoBackoff
 from harness.procs import free_port
-from listener.engine_events import BlockStored, EventBatch, normalize_hash
+from listener.engine_events import BlockHash, BlockStored, EventBatch, normalize_hash
 from listener.zmq_source import (
     END_SEQ,
     PublisherAllowlist,
@@ -55,6 +55,12 @@ def batch_payload(seq: int) -> bytes:
     return msgpack.packb([1_700_000_000.5, [stored], 0])
 
 
+def _hash(value: object) -> BlockHash:
+    h = normalize_hash(value)
+    assert h is not None, value  # the payloads here carry only uint64 hashes
+    return h
+
+
 def stub_decode(payload: bytes, engine: str) -> EventBatch:
     try:
         top = msgpack.unpackb(payload, raw=False, strict_map_key=False)
@@ -67,7 +73,7 @@ def stub_decode(payload: bytes, engine: str) -> EventBatch:
         if ev[0] == "BlockStored":
             events.append(
                 BlockStored(
-                    block_hashes=[normalize_hash(h) for h in ev[1]],
+                    block_hashes=[_hash(h) for h in ev[1]],
                     parent_block_hash=None,
                     token_ids=list(ev[3]),
                     block_size=ev[4],
@@ -78,7 +84,9 @@ def stub_decode(payload: bytes, engine: str) -> EventBatch:
 
 
 def seq_of(batch: EventBatch) -> int:
-    h = batch.events[0].block_hashes[0]  # type: ignore[union-attr]
+    ev = batch.events[0]
+    assert isinstance(ev, BlockStored)
+    h = ev.block_hashes[0]
     assert isinstance(h, int)
     return h - HASH_BASE
 
@@ -800,6 +808,6 @@ def test_exponential_backoff() -> None:
     assert all(2.0 <= d <= 4.0 for d in delays) and len(set(delays)) > 100
     for bad in ({"base_s": 0}, {"cap_s": 0.1, "base_s": 1}, {"jitter": 1.5}):
         with pytest.raises(ValueError):
-            ExponentialBackoff(**bad)  # type: ignore[arg-type]
+            ExponentialBackoff(**bad)
     none = NoBackoff()
     assert none.compute(5) == 0.0 and none.computed == [5]
