@@ -42,6 +42,7 @@ from bus.events import KvEvent
 from router.config.models import RedisConfig, StorageOffloadingConfig
 from router.kvindex import (
     InMemoryKvIndex,
+    InstrumentedKvIndex,
     RedisKvIndex,
     StorageTier,
     apply_event,
@@ -319,6 +320,18 @@ def memory_rows(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict
     def f_score() -> Callable[[], Any]:
         return lambda: scorer.score_with_tier(prep, held)
 
+    # -- the index as the router builds it: the instrumented wrapper over memory ----------
+    wrapped = InstrumentedKvIndex(idx)
+    ev_wrapped = InstrumentedKvIndex(ev_index)
+
+    def f_wrapped_query() -> Callable[[], Any]:
+        nxt, q = cyc(hits), wrapped.query_backends
+        return lambda: drive(q(nxt()))
+
+    def f_wrapped_apply() -> Callable[[], Any]:
+        nxt = cyc(events)
+        return lambda: drive(apply_event(ev_wrapped, nxt(), OFFLOADING))
+
     cases: list[tuple[str, Callable[[], Any], str]] = [
         ("baseline: dict.get, 100k keys", f_dict(), ""),
         ("memory query_backends, hit (2 backends)", f_query(hits), "query"),
@@ -328,6 +341,8 @@ def memory_rows(args: argparse.Namespace, rng: random.Random) -> tuple[list[dict
         ("memory apply_event (offloading on)", f_apply(), "events"),
         ("scorer prepare()+score() x8 candidates", f_prepare_score(), "prepare"),
         ("scorer score_with_tier(), one backend", f_score(), "score"),
+        ("instrumented(memory) query_backends, hit", f_wrapped_query(), "query"),
+        ("instrumented(memory) apply_event", f_wrapped_apply(), "events"),
     ]
     timings = time_interleaved([fn for _, fn, _ in cases], loops=args.loops, repeats=args.repeats)
     results: list[dict[str, Any]] = []
