@@ -1,21 +1,36 @@
-"""Prefix-level KV cache events: what the listener publishes and the router indexes.
+"""KV cache events: what the listener publishes and the router indexes.
 
 One JSON object per SSE record (docs/ARCHITECTURE.md §4)::
 
     {"event":"cache_created","backend":"vllm-1","prefix_hash":"<64 hex>",
      "token_count":2048,"tier":"gpu"}
+    {"event":"chain_created","backend":"vllm-1","chain_key":"<32 hex>",
+     "token_count":4100,"tier":"gpu"}
 
-Kinds, past tense like the engines' own events:
+Kinds, past tense like the engines' own events. Per prefix (``prefix_hash``, the hex of a
+``bus.prefix_key`` digest):
 
 * ``cache_created``   a prefix gained its first blocks on the backend, or grew
                       (``token_count`` is the longest cached chain under it);
 * ``cache_offloaded`` its blocks now live only in a slower tier (CPU, disk, remote);
-* ``cache_evicted``   its last block is gone;
+* ``cache_evicted``   its last block is gone.
+
+Per prompt chain key (``chain_key``, the hex of a ``bus.prompt_chain`` key: every byte of
+the rendered prompt up to the end of one chunk):
+
+* ``chain_created``   every token up to the chunk's end is in stored blocks
+                      (``token_count``: how many tokens that is; ``tier`` gpu);
+* ``chain_offloaded`` they are stored, but some only in a slower tier (``tier`` storage);
+* ``chain_evicted``   a block at or before the chunk's end is gone: the key is withdrawn.
+
+A backend's chain keys are prefix-closed: when it holds key i it holds every key before
+it, so a router finds the deepest one by search. For the whole backend:
+
 * ``cache_cleared``   the engine dropped every block: forget the backend's entries;
 * ``resync``          the stream restarted or a gap was found: forget the backend's
-                      entries; a snapshot of ``cache_created`` follows.
+                      entries; a snapshot of ``cache_created``/``chain_created`` follows.
 
-``prefix_hash`` is the hex of a ``bus.prefix_key`` digest, never an engine block hash.
+Neither key is ever an engine block hash.
 """
 
 from __future__ import annotations
@@ -30,20 +45,42 @@ from .errors import BusError
 
 __all__ = [
     "BACKEND_NAME_RE",
+    "CHAIN_KINDS",
     "EVENT_KINDS",
     "TIERS",
     "EventError",
     "KvEvent",
 ]
 
-EventKind = Literal["cache_created", "cache_evicted", "cache_offloaded", "cache_cleared", "resync"]
+EventKind = Literal[
+    "cache_created",
+    "cache_evicted",
+    "cache_offloaded",
+    "chain_created",
+    "chain_evicted",
+    "chain_offloaded",
+    "cache_cleared",
+    "resync",
+]
 EVENT_KINDS: frozenset[str] = frozenset(
-    ("cache_created", "cache_evicted", "cache_offloaded", "cache_cleared", "resync")
+    (
+        "cache_created",
+        "cache_evicted",
+        "cache_offloaded",
+        "chain_created",
+        "chain_evicted",
+        "chain_offloaded",
+        "cache_cleared",
+        "resync",
+    )
 )
+CHAIN_KINDS: frozenset[str] = frozenset(("chain_created", "chain_evicted", "chain_offloaded"))
+_COUNTED = frozenset(("chain_created", "chain_offloaded"))
 StorageTier = Literal["gpu", "storage"]
 TIERS: frozenset[str] = frozenset(("gpu", "storage"))
 _PREFIXED = frozenset(("cache_created", "cache_evicted", "cache_offloaded"))
 _HEX64 = re.compile(r"[0-9a-f]{64}\Z")  # \Z, not $: "$" also matches before a final LF
+_HEX32 = re.compile(r"[0-9a-f]{32}\Z")
 BACKEND_NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}\Z")
 _MAX_TOKENS = 1 << 40
 _MAX_VALID_BACKENDS = 4096
@@ -64,11 +101,15 @@ class KvEvent:
     tier: StorageTier | None = None
     reason: str | None = None
     """Why a ``resync`` happened (``restart``, ``gap``, ``unknown_id``...); informational."""
+    chain_key: str | None = None
+    """The hex of a ``bus.prompt_chain`` key, for the ``chain_*`` kinds."""
 
     def to_json(self) -> bytes:
         d: dict[str, Any] = {"event": self.event, "backend": self.backend}
         if self.prefix_hash is not None:
             d["prefix_hash"] = self.prefix_hash
+        if self.chain_key is not None:
+            d["chain_key"] = self.chain_key
         if self.token_count is not None:
             d["token_count"] = self.token_count
         if self.tier is not None:
@@ -105,14 +146,21 @@ class KvEvent:
             if len(_valid_backends) < _MAX_VALID_BACKENDS:
                 _valid_backends.add(be)
         prefix = get("prefix_hash")
+        chain = None
         if kind in _PREFIXED:
             if type(prefix) is not str or not _HEX64.match(prefix):
                 raise EventError("prefix_hash must be 64 lowercase hex characters")
         else:
             prefix = None
+            if kind in CHAIN_KINDS:
+                chain = get("chain_key")
+                if type(chain) is not str or not _HEX32.match(chain):
+                    raise EventError("chain_key must be 32 lowercase hex characters")
         count = get("token_count")
         if count is not None and (type(count) is not int or not 0 <= count < _MAX_TOKENS):
             raise EventError("token_count must be a non-negative integer")
+        if count is None and kind in _COUNTED:
+            raise EventError(f"{kind} needs a token_count")
         tier = get("tier")
         if tier is not None and (type(tier) is not str or tier not in TIERS):
             raise EventError(f"unknown tier {tier!r}")
@@ -128,6 +176,7 @@ class KvEvent:
         _set_token_count(ev, count)
         _set_tier(ev, tier)
         _set_reason(ev, reason)
+        _set_chain_key(ev, chain)
         return ev
 
 
@@ -139,3 +188,4 @@ _set_prefix_hash = _slot["prefix_hash"].__set__
 _set_token_count = _slot["token_count"].__set__
 _set_tier = _slot["tier"].__set__
 _set_reason = _slot["reason"].__set__
+_set_chain_key = _slot["chain_key"].__set__

@@ -262,3 +262,74 @@ def test_stream_backend_and_event_field_win() -> None:
     assert (ev.event, ev.backend) == ("cache_evicted", "other")
     with pytest.raises(EventError, match="invalid backend"):
         KvEvent.from_json(orjson.dumps(VALID), backend="bad name")
+
+
+# -- chain events (bus.prompt_chain keys) ------------------------------------------------
+
+CHAIN = "cd" * 16
+VALID_CHAIN: dict[str, Any] = {
+    "event": "chain_created",
+    "backend": "vllm-1",
+    "chain_key": CHAIN,
+    "token_count": 4100,
+    "tier": "gpu",
+}
+
+
+@pytest.mark.parametrize(
+    "patch, message",
+    [
+        ({"chain_key": CHAIN + "ab"}, "chain_key"),
+        ({"chain_key": CHAIN.upper()}, "chain_key"),
+        ({"chain_key": HEX}, "chain_key"),  # a prefix key is not a chain key
+        ({"chain_key": None}, "chain_key"),
+        ({"token_count": None}, "needs a token_count"),
+        ({"event": "chain_offloaded", "token_count": None}, "needs a token_count"),
+    ],
+)
+def test_malformed_chain_events_name_the_field(patch: dict[str, Any], message: str) -> None:
+    with pytest.raises(EventError, match=message):
+        KvEvent.from_json(orjson.dumps({**VALID_CHAIN, **patch}))
+
+
+def test_a_chain_event_carries_its_key_and_no_prefix() -> None:
+    ev = KvEvent.from_json(orjson.dumps({**VALID_CHAIN, "prefix_hash": HEX}))
+    assert (ev.event, ev.chain_key, ev.prefix_hash, ev.token_count) == (
+        "chain_created",
+        CHAIN,
+        None,
+        4100,
+    )
+    gone = KvEvent.from_json(
+        orjson.dumps({"event": "chain_evicted", "chain_key": CHAIN}), backend="b"
+    )
+    assert (gone.chain_key, gone.token_count) == (CHAIN, None)
+    # A prefix event ignores a stray chain_key.
+    assert KvEvent.from_json(orjson.dumps({**VALID, "chain_key": CHAIN})).chain_key is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([*sorted(VALID_CHAIN), "reason"]), json_values)
+def test_any_json_in_any_chain_field_is_an_event_or_an_event_error(field: str, value: Any) -> None:
+    try:
+        ev = KvEvent.from_json(orjson.dumps({**VALID_CHAIN, field: value}))
+    except EventError:
+        return
+    if ev.event in ("chain_created", "chain_evicted", "chain_offloaded"):
+        assert ev.chain_key == (value if field == "chain_key" else CHAIN)
+
+
+@given(
+    st.builds(
+        KvEvent,
+        st.sampled_from(["chain_created", "chain_offloaded"]),
+        st.from_regex(r"[A-Za-z0-9_.-]{1,64}", fullmatch=True),
+        st.none(),
+        st.integers(min_value=0, max_value=1 << 39),
+        st.none() | st.sampled_from(["gpu", "storage"]),
+        st.none(),
+        st.from_regex(r"[0-9a-f]{32}", fullmatch=True),
+    )
+)
+def test_chain_json_round_trip_is_exact(ev: KvEvent) -> None:
+    assert KvEvent.from_json(ev.to_json()) == ev
