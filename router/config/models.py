@@ -312,6 +312,61 @@ class EventSourceConfig(_Section):
         return v
 
 
+class ConversationScoringConfig(_Section):
+    """The cost model of conversation-depth routing, in prompt tokens (lowest cost wins).
+
+    ``cost(b) = prompt_tokens - credit(tier) * held_tokens(b)
+               + prefill_load_weight * in_flight_prefill_tokens(b)
+               + active_request_weight * in_flight_requests(b)``
+    """
+
+    gpu_credit: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
+    """Share of the held tokens a backend need not prefill when they are in GPU memory."""
+    storage_credit: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
+    """The same for tokens held only in a slower tier (they must be loaded back)."""
+    prefill_load_weight: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
+    """Cost of one prompt token the backend is still prefilling for requests in flight."""
+    active_request_weight: Annotated[float, Field(ge=0.0, le=1_000_000.0)] = 256.0
+    """Cost, in tokens, of each request the backend has in flight (decode contention)."""
+    bytes_per_token: Annotated[float, Field(ge=0.5, le=64.0)] = 4.0
+    """Estimate of a prompt's tokens from its rendered bytes before any event tells."""
+
+
+class ChatTemplateConfig(_Section):
+    """How one served model renders chat requests: the engine's own chat template."""
+
+    model: str
+    """The served model name (a request's ``model``)."""
+    tokenizer_config: str | None = None
+    """Path to the model's ``tokenizer_config.json``: its ``chat_template`` and the special
+    tokens the template names (``bos_token``, ``eos_token``, ...)."""
+    chat_template: str | None = None
+    """Path to a ``.jinja`` template, used instead of the one in ``tokenizer_config``."""
+    tokenizer: str | None = None
+    """Path to the model's ``tokenizer.json``: its normalizer (NFC for Qwen) is applied to
+    the rendered text, as the engine's tokenizer does before it tokenizes."""
+    lora_adapters: list[str] = Field(default_factory=list)
+    """Served names that are LoRA adapters of this model (their chains get the adapter's
+    root, as the engine's block hashes do)."""
+
+
+class ConversationConfig(_Section):
+    """Conversation-depth routing: the index knows how much of each rendered prompt every
+    backend holds (``bus.prompt_chain`` keys from the listener's ``chain_*`` events)."""
+
+    enabled: bool = False
+    chunk_bytes: Annotated[int, Field(ge=64, le=65_536)] = 1024
+    """Bytes of rendered prompt per key; must equal the listener's ``conversation.chunk_bytes``."""
+    templates: list[ChatTemplateConfig] = Field(default_factory=list)
+    """One per served model; a model without one is routed on its prefix key."""
+    max_entries: Annotated[int, Field(ge=100, le=100_000_000)] = 1_000_000
+    """Chain keys kept in memory (its own bound, apart from the prefix entries')."""
+    predict_ttl_seconds: Annotated[float, Field(ge=0.0, le=3600.0)] = 10.0
+    """How long a routed request's keys count as held by its backend before the engine's
+    events confirm them (0: never predict)."""
+    scoring: ConversationScoringConfig = Field(default_factory=ConversationScoringConfig)
+
+
 class KvCacheIndexConfig(_Section):
     """Tier 4: the index of which backend holds which prefix. Restart-only."""
 
@@ -330,6 +385,7 @@ class KvCacheIndexConfig(_Section):
     """HMAC secret shared with the listener for router-issued cache salts (file wins)."""
     salt_secret_env: str | None = None
     """Environment variable holding that secret."""
+    conversation: ConversationConfig = Field(default_factory=ConversationConfig)
 
 
 class GeminiContextCacheConfig(_Section):
