@@ -1,0 +1,177 @@
+"""A request's key chain: render, normalize, encode, hash (the router's whole pass).
+
+For a chat completion whose model has a template, :meth:`ConversationKeys.chain` renders
+the prompt as the engine does (:mod:`.render`), applies the tokenizer's normalizer,
+encodes it as UTF-8 and computes :func:`bus.prompt_chain.chain_keys` from
+``chain_root(base model, caller's cache_salt, LoRA adapter)``:
+
+* the base model is the template's ``model``; a request for one of its
+  ``lora_adapters`` is rendered with the base model's template and rooted with the
+  adapter's name as ``lora`` (the engine's block hashes separate adapters the same way);
+* the caller's salt is the body's ``cache_salt`` as the client sent it: compute the
+  chain before the router binds its own salt into the body.
+
+No template, or a request that cannot be rendered: no chain (``None``), and the request
+is routed on its prefix key. Failures are counted per (model, reason) and logged once
+per pair with the first detail. The counters are plain ints (one event loop), read by
+:meth:`ConversationKeys.stats`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from bus.prompt_chain import ChainKey, chain_keys, chain_root
+
+from .errors import RenderError, RenderReason
+from .render import render_prompt
+from .template import ChatTemplate, load_chat_template
+
+__all__ = ["ConversationKeys", "RequestChain", "TemplateSpec"]
+
+log = logging.getLogger("continuum.conversation")
+
+
+class TemplateSpec(Protocol):
+    """One ``kv_cache_index.conversation.templates`` entry (``ChatTemplateConfig``)."""
+
+    @property
+    def model(self) -> str: ...
+    @property
+    def tokenizer_config(self) -> str | None: ...
+    @property
+    def chat_template(self) -> str | None: ...
+    @property
+    def tokenizer(self) -> str | None: ...
+    @property
+    def lora_adapters(self) -> list[str]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestChain:
+    """The keys of one request's rendered prompt, and what the scorer needs besides."""
+
+    keys: list[ChainKey]
+    """One per full ``chunk_bytes`` of the prompt, in order (empty for a short prompt)."""
+    prompt_bytes: int
+    """UTF-8 length of the whole normalized prompt (the tail past the last key included):
+    the scorer's estimate of the prompt's tokens is this over ``bytes_per_token``."""
+    model: str
+    """The base model (the template's), the root's model."""
+    lora: str | None
+    """The LoRA adapter the request names, or None."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    base: str
+    lora: str | None
+    template: ChatTemplate
+
+
+class ConversationKeys:
+    """Served model name -> template, and the chain of each request."""
+
+    def __init__(
+        self,
+        templates: Mapping[str, ChatTemplate],
+        *,
+        chunk_bytes: int,
+        lora_adapters: Mapping[str, str] | None = None,
+    ) -> None:
+        """``templates`` by base model name; ``lora_adapters``: adapter name -> base name."""
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        self._chunk = chunk_bytes
+        self._routes: dict[str, _Route] = {m: _Route(m, None, t) for m, t in templates.items()}
+        for adapter, base in (lora_adapters or {}).items():
+            if base not in templates:
+                raise ValueError(f"LoRA adapter {adapter!r}: no template for its model {base!r}")
+            self._routes.setdefault(adapter, _Route(base, adapter, templates[base]))
+        self._rendered: dict[str, int] = {}
+        self._failures: dict[tuple[str, RenderReason], int] = {}
+        self._no_template = 0
+
+    @classmethod
+    def from_specs(cls, specs: Iterable[TemplateSpec], *, chunk_bytes: int) -> ConversationKeys:
+        """Load every configured template (``ConversationConfig.templates``).
+
+        Raises:
+            TemplateLoadError: a file that does not load (``check_config`` reports these
+                with their YAML path before the runtime is built).
+        """
+        templates: dict[str, ChatTemplate] = {}
+        adapters: dict[str, str] = {}
+        for spec in specs:
+            templates[spec.model] = load_chat_template(
+                spec.tokenizer_config, spec.chat_template, spec.tokenizer
+            )
+            adapters.update((a, spec.model) for a in spec.lora_adapters)
+        return cls(templates, chunk_bytes=chunk_bytes, lora_adapters=adapters)
+
+    @property
+    def chunk_bytes(self) -> int:
+        return self._chunk
+
+    def has_template(self, model: str) -> bool:
+        """Whether requests for ``model`` (a base model or an adapter) get chains."""
+        return model in self._routes
+
+    def chain(self, body: Mapping[str, Any], model: str | None = None) -> RequestChain | None:
+        """The chain of the chat completion ``body`` (never mutated), or None.
+
+        ``model`` defaults to the body's ``model``. None when the model has no template or
+        the request cannot be rendered (counted, logged once per model and reason).
+        """
+        if model is None:
+            model = body.get("model")
+            if not isinstance(model, str):
+                return None
+        route = self._routes.get(model)
+        if route is None:
+            self._no_template += 1
+            return None
+        salt = body.get("cache_salt")
+        try:
+            if salt is not None and not isinstance(salt, str):
+                raise RenderError("invalid", "cache_salt is not a string")
+            text = route.template.normalizer(render_prompt(route.template, body))
+            try:
+                data = text.encode()
+            except UnicodeEncodeError:
+                raise RenderError("invalid", "the prompt holds a lone surrogate") from None
+        except RenderError as exc:
+            self._failed(model, exc)
+            return None
+        root = chain_root(route.base, salt, route.lora)
+        self._rendered[model] = self._rendered.get(model, 0) + 1
+        return RequestChain(chain_keys(data, root, self._chunk), len(data), route.base, route.lora)
+
+    def _failed(self, model: str, exc: RenderError) -> None:
+        key = (model, exc.reason)
+        count = self._failures.get(key, 0)
+        self._failures[key] = count + 1
+        if not count:
+            log.warning(
+                "conversation keys: model %r: cannot render a request (%s): %s; such "
+                "requests are routed on their prefix key (logged once per model and reason)",
+                model,
+                exc.reason,
+                exc.detail,
+            )
+
+    def stats(self) -> dict[str, Any]:
+        """Counters for metrics and admin: chains made and failures, per model."""
+        failures: dict[str, dict[str, int]] = {}
+        for (model, reason), n in sorted(self._failures.items()):
+            failures.setdefault(model, {})[reason] = n
+        return {
+            "models": sorted(self._routes),
+            "chunk_bytes": self._chunk,
+            "rendered": dict(sorted(self._rendered.items())),
+            "failures": failures,
+            "no_template": self._no_template,
+        }

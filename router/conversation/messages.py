@@ -1,0 +1,303 @@
+"""A chat completion body to the conversation vLLM hands its chat template.
+
+vLLM does not pass the request's messages to ``apply_chat_template`` as sent: it
+validates them against the OpenAI types and rebuilds each one
+(``vllm/entrypoints/chat_utils.py``: ``_parse_chat_message_content``,
+``_postprocess_messages``), and it assembles the template's keyword arguments from the
+request (``ChatCompletionRequest.build_chat_params``, ``OpenAIServing._preprocess_chat``,
+``ChatParams``). The engine's prompt is rendered from *that*, so the router renders from
+the same thing. The rules, each vLLM's:
+
+Content
+  ``None`` is no parts; a string is one text part. Text parts are the types ``text``,
+  ``input_text``, ``output_text``, ``refusal`` and ``thinking`` (its ``thinking``
+  field), plus bare strings inside the list; a ``text``/``refusal`` part without its
+  text is skipped. For a template of content format "string" the texts are joined with
+  ``"\\n"`` (so ``None`` content becomes ``""``); for "openai" each becomes a new
+  ``{"type": "text", "text": ...}``. A ``tool_reference`` part passes as ``{"type":
+  "tool_reference", "name": ...}`` (its name for "string"). Media parts (``image_url``,
+  ``input_audio``, ``video_url``, embeddings, ``file``, ...) are :class:`RenderError`
+  ``non_text``: their prompt holds model-specific media tokens. A part of an unknown
+  type, or without a type, is ``invalid`` (vLLM answers 400).
+Messages
+  Rebuilt with ``role``, ``content`` and only these keys, in this order: assistant
+  ``tool_calls`` (validated as ``{"id", "function": {"arguments", "name"}, "type"}``:
+  other keys dropped, as pydantic drops them), assistant ``reasoning`` (copied to
+  ``reasoning_content`` too), tool ``tool_call_id``, ``name`` and ``task`` when strings,
+  developer ``tools``. A tool message's content parts that are all text are joined with
+  ``"\\n"`` even for "openai" templates.
+Tool calls
+  Each ``arguments`` string is parsed with ``json.loads`` (to whatever it holds; not JSON:
+  ``{}``); an empty ``tool_calls`` list is dropped.
+Tools
+  Each request tool as pydantic dumps it: ``{"type": "function", "function": {"name",
+  "description" (null when absent), "parameters" (null when absent), ...extra keys},
+  ...extra keys}``.
+Template arguments
+  ``chat_template_kwargs`` from the body, overridden by the request's own
+  ``add_generation_prompt`` (default true), ``continue_final_message`` (default false),
+  ``documents`` and ``reasoning_effort`` when those are set, over the defaults ``tools``
+  (the request's) and ``tokenize``; values ``None`` and ``"auto"`` never override. A
+  request carrying its own ``chat_template`` is ``unsupported`` (vLLM refuses it unless
+  started with ``--trust-request-chat-template``, and then the router cannot know it).
+
+Not covered: Mistral models served with ``--tokenizer-mode mistral`` and gpt-oss
+(Harmony) do not use a jinja template at all (configure no template for them), nor do
+server-side ``--default-chat-template-kwargs`` reach the router.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from .content_format import ContentFormat
+from .errors import RenderError
+from .template import ChatTemplate, CompiledTemplate
+
+__all__ = ["PreparedChat", "prepare_chat", "prepare_tools"]
+
+_TEXT_FIELD = {
+    "text": "text",
+    "input_text": "text",
+    "output_text": "text",
+    "refusal": "refusal",
+    "thinking": "thinking",
+}
+_SKIP_WHEN_MISSING = frozenset(("text", "refusal"))
+_MEDIA_TYPES = frozenset(
+    (
+        "image_url",
+        "input_image",
+        "image_embeds",
+        "audio_embeds",
+        "prompt_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+        "file",
+        "input_file",
+    )
+)
+_MEDIA_KEYS = (
+    "image_url",
+    "image_pil",
+    "image_embeds",
+    "audio_embeds",
+    "prompt_embeds",
+    "audio_url",
+    "input_audio",
+    "video_url",
+)
+_UNSET = (None, "auto")
+
+
+@dataclass(frozen=True, slots=True)
+class PreparedChat:
+    """What ``apply_chat_template`` receives from vLLM for one request."""
+
+    template: CompiledTemplate
+    """The template vLLM picks for this request (``tool_use`` when it has tools)."""
+    conversation: list[dict[str, Any]]
+    tools: list[Any] | None
+    documents: Any
+    add_generation_prompt: bool
+    continue_final_message: bool
+    kwargs: dict[str, Any]
+    """The other template variables (``reasoning_effort``, ``enable_thinking``, ...)."""
+
+
+def _part(part: Any, wrap: bool) -> Any:
+    """One content part as vLLM keeps it: a string, a dict (``wrap``), or None (skipped)."""
+    if isinstance(part, str):
+        return {"type": "text", "text": part} if wrap else part
+    if not isinstance(part, dict):
+        raise RenderError("invalid", f"content part is a {type(part).__name__}, not an object")
+    kind = part.get("type")
+    if kind is None or part.get("uuid") is not None:
+        if any(key in part for key in _MEDIA_KEYS):
+            raise RenderError("non_text", "non-text content (media part)")
+        if "tool_reference" in part:
+            kind = "tool_reference"
+        else:
+            raise RenderError("invalid", "content part without a 'type'")
+    if not isinstance(kind, str):
+        raise RenderError("invalid", "content part 'type' is not a string")
+    if kind in _MEDIA_TYPES:
+        raise RenderError("non_text", f"non-text content ({kind} part)")
+    if kind in _TEXT_FIELD:
+        text = part.get(_TEXT_FIELD[kind])
+        if text is None and kind in _SKIP_WHEN_MISSING:
+            return None
+        if not isinstance(text, str):
+            raise RenderError("invalid", f"{kind} part without a string {_TEXT_FIELD[kind]!r}")
+        return {"type": "text", "text": text} if wrap else text
+    if kind == "tool_reference":
+        name = part.get("name")
+        return {"type": "tool_reference", "name": name} if wrap else name
+    raise RenderError("invalid", f"unsupported content part type {kind!r}")
+
+
+def _content(content: Any, fmt: ContentFormat) -> Any:
+    if content is None:
+        parts: list[Any] = []
+    elif isinstance(content, str):
+        parts = [content]
+    elif isinstance(content, list):
+        parts = content
+    else:
+        raise RenderError("invalid", f"message content is a {type(content).__name__}")
+    wrap = fmt == "openai"
+    out = [p for p in (_part(p, wrap) for p in parts) if p is not None]
+    if wrap:
+        return out
+    if not all(isinstance(p, str) for p in out):
+        raise RenderError("invalid", "tool_reference part without a string name")
+    return "\n".join(out)
+
+
+def _arguments(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return {}
+
+
+def _tool_calls(calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise RenderError("invalid", "tool_calls is not a list")
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or not isinstance(call.get("id"), str)
+            or call.get("type") != "function"
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("arguments"), str)
+        ):
+            raise RenderError(
+                "invalid", "a tool call needs id, type 'function' and function {name, arguments}"
+            )
+        out.append(
+            {
+                "id": call["id"],
+                "function": {"arguments": _arguments(fn["arguments"]), "name": fn["name"]},
+                "type": "function",
+            }
+        )
+    return out
+
+
+def _message(msg: Any, fmt: ContentFormat) -> dict[str, Any]:
+    if not isinstance(msg, dict):
+        raise RenderError("invalid", f"a message is a {type(msg).__name__}, not an object")
+    role = msg.get("role")
+    if not isinstance(role, str):
+        raise RenderError("invalid", "a message without a string 'role'")
+    out: dict[str, Any] = {"role": role, "content": _content(msg.get("content"), fmt)}
+    if role == "assistant":
+        calls = msg.get("tool_calls")
+        if calls is not None:
+            checked = _tool_calls(calls)
+            if checked:
+                out["tool_calls"] = checked
+        reasoning = msg.get("reasoning")
+        if reasoning is not None:
+            if not isinstance(reasoning, str):
+                raise RenderError("invalid", "assistant 'reasoning' is not a string")
+            out["reasoning"] = reasoning
+            out["reasoning_content"] = reasoning
+    elif role == "tool":
+        if "tool_call_id" in msg:
+            out["tool_call_id"] = msg["tool_call_id"]
+        parts = out["content"]
+        if isinstance(parts, list) and all(p.get("type") == "text" for p in parts):
+            out["content"] = "\n".join(p["text"] for p in parts)
+    for key in ("name", "task"):
+        if isinstance(msg.get(key), str):
+            out[key] = msg[key]
+    if role == "developer":
+        out["tools"] = msg.get("tools")
+    return out
+
+
+def prepare_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """The request's ``tools`` as vLLM's pydantic model dumps them."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise RenderError("invalid", "tools is not a list")
+    out = []
+    for tool in tools:
+        fn = tool.get("function") if isinstance(tool, dict) else None
+        if (
+            not isinstance(fn, dict)
+            or tool.get("type", "function") != "function"
+            or not isinstance(fn.get("name"), str)
+            or not isinstance(fn.get("description"), str | None)
+            or not isinstance(fn.get("parameters"), dict | None)
+        ):
+            raise RenderError("invalid", "a tool needs type 'function' and function {name, ...}")
+        function = {
+            "name": fn["name"],
+            "description": fn.get("description"),
+            "parameters": fn.get("parameters"),
+        }
+        function.update((k, v) for k, v in fn.items() if k not in function)
+        dumped: dict[str, Any] = {"type": "function", "function": function}
+        dumped.update((k, v) for k, v in tool.items() if k not in dumped)
+        out.append(dumped)
+    return out
+
+
+def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise RenderError("invalid", f"{name} is not a boolean")
+    return value
+
+
+def prepare_chat(body: Mapping[str, Any], chat_template: ChatTemplate) -> PreparedChat:
+    """vLLM's template, conversation and template arguments for ``body`` (never mutated).
+
+    Raises:
+        RenderError: media parts, a request vLLM rejects, or a request template.
+    """
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise RenderError("invalid", "messages is not a list")
+    if body.get("chat_template") is not None:
+        raise RenderError("unsupported", "the request carries its own chat_template")
+    ctk = body.get("chat_template_kwargs")
+    if ctk is None:
+        ctk = {}
+    elif not isinstance(ctk, dict):
+        raise RenderError("invalid", "chat_template_kwargs is not an object")
+    elif ctk.get("chat_template") is not None:
+        raise RenderError("unsupported", "chat_template_kwargs carries a chat_template")
+    documents = body.get("documents")
+    if documents is not None and not (
+        isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
+    ):
+        raise RenderError("invalid", "documents is not a list of objects")
+    overrides = {
+        "add_generation_prompt": _flag(body, "add_generation_prompt", True),
+        "continue_final_message": _flag(body, "continue_final_message", False),
+        "documents": documents,
+        "reasoning_effort": body.get("reasoning_effort"),
+    }
+    request_kwargs = dict(ctk)
+    request_kwargs.update((k, v) for k, v in overrides.items() if v not in _UNSET)
+    merged: dict[str, Any] = {"tools": prepare_tools(body.get("tools")), "tokenize": False}
+    merged.update((k, v) for k, v in request_kwargs.items() if v not in _UNSET)
+    tools = merged.pop("tools", None)
+    template = chat_template.select(tools is not None)
+    conversation = [_message(m, template.content_format) for m in messages]
+    docs = merged.pop("documents", None)
+    agp = merged.pop("add_generation_prompt")
+    cfm = merged.pop("continue_final_message")
+    return PreparedChat(template, conversation, tools, docs, bool(agp), bool(cfm), merged)

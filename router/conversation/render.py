@@ -1,0 +1,162 @@
+"""Render a request's prompt exactly as the engine does: vLLM's preparation, then
+``transformers``' ``apply_chat_template(tokenize=False)``.
+
+On top of :func:`.messages.prepare_chat` (vLLM's part), ``transformers``
+(``tokenization_utils_base.apply_chat_template`` and ``chat_template_utils.
+render_jinja_template``, version 5) does, in this order:
+
+* an empty conversation is an error; keys whose value is ``None`` are dropped from each
+  message (``content: null``, ``tool_call_id: null``, a developer's absent ``tools``);
+* every tool and every document must be an object;
+* a message with reasoning under ``reasoning_content``, ``thinking`` or ``reasoning``
+  gets it under all of ``thinking`` (first) and ``reasoning_content`` (last);
+* ``continue_final_message`` (incompatible with ``add_generation_prompt``) tags the last
+  message's content (its last text part for a list), renders, and cuts the prompt at
+  the tag (before any whitespace the template trimmed after it);
+* the template sees ``messages``, ``tools`` and ``documents`` (``None`` when absent),
+  ``add_generation_prompt``, the tokenizer's named special tokens and the other keyword
+  arguments, which win over a special token of the same name.
+
+Keyword arguments that ``apply_chat_template`` consumes itself never reach the template
+(``tokenize``, ``return_dict``, ``padding``, ...); ``messages`` or ``conversation`` among
+them is a conflict vLLM answers with 400, so ``invalid`` here.
+
+Every failure is a :class:`RenderError`; nothing else escapes :func:`render_prompt`
+(``asyncio.CancelledError`` is not an ``Exception`` and still propagates).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jinja2
+
+from .errors import RenderError
+from .messages import prepare_chat
+from .template import ChatTemplate
+
+__all__ = ["render_prompt"]
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+_CONSUMED = frozenset(
+    (
+        "tokenize",
+        "chat_template",
+        "return_dict",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "tokenizer_kwargs",
+    )
+)
+_REFUSED = ("return_assistant_tokens_mask", "sanitize_control_tokens")
+_CONFLICTS = ("messages", "conversation")
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
+    for field in _REASONING_FIELDS:
+        reasoning = message.get(field)
+        if reasoning is not None:
+            return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    return message
+
+
+def _tag_final(chat: list[dict[str, Any]], source: str) -> str:
+    """Tag the last message for ``continue_final_message``; returns the text tagged."""
+    last = chat[-1]
+    final = last.get("content")
+    if final is None:
+        raise RenderError("invalid", "continue_final_message: the last message has no content")
+    if "content" not in source:
+        raise RenderError("invalid", "continue_final_message: the template reads no content")
+    if isinstance(final, list):
+        blocks = list(final)
+        for i in range(len(blocks) - 1, -1, -1):
+            block = blocks[i]
+            if isinstance(block, dict) and "text" in block:
+                text = block["text"]
+                blocks[i] = {**block, "text": text + _CONTINUE_TAG}
+                chat[-1] = {**last, "content": blocks}
+                return str(text)
+        raise RenderError("invalid", "continue_final_message: no text to continue")
+    if not isinstance(final, str):
+        raise RenderError("invalid", "continue_final_message: content is not text")
+    chat[-1] = {**last, "content": final + _CONTINUE_TAG}
+    return final
+
+
+def _cut_at_tag(rendered: str, final: str) -> str:
+    tag = _CONTINUE_TAG.strip()
+    if final.strip() not in rendered or tag not in rendered:
+        raise RenderError(
+            "template", "continue_final_message: the template drops part of the last message"
+        )
+    at = rendered.rindex(tag)
+    if rendered[at : at + len(_CONTINUE_TAG)] == _CONTINUE_TAG:
+        return rendered[:at]
+    return rendered[:at].rstrip()
+
+
+def render_prompt(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
+    """The prompt text the engine renders for the chat completion ``body``.
+
+    Raises:
+        RenderError: the request cannot be rendered (see :mod:`.errors` for the reasons).
+    """
+    try:
+        return _render(chat_template, body)
+    except RenderError:
+        raise
+    except jinja2.TemplateError as exc:
+        if type(exc) is jinja2.TemplateError:  # the template's own raise_exception
+            raise RenderError("template", str(exc.message)) from None
+        raise RenderError("error", f"{type(exc).__name__}: {exc.message}") from None
+    except Exception as exc:
+        raise RenderError("error", f"{type(exc).__name__}: {exc}") from None
+
+
+def _render(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
+    prepared = prepare_chat(body, chat_template)
+    if not prepared.conversation:
+        raise RenderError("invalid", "empty conversation")
+    if prepared.continue_final_message and prepared.add_generation_prompt:
+        raise RenderError(
+            "invalid", "continue_final_message and add_generation_prompt are exclusive"
+        )
+    kwargs = prepared.kwargs
+    for name in _CONFLICTS:
+        if name in kwargs:
+            raise RenderError("invalid", f"chat_template_kwargs may not set {name!r}")
+    for name in _REFUSED:
+        if kwargs.get(name):
+            raise RenderError("invalid", f"chat_template_kwargs.{name} needs tokenization")
+    variables: dict[str, Any] = dict(chat_template.special_tokens)
+    variables.update((k, v) for k, v in kwargs.items() if k not in _CONSUMED and k not in _REFUSED)
+    tools = prepared.tools
+    if tools is not None and not all(isinstance(t, dict) for t in tools):
+        raise RenderError("invalid", "a tool is not an object")
+    documents = prepared.documents
+    if documents is not None and not (
+        isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
+    ):
+        raise RenderError("invalid", "documents is not a list of objects")
+    chat = [
+        _alias_reasoning({k: v for k, v in m.items() if v is not None})
+        for m in prepared.conversation
+    ]
+    final = None
+    if prepared.continue_final_message:
+        final = _tag_final(chat, prepared.template.source)
+    rendered = prepared.template.template.render(
+        messages=chat,
+        tools=tools,
+        documents=documents,
+        add_generation_prompt=prepared.add_generation_prompt,
+        **variables,
+    )
+    if final is not None:
+        rendered = _cut_at_tag(rendered, final)
+    return rendered
