@@ -14,6 +14,7 @@ from typing import Any
 from bus.config import ConfigError, ConfigIssue, duplicate_names, parse_validated, read_yaml
 from bus.config import log_warnings as _log_warnings
 
+from ..conversation import TemplateLoadError, load_chat_template
 from .models import RouterConfig
 
 __all__ = [
@@ -181,6 +182,7 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
                 )
             )
     issues.extend(_event_bus_issues(cfg))
+    issues.extend(_conversation_issues(cfg))
     if not any(b.enabled and not b.internal for b in cfg.backends):
         issues.append(
             ConfigIssue("warning", "backends", "no enabled backend: every request will get 503")
@@ -305,6 +307,68 @@ def _event_bus_issues(cfg: RouterConfig) -> list[ConfigIssue]:
                     "no listener may announce it",
                 )
             )
+    return issues
+
+
+_ENGINE_TYPES = ("vllm", "sglang", "trtllm")
+
+
+def _conversation_issues(cfg: RouterConfig) -> list[ConfigIssue]:
+    """``kv_cache_index.conversation``: every template file loads (checked whether or not
+    the mode is on, so turning it on cannot fail at start); served names are unique; with
+    the mode on, an engine backend's model without a template is routed on prefix keys
+    only (a warning)."""
+    conv = cfg.kv_cache_index.conversation
+    path = "kv_cache_index.conversation"
+    issues: list[ConfigIssue] = []
+    served: dict[str, str] = {}
+    for i, spec in enumerate(conv.templates):
+        where = f"{path}.templates[{i}]"
+        try:
+            load_chat_template(spec.tokenizer_config, spec.chat_template, spec.tokenizer)
+        except TemplateLoadError as exc:
+            issues.append(ConfigIssue("error", f"{where}.{exc.field}", exc.message))
+        for j, name in enumerate([spec.model, *spec.lora_adapters]):
+            field = f"{where}.model" if j == 0 else f"{where}.lora_adapters[{j - 1}]"
+            if name in served:
+                issues.append(
+                    ConfigIssue("error", field, f"{name!r} already has a template ({served[name]})")
+                )
+            else:
+                served[name] = field
+        if conv.enabled and spec.tokenizer is None:
+            issues.append(
+                ConfigIssue(
+                    "warning",
+                    f"{where}.tokenizer",
+                    "no tokenizer.json: its normalizer is not applied, so prompts the "
+                    "engine's tokenizer would normalize (Qwen's: NFC) get keys no backend holds",
+                )
+            )
+    if not conv.enabled:
+        return issues
+    if not conv.templates:
+        issues.append(
+            ConfigIssue(
+                "warning",
+                f"{path}.templates",
+                "conversation mode is on but no model has a template: every request is "
+                "routed on its prefix key",
+            )
+        )
+    for i, b in enumerate(cfg.backends):
+        if not b.enabled or b.internal or b.type not in _ENGINE_TYPES:
+            continue
+        for j, model in enumerate(b.models):
+            if model not in served:
+                issues.append(
+                    ConfigIssue(
+                        "warning",
+                        f"backends[{i}].models[{j}]",
+                        f"{path} is on but {model!r} has no chat template in "
+                        f"{path}.templates: its requests are routed on the prefix key only",
+                    )
+                )
     return issues
 
 
