@@ -142,6 +142,8 @@ def _part(part: Any, wrap: bool) -> Any:
 
 
 def _content(content: Any, fmt: ContentFormat) -> Any:
+    if type(content) is str:  # the common case, without the part machinery
+        return content if fmt == "string" else [{"type": "text", "text": content}]
     if content is None:
         parts: list[Any] = []
     elif isinstance(content, str):
