@@ -22,7 +22,9 @@ checks (every ``message.role``, ``content.startswith``, ``loop.last``), so the
 environment answers two cases faster, with the same results:
 
 * ``obj.name`` on a plain ``dict`` for a name that is not a ``dict`` attribute: jinja
-  tries ``getattr`` (which can only raise) then ``obj[name]``; this goes to ``obj[name]``;
+  tries ``getattr`` (which can only raise) then ``obj[name]``; this goes to ``obj[name]``,
+  inline in the compiled template when the key is there (``message.role`` compiles to
+  ``v["role"] if type(v) is dict and "role" in v else environment.getattr(v, "role")``);
 * whether an attribute is safe depends only on the object's type and the attribute's
   name (jinja's checks are ``isinstance`` and name tests), so the answer is memoized per
   (type, name), up to a bound, and an attribute known safe is returned directly
@@ -40,6 +42,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
+from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 __all__ = ["chat_environment"]
@@ -118,8 +121,24 @@ _FORMAT_METHODS = frozenset(("format", "format_map"))  # jinja wraps these: neve
 _MAX_SAFETY_ENTRIES = 4096
 
 
+class _ChatCodeGenerator(CodeGenerator):
+    """Compiles ``x.name`` with an inline dict lookup first (see the module header)."""
+
+    @optimizeconst
+    def visit_Getattr(self, node: jinja2.nodes.Getattr, frame: Frame) -> None:
+        attr = node.attr
+        if self.environment.is_async or attr in _DICT_ATTRIBUTES:
+            super().visit_Getattr(node, frame)
+            return
+        self.write(f"(_cv_[{attr!r}] if (type(_cv_ := ")
+        self.visit(node.node, frame)
+        self.write(f") is dict and {attr!r} in _cv_) else environment.getattr(_cv_, {attr!r}))")
+
+
 class _ChatSandbox(ImmutableSandboxedEnvironment):
     """jinja's immutable sandbox with memoized safety checks (see the module header)."""
+
+    code_generator_class = _ChatCodeGenerator
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
