@@ -28,13 +28,14 @@ import importlib.util
 import json
 import sys
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import orjson
 
 from bus.prefix_key import extract_prefix_key
-from bus.prompt_chain import chain_keys, chain_root
+from bus.prompt_chain import ChainKey, chain_keys, chain_root
 from router.conversation import ConversationKeys, load_chat_template, render_prompt
 
 from ._table import fmt_float, median, paired_ratio, render_table, time_interleaved, verdict
@@ -130,6 +131,10 @@ def conversation(target_tokens: int, count: Callable[[dict[str, Any]], int]) -> 
     return body
 
 
+def _encode_and_key(text: str, root: ChainKey) -> list[ChainKey]:
+    return chain_keys(text.encode(), root, 1024)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.render_bench", description=__doc__)
     p.add_argument("--loops", type=int, default=200, help="calls per repeat")
@@ -161,12 +166,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         tokens = count(body)
         assert keys.chain(body) is not None
         cases: list[tuple[str, Callable[[], Any]]] = [
-            ("orjson.loads(body)", lambda raw=raw: orjson.loads(raw)),
-            ("extract_prefix_key", lambda b=body: extract_prefix_key(b)),
-            ("render_prompt", lambda b=body: render_prompt(template, b)),
-            ("normalize (NFC fast path)", lambda t=text: template.normalizer(t)),
-            ("encode + chain_keys", lambda t=text, r=root: chain_keys(t.encode(), r, 1024)),
-            ("chain() (all of it)", lambda b=body: keys.chain(b)),
+            ("orjson.loads(body)", partial(orjson.loads, raw)),
+            ("extract_prefix_key", partial(extract_prefix_key, body)),
+            ("render_prompt", partial(render_prompt, template, body)),
+            ("normalize (NFC fast path)", partial(template.normalizer, text)),
+            ("encode + chain_keys", partial(_encode_and_key, text, root)),
+            ("chain() (all of it)", partial(keys.chain, body)),
         ]
         timings = time_interleaved(
             [fn for _, fn in cases], loops=args.loops, repeats=args.repeats, warmup=20
