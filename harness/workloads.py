@@ -43,6 +43,8 @@ __all__ = [
     "Turn",
     "Workload",
     "agent_tool_loops",
+    "paragraph",
+    "question",
     "replay_session",
     "run_workload",
     "shared_prompt_chat",
@@ -115,22 +117,25 @@ class Record:
     seconds: float = 0.0
 
 
-def _sentence(rng: random.Random, words: int) -> str:
+def sentence(rng: random.Random, words: int) -> str:
+    """A deterministic English-like sentence (about one Qwen token per word)."""
     picked = [rng.choice(_WORDS) for _ in range(words)]
     return " ".join(picked).capitalize() + "."
 
 
-def _paragraph(rng: random.Random, words: int) -> str:
+def paragraph(rng: random.Random, words: int) -> str:
+    """Sentences of 8 to 16 words, ``words`` in all."""
     out: list[str] = []
     while words > 0:
         n = min(words, rng.randint(8, 16))
-        out.append(_sentence(rng, n))
+        out.append(sentence(rng, n))
         words -= n
     return " ".join(out)
 
 
-def _question(rng: random.Random, words: int) -> str:
-    return f"Please {rng.choice(_VERBS)} this: {_paragraph(rng, words)}"
+def question(rng: random.Random, words: int) -> str:
+    """A user request of about ``words`` words."""
+    return f"Please {rng.choice(_VERBS)} this: {paragraph(rng, words)}"
 
 
 def shared_prompt_chat(
@@ -150,7 +155,7 @@ def shared_prompt_chat(
     rng = random.Random(seed)
     systems = [
         f"You are assistant {p} of product line {rng.randrange(10_000)}. "
-        + _paragraph(rng, system_words)
+        + paragraph(rng, system_words)
         for p in range(prompts)
     ]
     sessions = []
@@ -158,7 +163,7 @@ def shared_prompt_chat(
         weight = popularity[p] if p < len(popularity) else 1
         for s in range(sessions_per_prompt * weight):
             ts = tuple(
-                Turn(user=_question(rng, user_words), max_tokens=max_tokens) for _ in range(turns)
+                Turn(user=question(rng, user_words), max_tokens=max_tokens) for _ in range(turns)
             )
             sessions.append(Session(f"chat-p{p}-s{s}", f"prompt-{p}", system, ts))
     rng.shuffle(sessions)
@@ -173,14 +178,14 @@ def shared_prompt_chat(
 
 def _tool(rng: random.Random, suite: int, i: int, words: int) -> dict[str, Any]:
     props = {
-        f"{rng.choice(_WORDS)}_{k}": {"type": "string", "description": _sentence(rng, 10)}
+        f"{rng.choice(_WORDS)}_{k}": {"type": "string", "description": sentence(rng, 10)}
         for k in range(4)
     }
     return {
         "type": "function",
         "function": {
             "name": f"suite{suite}_{rng.choice(_VERBS)}_{rng.choice(_WORDS)}_{i}",
-            "description": _paragraph(rng, words),
+            "description": paragraph(rng, words),
             "parameters": {"type": "object", "properties": props, "required": list(props)[:1]},
         },
     }
@@ -202,19 +207,19 @@ def agent_tool_loops(
     rng = random.Random(seed)
     kits = []
     for k in range(suites):
-        system = f"You are agent {k}. Work step by step and call tools. " + _paragraph(rng, 120)
+        system = f"You are agent {k}. Work step by step and call tools. " + paragraph(rng, 120)
         tools = tuple(_tool(rng, k, i, tool_words) for i in range(tools_per_suite))
         kits.append((system, tools))
     sessions = []
     for k, (system, tools) in enumerate(kits):
         for s in range(sessions_per_suite):
-            ts = [Turn(user=_question(rng, 50), tool_choice="required", max_tokens=max_tokens)]
+            ts = [Turn(user=question(rng, 50), tool_choice="required", max_tokens=max_tokens)]
             for step in range(1, steps):
                 last = step == steps - 1
                 ts.append(
                     Turn(
                         tool_result=json.dumps(
-                            {"step": step, "result": _paragraph(rng, result_words)}
+                            {"step": step, "result": paragraph(rng, result_words)}
                         ),
                         tool_choice="auto" if last else "required",
                         max_tokens=max_tokens,
@@ -242,9 +247,9 @@ def unique_prompt_chat(
     rng = random.Random(seed)
     out = []
     for s in range(sessions):
-        system = f"You are the private assistant of customer {s}. " + _paragraph(rng, system_words)
+        system = f"You are the private assistant of customer {s}. " + paragraph(rng, system_words)
         ts = tuple(
-            Turn(user=_question(rng, user_words), max_tokens=max_tokens) for _ in range(turns)
+            Turn(user=question(rng, user_words), max_tokens=max_tokens) for _ in range(turns)
         )
         out.append(Session(f"own-s{s}", f"own-s{s}", system, ts))
     return Workload(
