@@ -158,7 +158,7 @@ def setups(args: argparse.Namespace) -> dict[str, Setup]:
                 result_words=300,
                 seed=seed + 1,
             ),
-            2000,
+            1300,
             24,
         ),
         "c": Setup(unique_prompt_chat(sessions=32 if q else 48, turns=4, seed=seed + 2), 1000, 32),
