@@ -40,6 +40,20 @@ from typing import Any
 import aiohttp
 import yaml
 
+from bench._fleet import (
+    MODEL,
+    ListenerProcess,
+    PushMode,
+    RouterProcess,
+    kv_consumers_connected,
+    listener_cleared,
+    listener_config,
+    listener_connected,
+    listener_conversation,
+    router_config,
+    router_conversation,
+    routes_conversation,
+)
 from bench._plot import bar_chart_svg
 from bus.events import KvEvent
 from bus.sse import SseParser
@@ -48,17 +62,18 @@ from harness.sim.fleet import SimFleet
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_CONFIG = ROOT / "deploy" / "demo.yaml"
-MODEL = "demo-model"
-# (label, selection_strategy, KV index on): the KV rows route with Tier 4, fed by the
-# listener from the engines' real KV events, ahead of the strategy.
-STRATEGIES: tuple[tuple[str, str, bool], ...] = (
-    ("RoundRobin", "RoundRobin", False),
-    ("LeastLatency", "LeastLatency", False),
-    ("Random", "Random", False),
-    ("ConsistentHash", "ConsistentHash", False),
-    ("PrefixAwareHash", "PrefixAwareHash", False),
-    ("RoundRobin+KV", "RoundRobin", True),
-    ("PrefixAware+KV", "PrefixAwareHash", True),
+# (label, selection_strategy, index): "kv" rows route with Tier 4, fed by the listener
+# from the engines' real KV events, ahead of the strategy; the "conv" row with the
+# conversation-depth index as well (shown when the listener and router support it).
+STRATEGIES: tuple[tuple[str, str, str], ...] = (
+    ("RoundRobin", "RoundRobin", ""),
+    ("LeastLatency", "LeastLatency", ""),
+    ("Random", "Random", ""),
+    ("ConsistentHash", "ConsistentHash", ""),
+    ("PrefixAwareHash", "PrefixAwareHash", ""),
+    ("RoundRobin+KV", "RoundRobin", "kv"),
+    ("PrefixAware+KV", "PrefixAwareHash", "kv"),
+    ("PrefixAware+Conv", "PrefixAwareHash", "conv"),
 )
 
 _TOPICS = (
@@ -110,116 +125,6 @@ def workload(tenants: list[Tenant], sessions: int, turns: int, seed: int) -> lis
         if cursors[i] == len(convs[i]):
             live.remove(i)
     return order
-
-
-def RouterProcess(config: dict[str, Any], workdir: Path) -> Service:
-    # Logs go to this terminal (log=None), at WARNING: what goes wrong shows as it happens.
-    return Service(
-        "router",
-        ["router", "--log-level", "WARNING", "serve"],
-        config,
-        workdir / "router.yaml",
-        log=None,
-        ready_timeout=30,
-    )
-
-
-def ListenerProcess(config: dict[str, Any], workdir: Path) -> Service:
-    # ERROR, not WARNING: the listener starts before the first router, and between two runs
-    # no router serves the bus, so its reconnect warnings are expected here.
-    return Service(
-        "listener",
-        ["listener", "--log-level", "ERROR"],
-        config,
-        workdir / "listener.yaml",
-        log=None,
-        ready_timeout=30,
-    )
-
-
-@dataclass(frozen=True)
-class PushMode:
-    """The event bus every router of the demo serves on one port, and the listener dials."""
-
-    bus_port: int
-    pki: dict[str, Any]
-    client_id: str = "demo-listener"
-
-    @classmethod
-    def make(cls, workdir: Path) -> PushMode:
-        from certs import dev_bundle
-
-        return cls(free_port(), dev_bundle(workdir / "pki", clients=["demo-listener"]))
-
-    def router_section(self, names: list[str]) -> dict[str, Any]:
-        return {
-            "enabled": True,
-            "listen": f"127.0.0.1:{self.bus_port}",
-            "tls": {
-                "cert": str(self.pki["server"].cert),
-                "key": str(self.pki["server"].key),
-                "client_ca": str(self.pki["ca"].cert),  # mTLS: client certificates required
-            },
-            "brokers": [{"id": self.client_id, "role": "kv_listener", "backends": names}],
-        }
-
-    def listener_section(self) -> dict[str, Any]:
-        cert = self.pki[self.client_id]
-        return {
-            "url": f"https://localhost:{self.bus_port}",
-            "ca_file": str(self.pki["ca"].cert),
-            "client_id": self.client_id,
-            "client_cert_file": str(cert.cert),
-            "client_key_file": str(cert.key),
-            "reconnect_backoff": "100ms",
-        }
-
-
-def listener_config(
-    fleet: SimFleet, zmq_ports: list[int], push: PushMode | None = None
-) -> dict[str, Any]:
-    """One source per engine: SUB connects to the engine's bound PUB (vLLM's default)."""
-    return {
-        **({"event_bus": push.listener_section()} if push is not None else {}),
-        "listen": "127.0.0.1:0",
-        "sources": [
-            {
-                "backend_name": name,
-                "engine": "vllm",
-                "zmq_endpoint": f"tcp://127.0.0.1:{port}",
-                "zmq_mode": "connect",
-                "allowed_publishers": ["127.0.0.1"],
-                "detokenize_endpoint": f"{url}/detokenize",
-                "model": MODEL,
-                "chat_template": "chatml",
-            }
-            for name, url, port in zip(fleet.names, fleet.urls, zmq_ports, strict=True)
-        ],
-    }
-
-
-async def listener_connected(listener: Service, fleet: SimFleet) -> None:
-    """Send each engine a request until the listener has a frame from every engine.
-
-    ZMQ's slow joiner: what an engine publishes before the SUB is connected is lost.
-    """
-    async with aiohttp.ClientSession() as session:
-        for attempt in range(200):
-            async with session.get(listener.url + "/stats") as resp:
-                sources = (await resp.json())["sources"]
-            waiting = [n for n in fleet.names if sources[n]["frames"] == 0]
-            if not waiting:
-                return
-            for i, name in enumerate(fleet.names):
-                if name in waiting:
-                    body = {
-                        "model": MODEL,
-                        "messages": [{"role": "user", "content": f"warm-up {attempt} " * 40}],
-                    }
-                    async with session.post(fleet.urls[i] + "/v1/chat/completions", json=body):
-                        pass
-            await asyncio.sleep(0.05)
-    raise RuntimeError("the listener received nothing from the engines")
 
 
 async def listener_view(listener: Service, names: list[str]) -> dict[str, set[str]]:
@@ -279,49 +184,6 @@ async def overflow_rate(url: str) -> str:
     )
 
 
-def router_config(
-    base: dict[str, Any],
-    fleet: SimFleet,
-    strategy: str,
-    port: int,
-    listener_url: str | None = None,
-    push: PushMode | None = None,
-) -> dict:
-    cfg = dict(base)
-    cfg["server"] = {**base.get("server", {}), "listen": f"127.0.0.1:{port}"}
-    cfg["selection_strategy"] = strategy
-    cfg["backends"] = [
-        {"name": name, "url": url, "type": "vllm", "models": [MODEL]}
-        for name, url in zip(fleet.names, fleet.urls, strict=True)
-    ]
-    if push is not None:
-        # Every router serves the bus (so the listener stays connected between runs).
-        cfg["dynamo"] = {"event_bus": push.router_section(list(fleet.names))}
-    if listener_url is not None:
-        cfg["kv_cache_index"] = {
-            "enabled": True,
-            "event_sources": [
-                {"backend_name": n, "transport": "event_bus", "reconnect_interval_ms": 100}
-                if push is not None
-                else {"backend_name": n, "endpoint": f"{listener_url}/events/{n}"}
-                for n in fleet.names
-            ],
-        }
-    return cfg
-
-
-async def kv_consumers_connected(router: Service, names: list[str]) -> None:
-    """Wait until the router's event consumers are attached to the listener's streams."""
-    async with aiohttp.ClientSession() as session:
-        for _ in range(200):
-            async with session.get(router.url + "/admin/kv-index/backends") as resp:
-                backends = (await resp.json())["backends"]
-            if len(backends) == len(names) and all(b["connection"]["connected"] for b in backends):
-                return
-            await asyncio.sleep(0.05)
-    raise RuntimeError("the router did not connect to the listener's event streams")
-
-
 async def kv_split(router: Service) -> str:
     async with aiohttp.ClientSession() as session:
         async with session.get(router.url + "/admin/kv-index/stats") as resp:
@@ -368,18 +230,36 @@ async def main(args: argparse.Namespace) -> int:
                 else "pull (SSE GET /events/{backend})\n"
             )
         )
+        # Conversation-depth routing where this tree's listener and router support it.
+        conv_listener = listener_config(fleet, zmq_ports, push, conversation=True)
+        why_not = await listener_conversation(conv_listener)
+        probe = router_config(base, fleet, "PrefixAwareHash", 0, "http://127.0.0.1:1", push, True)
+        why_not_router = await router_conversation(probe)
         listener = await stack.enter_async_context(
-            ListenerProcess(listener_config(fleet, zmq_ports, push), Path(tmp))
+            ListenerProcess(
+                conv_listener if why_not is None else listener_config(fleet, zmq_ports, push),
+                Path(tmp),
+            )
         )
+        why_not = why_not or why_not_router
         await listener_connected(listener, fleet)
-        for label, strategy, kv in STRATEGIES:
-            await fleet.reset()
+        for label, strategy, index in STRATEGIES:
             print(f"  {label:<16} ", end="", flush=True)
-            cfg = router_config(base, fleet, strategy, 0, listener.url if kv else None, push)
+            if index == "conv" and why_not is not None:
+                print(f"not available ({why_not})")
+                continue
+            await fleet.reset()
+            await listener_cleared(listener, fleet.names)
+            cfg = router_config(
+                base, fleet, strategy, 0, listener.url if index else None, push, index == "conv"
+            )
             t0 = time.perf_counter()
             async with RouterProcess(cfg, Path(tmp)) as router:
-                if kv:
+                if index:
                     await kv_consumers_connected(router, fleet.names)
+                if index == "conv" and (reason := await routes_conversation(router)) is not None:
+                    print(f"not available ({reason})")
+                    continue
                 dist = await drive(router.url, requests, args.concurrency)
                 overflow = await overflow_rate(router.url)
                 split = await kv_split(router)

@@ -46,8 +46,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capacity-blocks", type=int, default=4096)
     p.add_argument("--prefill-us-per-token", type=float, default=50.0)
     p.add_argument("--prefill-overhead-us", type=float, default=1000.0)
+    p.add_argument(
+        "--decode-us-per-token", type=float, default=0.0, help="modelled decode (with --latency)"
+    )
     p.add_argument("--max-words", type=int, default=64, help="cap on generated words")
-    p.add_argument("--latency", action="store_true", help="really sleep the modelled prefill time")
+    p.add_argument(
+        "--latency", action="store_true", help="really sleep the modelled prefill/decode time"
+    )
     p.add_argument(
         "--trivial", action="store_true", help="fixed chat answer, no cache (proxy benchmarks)"
     )
@@ -68,9 +73,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         choices=TOKENIZERS,
         default="simple",
-        help="simple: fast crc32 words, lossy /detokenize; qwen2: real BPE + ChatML template",
+        help="simple: fast crc32 words, lossy /detokenize; qwen2: real BPE + its chat template",
     )
     g.add_argument("--tokenizer-file", help="a tokenizer.json instead of the bundled Qwen2 one")
+    g.add_argument(
+        "--tokenizer-config",
+        help="the tokenizer_config.json with the chat template (default: beside the tokenizer)",
+    )
+    g.add_argument(
+        "--cache-output",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="cache the generated tokens' blocks too (default: on with qwen2, off with simple)",
+    )
     g.add_argument(
         "--detokenize-format",
         choices=("vllm", "sglang"),
@@ -126,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         capacity_blocks=args.capacity_blocks,
         prefill_us_per_token=args.prefill_us_per_token,
         prefill_overhead_us=args.prefill_overhead_us,
+        decode_us_per_token=args.decode_us_per_token,
         latency=args.latency,
         trivial=args.trivial,
         unhealthy=args.unhealthy,
@@ -133,6 +149,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         max_words=args.max_words,
         tokenizer=args.tokenizer,
         tokenizer_file=args.tokenizer_file,
+        tokenizer_config=args.tokenizer_config,
+        cache_output=args.cache_output,
         detokenize_format=args.detokenize_format,
         kv_events=args.kv_events,
         kv_events_topic=args.kv_events_topic,

@@ -7,11 +7,23 @@ request without restarting anything.
 
 Output is deterministic: ``"[<name>] echo: <first 40 chars of the last user message>"``,
 padded with filler words up to ``max_tokens`` (capped at ``max_words``). One word is one
-completion token and one streamed chunk, so usage numbers and stream lengths agree.
+completion token and one streamed chunk, so usage numbers and stream lengths agree. A
+request with ``tools`` and ``tool_choice`` ``"required"`` (or a named function) is answered
+with one tool call instead (``finish_reason: "tool_calls"``): the named function, or one of
+the tools picked by a hash of the last message, with ``{"query": <its first 40 chars>}``.
+
+The prefix cache sees the prompt's tokens at prefill and the answer's as decode fills its
+blocks (on by default with ``qwen2``: the answer as the template renders it in the next
+turn's history, so a conversation's next turn hits it; ``--cache-output`` /
+``--no-cache-output`` override). ``usage.prompt_tokens_details.cached_tokens`` (also in the
+last chunk of a stream with ``stream_options.include_usage``) is the prefill's cache hit.
+With ``latency``, prefill sleeps its modelled time and decode ``decode_us_per_token`` per
+generated token.
 
 Engine-side features for the KV-event listener (all off by default):
 
-* ``tokenizer="qwen2"``: real Qwen2 BPE + ChatML prompts (:mod:`harness.sim.tokenizer`);
+* ``tokenizer="qwen2"``: real Qwen2 BPE, prompts rendered by the model's own chat template
+  through jinja2 as vLLM does (:mod:`harness.sim.tokenizer`, :mod:`harness.sim.chat_template`);
   ``POST /detokenize`` and ``/v1/detokenize`` answer vLLM's ``{"prompt": text}`` (or
   SGLang's ``{"text": ...}`` with ``detokenize_format="sglang"``) with either tokenizer.
 * ``cache_salt`` (OpenAI body field, as vLLM; honoured on /v1/messages too): folded into the
@@ -28,15 +40,18 @@ import asyncio
 import base64
 import hashlib
 import itertools
+import json
 import os
 import struct
 import time
+import zlib
 from array import array
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from .chat_template import ChatTemplateError, anthropic_to_openai
 from .httpserver import (
     JSONDecodeError,
     Request,
@@ -48,7 +63,7 @@ from .httpserver import (
 )
 from .kv_events import KvEventPublisher, TrtllmQueue, ZmqPublisher, offset_endpoint
 from .kv_wire import get_format
-from .prefix_cache import KVEventCallback, PrefixCache, StoredBlock
+from .prefix_cache import BlockSequence, KVEventCallback, PrefixCache, StoredBlock
 from .prompt import content_text
 from .prompt import render_anthropic_prompt as render_anthropic_prompt  # re-export
 from .prompt import render_chat_prompt as render_chat_prompt  # re-export
@@ -101,7 +116,9 @@ class SimConfig:
     capacity_blocks: int = 4096
     prefill_us_per_token: float = 50.0
     prefill_overhead_us: float = 1000.0
-    #: Actually sleep the modelled prefill time (off: benchmarks should measure the router).
+    #: Modelled decode time per generated token (slept only with ``latency``).
+    decode_us_per_token: float = 0.0
+    #: Actually sleep the modelled prefill/decode time (off: benchmarks measure the router).
     latency: bool = False
     #: Fixed chat answer without touching the cache: the "trivial backend" for proxy benches.
     trivial: bool = False
@@ -109,10 +126,15 @@ class SimConfig:
     #: 404 for models not in ``models`` (vLLM behaviour); off by default so tests can use any.
     strict_models: bool = False
     max_words: int = 64
-    #: ``simple`` (fast crc32 words, the sim's own prompt layout) or ``qwen2`` (BPE + ChatML).
+    #: ``simple`` (fast crc32 words, the sim's own prompt layout) or ``qwen2`` (BPE and the
+    #: model's chat template).
     tokenizer: str = "simple"
     #: A ``tokenizer.json`` to use instead of the bundled Qwen2 one (``qwen2`` only).
     tokenizer_file: str | None = None
+    #: The ``tokenizer_config.json`` with the chat template (default: beside the tokenizer).
+    tokenizer_config: str | None = None
+    #: Cache the blocks of generated tokens too (None: on with ``qwen2``, off with ``simple``).
+    cache_output: bool | None = None
     #: ``/detokenize`` answer shape: ``vllm`` (``{"prompt"}``) or ``sglang`` (``{"text"}``).
     detokenize_format: str = "vllm"
     #: ZMQ PUB endpoint for KV events (None: off); bind/connect as the engines decide.
@@ -228,6 +250,97 @@ class _Answer:
 
 
 @dataclass
+class _Reply:
+    """The answer as the response carries it (``message``) and as the cache sees it."""
+
+    answer: _Answer
+    message: dict[str, Any]
+    #: Token ids computed for the reply (prompt excluded, end-of-turn token excluded).
+    token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]] | None:
+        calls = self.message.get("tool_calls")
+        return calls if isinstance(calls, list) else None
+
+    @property
+    def completion_tokens(self) -> int:
+        if self.tool_calls is not None:
+            return len(self.token_ids) + 1 if self.token_ids else 1
+        return len(self.answer.words)
+
+
+class _Decoder:
+    """Generates a reply's tokens: sleeps the modelled decode time and caches each block
+    of the sequence as it fills (vLLM stores a running request's full blocks every step)."""
+
+    def __init__(self, engine: SimEngine, seq: BlockSequence | None, generated: int) -> None:
+        self.engine = engine
+        self.seq = seq
+        self.generated = generated
+        self.done = 0
+        bs = engine.cache.block_size
+        self._prompt = seq.prompt_tokens if seq is not None else 0
+        self._blocks = self._prompt // bs
+
+    async def advance(self, n: int) -> None:
+        """``n`` more tokens generated (clamped to the reply's length)."""
+        n = max(0, min(n, self.generated - self.done))
+        cfg = self.engine.config
+        if n and cfg.latency and cfg.decode_us_per_token > 0:
+            await asyncio.sleep(n * cfg.decode_us_per_token / 1e6)
+        self.done += n
+        seq = self.seq
+        if seq is None:
+            return
+        blocks = (self._prompt + self.done) // self.engine.cache.block_size
+        if blocks > self._blocks:
+            self._blocks = blocks
+            self.engine._commit(seq, self._prompt + self.done)
+
+    async def run(self) -> None:
+        """The whole reply, one cache update (one engine step's batch) per filled block."""
+        bs = self.engine.cache.block_size
+        while self.done < self.generated:
+            to_boundary = bs - (self._prompt + self.done) % bs
+            await self.advance(to_boundary)
+
+    async def share(self, i: int, pieces: int) -> None:
+        """Advance to piece ``i + 1`` of ``pieces`` streamed chunks (evenly spread)."""
+        await self.advance(self.generated * (i + 1) // max(1, pieces) - self.done)
+
+
+def _called_tool(tools: Any, choice: Any, messages: list[dict[str, Any]]) -> str | None:
+    """The function a forced tool choice calls (None: answer in text)."""
+    if not isinstance(tools, list) or not tools:
+        return None
+    if isinstance(choice, dict) and choice.get("type") == "function":
+        fn = choice.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        return name if isinstance(name, str) else None
+    if choice != "required":
+        return None
+    names = [
+        t["function"]["name"]
+        for t in tools
+        if isinstance(t, dict)
+        and isinstance(t.get("function"), dict)
+        and isinstance(t["function"].get("name"), str)
+    ]
+    if not names:
+        return None
+    last = content_text(messages[-1].get("content")).encode("utf-8", "surrogatepass")
+    return names[zlib.crc32(last) % len(names)]
+
+
+def _template_kwargs(body: dict[str, Any]) -> dict[str, Any] | None:
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, dict):
+        raise ApiError(400, "'chat_template_kwargs' must be an object")
+    return kwargs
+
+
+@dataclass
 class SimEngine:
     """The request handler for :func:`harness.sim.httpserver.serve`; holds all engine state."""
 
@@ -245,7 +358,10 @@ class SimEngine:
             raise ValueError("dp_rank must be >= 0")
         if cfg.hash_format not in ("u64", "bytes"):
             raise ValueError("hash_format must be 'u64' or 'bytes'")
-        self.tokenizer = make_tokenizer(cfg.tokenizer, cfg.tokenizer_file)
+        self.tokenizer = make_tokenizer(cfg.tokenizer, cfg.tokenizer_file, cfg.tokenizer_config)
+        self.cache_output = (
+            cfg.cache_output if cfg.cache_output is not None else cfg.tokenizer != "simple"
+        )
         self.kv = self._build_kv_hub()
         self._salt: str | None = None
         self._clearing: list[Any] | None = None
@@ -475,19 +591,66 @@ class SimEngine:
         filler = itertools.islice(itertools.cycle(_FILLER), target - len(words))
         return _Answer(words + list(filler), truncated)
 
+    def _reply(
+        self,
+        body: dict[str, Any],
+        messages: list[dict[str, Any]],
+        max_tokens: int | None,
+        prompt: str,
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> _Reply:
+        """The assistant message this request is answered with (text or one tool call),
+        with the token ids the engine computes for it when the cache keeps outputs."""
+        name = _called_tool(tools, body.get("tool_choice"), messages)
+        if name is not None:
+            snippet = " ".join(content_text(messages[-1].get("content"))[:40].split())
+            call = {
+                "id": self._next_id("call_"),
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps({"query": snippet})},
+            }
+            message = {"role": "assistant", "content": None, "tool_calls": [call]}
+            reply = _Reply(_Answer([], False), message)
+        else:
+            answer = self._answer(_last_user_text(messages), max_tokens)
+            reply = _Reply(answer, {"role": "assistant", "content": answer.text})
+        if self.cache_output:
+            reply.token_ids = self.tokenizer.reply_tokens(
+                prompt, messages, tools, reply.message, template_kwargs
+            )
+        return reply
+
     def _prefill(
-        self, prompt: str, salt: str | None = None, session: str | None = None
-    ) -> tuple[int, int, int]:
-        """Run the cache model; returns (cached, total, newly stored tokens)."""
-        self._salt = salt
+        self,
+        prompt: str,
+        salt: str | None = None,
+        session: str | None = None,
+        reply: _Reply | None = None,
+    ) -> tuple[int, int, int, _Decoder]:
+        """Run the cache model on the prompt; returns (cached, total, newly stored tokens)
+        and the decoder that caches ``reply``'s tokens as they are generated."""
         tokens = self.tokenizer.encode(prompt)
+        out = reply.token_ids if reply is not None and self.cache_output else []
+        seq = self.cache.sequence([*tokens, *out], salt, len(tokens)) if out else None
+        self._salt = salt
         try:
-            cached, total = self.cache.lookup_and_insert(tokens, salt)
+            if seq is None:
+                cached, total = self.cache.lookup_and_insert(tokens, salt)
+            else:
+                cached, total = self.cache.prefill(seq)
         finally:
             self._salt = None
         if self.advisor is not None:
             self.advisor.prefilled(tokens, salt, cached, session)
-        return cached, total, self.cache.last_stored_tokens
+        return cached, total, self.cache.last_stored_tokens, _Decoder(self, seq, len(out))
+
+    def _commit(self, seq: BlockSequence, computed: int) -> None:
+        self._salt = seq.salt  # shown on a first block stored again after an eviction
+        try:
+            self.cache.commit(seq, computed)
+        finally:
+            self._salt = None
 
     async def _model_latency(self, uncached: int) -> None:
         if self.config.latency:
@@ -543,14 +706,21 @@ class SimEngine:
         model = self._model(body)
         max_tokens = self._max_tokens(body, "max_completion_tokens", "max_tokens")
         salt = _cache_salt(body)
-        prompt = self.tokenizer.render_chat(messages, body.get("tools"))
+        tools = body.get("tools")
+        kwargs = _template_kwargs(body)
+        try:
+            prompt = self.tokenizer.render_chat(messages, tools, kwargs)
+            reply = self._reply(body, messages, max_tokens, prompt, tools, kwargs)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e)) from None
         session = req.headers.get("x-session-id") or body.get("user")
         session = session if isinstance(session, str) else None
-        cached, total, _ = self._prefill(prompt, salt, session)
+        cached, total, _, decoder = self._prefill(prompt, salt, session, reply)
         await self._model_latency(total - cached)
-        answer = self._answer(_last_user_text(messages), max_tokens)
-        finish = "length" if answer.truncated else "stop"
-        completion = len(answer.words)
+        answer = reply.answer
+        calls = reply.tool_calls
+        finish = "tool_calls" if calls else ("length" if answer.truncated else "stop")
+        completion = reply.completion_tokens
         usage = {
             "prompt_tokens": total,
             "completion_tokens": completion,
@@ -565,9 +735,20 @@ class SimEngine:
             include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
             delay, abort_after = self._stream_knobs(req)
             gen = self._chat_stream(
-                rid, created, model, answer, finish, usage, include_usage, delay, abort_after
+                rid,
+                created,
+                model,
+                answer,
+                finish,
+                usage,
+                include_usage,
+                delay,
+                abort_after,
+                decoder,
+                calls,
             )
             return StreamResponse(gen, headers=headers)
+        await decoder.run()
         return json_response(
             {
                 "id": rid,
@@ -577,7 +758,7 @@ class SimEngine:
                 "choices": [
                     {
                         "index": 0,
-                        "message": {"role": "assistant", "content": answer.text},
+                        "message": reply.message,
                         "logprobs": None,
                         "finish_reason": finish,
                     }
@@ -598,6 +779,8 @@ class SimEngine:
         include_usage: bool,
         delay: float,
         abort_after: int | None,
+        decoder: _Decoder | None = None,
+        tool_calls: list[dict[str, Any]] | None = None,
     ) -> AsyncIterator[bytes]:
         self.in_flight += 1
         try:
@@ -622,12 +805,21 @@ class SimEngine:
                 return b"data: " + dumps(obj) + b"\n\n"
 
             yield chunk({"role": "assistant", "content": ""})
-            for i, piece in enumerate(answer.pieces()):
+            deltas: list[dict[str, Any]]
+            if tool_calls:
+                deltas = [{"tool_calls": [{"index": i, **c} for i, c in enumerate(tool_calls)]}]
+            else:
+                deltas = [{"content": piece} for piece in answer.pieces()]
+            for i, delta in enumerate(deltas):
                 if abort_after is not None and i >= abort_after:
                     raise _SimulatedAbort(f"aborted after {i} content chunks")
                 if delay:
                     await asyncio.sleep(delay)
-                yield chunk({"content": piece})
+                if decoder is not None:
+                    await decoder.share(i, len(deltas))
+                yield chunk(delta)
+            if decoder is not None:
+                await decoder.run()
             yield chunk({}, finish)
             if include_usage:
                 tail = {
@@ -678,8 +870,17 @@ class SimEngine:
         max_tokens = self._max_tokens(body, "max_tokens", required=True)
         messages = _checked_messages(body.get("messages"))
         salt = _cache_salt(body)
-        prompt = self.tokenizer.render_anthropic(body.get("system"), messages, body.get("tools"))
-        cached, total, stored = self._prefill(prompt, salt)
+        system, tools = body.get("system"), body.get("tools")
+        try:
+            prompt = self.tokenizer.render_anthropic(system, messages, tools)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e)) from None
+        answer = self._answer(_last_user_text(messages), max_tokens)
+        reply = _Reply(answer, {"role": "assistant", "content": answer.text})
+        if self.cache_output:
+            chat, chat_tools = anthropic_to_openai(system, messages, tools)
+            reply.token_ids = self.tokenizer.reply_tokens(prompt, chat, chat_tools, reply.message)
+        cached, total, stored, decoder = self._prefill(prompt, salt, None, reply)
         await self._model_latency(total - cached)
         # Anthropic only writes cache where the request asks for it (cache_control); the
         # three input counters partition the prompt.
@@ -690,15 +891,17 @@ class SimEngine:
             "cache_read_input_tokens": cached,
             "output_tokens": 0,
         }
-        answer = self._answer(_last_user_text(messages), max_tokens)
         usage["output_tokens"] = len(answer.words)
         stop_reason = "max_tokens" if answer.truncated else "end_turn"
         mid = self._next_id("msg_")
         headers = self._sim_headers(cached, total)
         if body.get("stream"):
             delay, abort_after = self._stream_knobs(req)
-            gen = self._messages_stream(mid, model, answer, stop_reason, usage, delay, abort_after)
+            gen = self._messages_stream(
+                mid, model, answer, stop_reason, usage, delay, abort_after, decoder
+            )
             return StreamResponse(gen, headers=headers)
+        await decoder.run()
         return json_response(
             {
                 "id": mid,
@@ -718,7 +921,11 @@ class SimEngine:
         body = self._json_body(req)
         self._model(body, required=True)
         messages = _checked_messages(body.get("messages"))
-        prompt = self.tokenizer.render_anthropic(body.get("system"), messages, body.get("tools"))
+        system, tools = body.get("system"), body.get("tools")
+        try:
+            prompt = self.tokenizer.render_anthropic(system, messages, tools)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e)) from None
         n = len(self.tokenizer.encode(prompt))
         return json_response({"input_tokens": n}, headers=self._headers)
 
@@ -731,6 +938,7 @@ class SimEngine:
         usage: dict[str, Any],
         delay: float,
         abort_after: int | None,
+        decoder: _Decoder | None = None,
     ) -> AsyncIterator[bytes]:
         self.in_flight += 1
         try:
@@ -764,11 +972,14 @@ class SimEngine:
                 },
             )
             yield event("ping", {"type": "ping"})
-            for i, piece in enumerate(answer.pieces()):
+            pieces = answer.pieces()
+            for i, piece in enumerate(pieces):
                 if abort_after is not None and i >= abort_after:
                     raise _SimulatedAbort(f"aborted after {i} content chunks")
                 if delay:
                     await asyncio.sleep(delay)
+                if decoder is not None:
+                    await decoder.share(i, len(pieces))
                 yield event(
                     "content_block_delta",
                     {
@@ -777,6 +988,8 @@ class SimEngine:
                         "delta": {"type": "text_delta", "text": piece},
                     },
                 )
+            if decoder is not None:
+                await decoder.run()
             yield event("content_block_stop", {"type": "content_block_stop", "index": 0})
             yield event(
                 "message_delta",

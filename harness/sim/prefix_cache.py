@@ -23,6 +23,11 @@ blake2b chain; with KV events on, the engine plugs in the hash its published for
 (a :class:`BlockHasher` from :mod:`harness.sim.block_hash`), so cache keys *are* the hashes
 on the wire.
 
+Generated tokens are cached too, as vLLM does: a request's computed sequence is its prompt
+then its output, and every block of it that fills during decode is stored (``commit``),
+so the next turn of a conversation, whose prompt repeats the answer, hits them. The last
+sampled token is never computed, so it is not part of the sequence.
+
 Eviction is LRU over blocks. A request touches its blocks tail-first, so within one sequence
 the tail is least recently used and is evicted before the shared root — again like vLLM, whose
 free queue receives a finished request's blocks in reverse order.
@@ -41,6 +46,7 @@ from typing import Any, Protocol
 
 __all__ = [
     "BlockHasher",
+    "BlockSequence",
     "CacheStats",
     "KVEventCallback",
     "PrefixCache",
@@ -96,6 +102,18 @@ class StoredBlock:
 #: During the call, ``PrefixCache.last_removed_parents[i]`` is the parent of ``removed[i]``.
 #: Hashes are ints with the default hasher (a :class:`BlockHasher` may use bytes).
 KVEventCallback = Callable[[list[StoredBlock], list[Any]], None]
+
+
+@dataclass(slots=True)
+class BlockSequence:
+    """One request's computed tokens and their chain hashes (see ``PrefixCache.sequence``)."""
+
+    tokens: list[int]
+    salt: str | None
+    #: Chain hash of every full block of ``tokens``.
+    hashes: list[Any]
+    #: How many of ``tokens`` are the prompt (the rest is generated output).
+    prompt_tokens: int
 
 
 @dataclass(slots=True)
@@ -175,26 +193,61 @@ class PrefixCache:
             hits += 1
         return hits * self.block_size
 
+    def sequence(
+        self, tokens: Sequence[int], salt: str | None = None, prompt_tokens: int | None = None
+    ) -> BlockSequence:
+        """A request's computed tokens (its prompt, then what it generated) with their
+        block-hash chain, hashed once for :meth:`prefill` and every :meth:`commit`."""
+        n = len(tokens) if prompt_tokens is None else prompt_tokens
+        if not 0 <= n <= len(tokens):
+            raise ValueError("prompt_tokens must be within the sequence")
+        return BlockSequence(list(tokens), salt, self.block_hashes(tokens, salt), n)
+
     def lookup_and_insert(self, tokens: Sequence[int], salt: str | None = None) -> tuple[int, int]:
         """Account one prefill: count the cached prefix, cache the rest, update stats.
 
         ``salt`` is the request's ``cache_salt`` (folded into the first block's hash).
         Returns ``(cached_tokens, total_tokens)``.
         """
-        total = len(tokens)
+        return self.prefill(self.sequence(tokens, salt))
+
+    def prefill(self, seq: BlockSequence) -> tuple[int, int]:
+        """:meth:`lookup_and_insert` for the prompt of ``seq``: its generated tokens stay
+        out of the cache until :meth:`commit` (they do not exist yet)."""
+        total = seq.prompt_tokens
         bs = self.block_size
         blocks = self._blocks
-        hashes = self.block_hashes(tokens, salt)
+        hashes = seq.hashes[: total // bs]
         max_hits = self._max_hit_blocks(total)
-
         hits = 0
         for h in hashes:
             if hits >= max_hits or h not in blocks:
                 break
             hits += 1
+        stored = self._store(hashes, seq.tokens)
+        cached = hits * bs
+        self.last_stored_tokens = stored * bs
+        st = self.stats
+        st.requests += 1
+        st.prompt_tokens += total
+        st.cached_tokens += cached
+        st.prefill_seconds_modelled += self.prefill_seconds(total - cached)
+        return cached, total
+
+    def commit(self, seq: BlockSequence, computed_tokens: int) -> int:
+        """Cache every full block within the first ``computed_tokens`` of ``seq`` (decode
+        filled them), as vLLM caches a running request's blocks as they fill; blocks of
+        the chain evicted meanwhile are stored again. Returns the blocks newly stored."""
+        n = min(computed_tokens, len(seq.tokens)) // self.block_size
+        return self._store(seq.hashes[:n], seq.tokens)
+
+    def _store(self, hashes: list[Any], tokens: Sequence[int]) -> int:
+        """Make the chain ``hashes`` (full blocks of ``tokens``) resident, most recently
+        used root first; report the change. Returns how many blocks were new."""
+        bs = self.block_size
+        blocks = self._blocks
         # A request cannot hold more blocks than the cache has; the excess tail is not stored.
-        limit = min(len(hashes), self.capacity_blocks)
-        mine = hashes[:limit]
+        mine = hashes[: self.capacity_blocks]
         # Protect this request's already-cached blocks, then make room, then store the rest.
         # (After the first miss everything is normally new, but a block whose ancestor was
         # evicted can still be present, hence the membership test.)
@@ -222,18 +275,10 @@ class PrefixCache:
         # Final LRU order, oldest first: tail ... root, so the shared root outlives the tail.
         for h in reversed(mine):
             blocks.move_to_end(h)
-
-        cached = hits * bs
-        self.last_stored_tokens = len(new) * bs
-        st = self.stats
-        st.requests += 1
-        st.prompt_tokens += total
-        st.cached_tokens += cached
-        st.prefill_seconds_modelled += self.prefill_seconds(total - cached)
         if self.on_change is not None and (stored or removed):
             self.last_removed_parents = removed_parents
             self.on_change(stored, removed)
-        return cached, total
+        return len(new)
 
     def clear(self) -> None:
         """Drop every block; ``on_change`` gets them all as removals (in LRU order)."""

