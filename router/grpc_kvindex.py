@@ -169,14 +169,14 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         model: str | None = None
         chain: RequestChain | None = None
         if which == "chain":
-            scorer = await self._require_conversation(kv, context)
+            conv = await self._require_conversation(kv, context)
             keys = [
                 await self._chain_key(k, f"chain.keys[{i}]", context)
                 for i, k in enumerate(request.chain.keys)
             ]
-            size = max(request.chain.prompt_bytes, len(keys) * scorer.chunk_bytes)
+            size = max(request.chain.prompt_bytes, len(keys) * conv.chunk_bytes)
             conversation = await self._score_chain(
-                scorer, _GivenChain(keys, size), self._chat_candidates()
+                conv, _GivenChain(keys, size), self._chat_candidates()
             )
             return pb.ScoreResponse(threshold=kv.scorer.threshold, conversation=conversation)
         if which == "prefix_hash":

@@ -59,17 +59,22 @@ def deepest_held(
     pending = set(names)
     found: dict[str, Held] = {}
     deepest: Held | None = None
-    for i in range(len(rows) - 1, -1, -1):
-        row = rows[i]
-        if not row:
-            continue
-        if deepest is None:
-            deepest = Held(i + 1, row[0])
-        for e in row:
-            b = e.backend
-            if b in pending:
-                pending.discard(b)
-                found[b] = Held(i + 1, e)
-        if not pending:
-            break
+    depth = len(rows)
+    for row in reversed(rows):
+        if row:
+            if deepest is None:
+                deepest = Held(depth, row[0])
+            if len(row) == 1:  # the common case: one holder (no inner loop)
+                e = row[0]
+                if e.backend in pending:
+                    pending.discard(e.backend)
+                    found[e.backend] = Held(depth, e)
+            else:
+                for e in row:
+                    if e.backend in pending:
+                        pending.discard(e.backend)
+                        found[e.backend] = Held(depth, e)
+            if not pending:
+                break
+        depth -= 1
     return found, deepest
