@@ -10,13 +10,13 @@ prompt tokens the backend can reuse.
 The query: ONE ``query_many`` of all ``n`` keys (one Redis round trip), then a scan from
 the deepest key down, taking for each candidate the first (deepest) key it appears at.
 The scan stops as soon as every candidate is found. Measured against a binary search per
-backend with memoised lookups (``bench/kvindex_bench.py``: ~7 dependent lookups per
-backend; on Redis as many round trips), the scan is as fast on the memory index for 64
-keys and one round trip on Redis. It is also right where prefix closure is momentarily
-broken: events refresh the TTL only of the keys they name, so an old shallow key can
-expire before a deeper one; the deepest key present still says how many tokens are held
-(a key is only ever announced when everything before it is stored), where a search would
-stop at the gap.
+backend with memoised per-key lookups (``bench/kvindex_bench.py``, 64 keys, 8 candidates,
+3 holders): the search takes about twice as long on the memory index (~7 dependent
+lookups per backend, each a coroutine; on Redis as many round trips, where the scan makes
+one). The scan is also right where prefix closure is momentarily broken: events refresh
+the TTL only of the keys they name, so an old shallow key can expire before a deeper one;
+the deepest key present still says how many tokens are held (a key is only ever announced
+when everything before it is stored), where a search would stop at the gap.
 """
 
 from __future__ import annotations

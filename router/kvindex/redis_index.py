@@ -167,6 +167,8 @@ for i = 1, #KEYS, 2 do
 end
 return table.concat(out, '\\n')
 """
+_QUERY_BATCH = 512
+"""Keys per ``query_many`` script call (about 2 ms of Redis time at the most)."""
 _WRITE_BATCH = 256
 """Changes per ``write_many`` script call: one round trip, and Redis busy for well under
 a millisecond per call (a script blocks every other client while it runs)."""
@@ -396,24 +398,26 @@ class RedisKvIndex(KvIndex):
         return self._decode(zreply, hreply)
 
     async def query_many(self, keys: Sequence[Key]) -> list[Sequence[IndexEntry]]:
-        if not keys:
-            return []
-        rkeys: list[bytes] = []
-        for k in keys:
-            key = self._key(k)
-            rkeys += (key, key + b":t")
-        try:
-            blob = await self._query_many_script(keys=rkeys)
-        except UNAVAILABLE_ERRORS as exc:
-            raise self._unavailable("query", exc) from exc
-        lines = blob.split(b"\n") if blob else [b""]
-        if len(lines) != len(keys):
-            raise KvIndexError(f"query_many: {len(lines)} lines for {len(keys)} keys")
-        now_ms = self._now_ms()
+        """One script call per ``_QUERY_BATCH`` keys (one round trip for any prompt up to
+        512 chunks, some 128k tokens; a longer one does not block Redis in one go)."""
         out: list[Sequence[IndexEntry]] = []
-        for k, line in zip(keys, lines, strict=True):
-            got = self._decode_line(line, now_ms)
-            out.append(got if got is not None else await self.query_backends(k))
+        for start in range(0, len(keys), _QUERY_BATCH):
+            part = keys[start : start + _QUERY_BATCH]
+            rkeys: list[bytes] = []
+            for k in part:
+                key = self._key(k)
+                rkeys += (key, key + b":t")
+            try:
+                blob = await self._query_many_script(keys=rkeys)
+            except UNAVAILABLE_ERRORS as exc:
+                raise self._unavailable("query", exc) from exc
+            lines = blob.split(b"\n") if blob else [b""]
+            if len(lines) != len(part):
+                raise KvIndexError(f"query_many: {len(lines)} lines for {len(part)} keys")
+            now_ms = self._now_ms()
+            for k, line in zip(part, lines, strict=True):
+                got = self._decode_line(line, now_ms)
+                out.append(got if got is not None else await self.query_backends(k))
         return out
 
     async def backend_counts(self) -> dict[str, int]:

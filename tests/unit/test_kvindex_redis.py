@@ -256,3 +256,15 @@ async def test_redis_query_many_rereads_a_line_it_cannot_parse(
         {},
     ]
     assert rows[3] is EMPTY
+
+
+async def test_redis_query_many_of_more_keys_than_one_script_call(
+    redis_client: Redis, key_prefix: str, cleanup: None
+) -> None:
+    idx = RedisKvIndex(redis_client, 600, key_prefix)
+    keys = [i.to_bytes(16, "big") for i in range(1100)]
+    await idx.write_many([(k, "a", i, GPU) for i, k in enumerate(keys) if i % 3 == 0])
+    rows = await idx.query_many(keys)
+    assert len(rows) == 1100
+    assert [i for i, r in enumerate(rows) if r] == list(range(0, 1100, 3))
+    assert all(r[0].token_count == i for i, r in enumerate(rows) if r)
