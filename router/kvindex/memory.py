@@ -127,8 +127,8 @@ class InMemoryKvIndex(KvIndex):
         self, keys: Sequence[Key], _type: type = type, _entry: type = _Entry
     ) -> list[Sequence[IndexEntry]]:
         """``query_many`` without the coroutine: the dict lookups in one C-level ``map``,
-        then one pass over the values with one clock read (64 keys in about 1.7x the time
-        of 64 bare ``dict.get``)."""
+        then one pass over the values with one clock read (64 keys: about 10 us, 2.4x a
+        Python loop of 64 bare ``dict.get``; ``bench/kvindex_bench.py``)."""
         now = self.clock()
         out: list[Any] = list(map(self._map.get, keys))
         for i, value in enumerate(out):
