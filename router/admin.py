@@ -147,7 +147,8 @@ class AdminApi:
         cached tokens, their mean absolute error and ``accuracy``, see
         ``router.kvindex.accuracy``) and, with conversation routing on, ``conversation``
         (its config, the chain index's counts, the cost scorer's decisions and
-        predictions) come after the reference's fields."""
+        predictions, the cached-token sums over all backends) come after the reference's
+        fields."""
         kv = self._kv
         if kv is None:
             return _disabled()
@@ -196,6 +197,7 @@ class AdminApi:
             conv = cfg.conversation
             st = await chains.stats()
             decisions = dict(scorer.decisions)
+            total = kv.accuracy.total()
             doc["conversation"] = {
                 "enabled": True,
                 "config": {
@@ -216,6 +218,12 @@ class AdminApi:
                 "predictions": {
                     "keys_written": scorer.predicted_keys,
                     "write_errors": scorer.prediction_errors,
+                },
+                "cached_tokens": {
+                    "requests": total.requests,
+                    "predicted_tokens": total.predicted_tokens,
+                    "reported_tokens": total.reported_tokens,
+                    "accuracy": f"{total.accuracy:.4f}",
                 },
                 "in_flight_prefill_tokens": kv.prefill_load.snapshot(),
             }

@@ -93,6 +93,17 @@ class PredictionAccuracy:
     def get(self, backend: str) -> BackendAccuracy | None:
         return self._backends.get(backend)
 
+    def total(self) -> BackendAccuracy:
+        """The sums over every backend."""
+        t = BackendAccuracy()
+        for acc in self._backends.values():
+            t.requests += acc.requests
+            t.predicted_tokens += acc.predicted_tokens
+            t.reported_tokens += acc.reported_tokens
+            t.abs_error_tokens += acc.abs_error_tokens
+            t.scale_tokens += acc.scale_tokens
+        return t
+
     def document(self) -> dict[str, dict[str, Any]]:
         """Every backend with records, by name (``/admin/kv-index/stats``)."""
         return {name: acc.document() for name, acc in sorted(self._backends.items())}

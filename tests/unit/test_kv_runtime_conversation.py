@@ -157,6 +157,12 @@ async def test_events_decisions_and_accounting_reach_admin_and_metrics() -> None
         assert conv["index"]["entry_count"] == 7 and conv["index"]["queries"] == 1
         assert conv["routing_decisions"] == {"chosen": 1, "tie": 0, "none_held": 0, "total": 1}
         assert conv["predictions"] == {"keys_written": 3, "write_errors": 0}
+        assert conv["cached_tokens"] == {
+            "requests": 1,
+            "predicted_tokens": 768,
+            "reported_tokens": 800,
+            "accuracy": "0.9600",
+        }
         assert conv["in_flight_prefill_tokens"] == {"a": 768}
         assert doc["index"]["entry_count"] == 1  # the prefix index, untouched by chains
 

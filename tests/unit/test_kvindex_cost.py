@@ -460,3 +460,6 @@ def test_accuracy_sums_per_backend_and_reports_to_metrics() -> None:
         },
     }
     assert seen[1] == ("a", 1000, 1200) and seen[-1] == ("b", 0, 0)
+    total = acc.total()
+    assert (total.requests, total.predicted_tokens, total.reported_tokens) == (5, 2500, 2200)
+    assert total.accuracy == a.accuracy  # b's records were exact and empty
