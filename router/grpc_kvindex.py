@@ -47,7 +47,8 @@ _HEX32 = re.compile(r"[0-9a-fA-F]{32}\Z")
 
 ChainOf = Callable[[dict[str, Any], str], "RequestChain | None"]
 """``(body, model) -> RequestChain | None``: the router's rendering of a request into its
-prompt chain (None: no template for the model, or the request does not render)."""
+prompt chain (``router.conversation.ConversationKeys.chain``; None: no template for the
+model, or the request does not render)."""
 
 
 @dataclass(frozen=True, slots=True)
