@@ -18,6 +18,10 @@ Rows, each against a baseline measured in the same run:
   included (the index keeps them). Baseline: a plain ``dict[str, int]`` of the same keys.
   Target: at most 400 B.
 
+Then the chain (conversation) index's rows, listed in ``bench/kvindex_chain.py``: chain
+events applied per second, the 64-chunk deepest-held query, bytes per (chain key,
+backend), and Redis ``query_many`` against a bare pipeline of the same keys.
+
 Memory rows use this thread's CPU time, Redis rows wall time (``_table.py`` explains the
 interleaved-median method). Run:
 ``.venv/bin/python -m bench.kvindex_bench [--redis-url URL] [--prefixes N] [--json F]``
@@ -51,6 +55,7 @@ from router.kvindex import (
 from router.redis import build_redis
 
 from ._table import median, paired_ratio, print_results, time_interleaved
+from .kvindex_chain import chain_bytes_rows, chain_memory_rows, chain_redis_rows
 
 _T = TypeVar("_T")
 
@@ -393,12 +398,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--redis-loops", type=int, default=2000)
     p.add_argument("--no-redis", action="store_true")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--no-chains", action="store_true", help="skip the chain index's rows")
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     args = p.parse_args(argv)
     rng = random.Random(args.seed)
 
     results, stats = memory_rows(args, rng)
     gc.collect()
+    if not args.no_chains:
+        results += chain_memory_rows(args, random.Random(args.seed))
+        gc.collect()
 
     # -- Redis --------------------------------------------------------------------------
     redis_note = "Redis rows skipped (--no-redis)"
@@ -411,6 +420,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             redis_note = (
                 f"Redis {args.redis_url}: wall time, {args.redis_loops} calls x {args.repeats}"
             )
+            if not args.no_chains:
+                chain = asyncio.run(
+                    chain_redis_rows(args.redis_url, args.redis_loops // 10, args.repeats)
+                )
+                if isinstance(chain, str):
+                    redis_note += f"; {chain}"
+                else:
+                    results += chain
 
     # -- memory footprint ---------------------------------------------------------------
     for per_prefix in (1, 4):
@@ -428,6 +445,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "pass": b <= BYTES_TARGET,
             }
         )
+
+    if not args.no_chains:
+        results += chain_bytes_rows(args.prefixes, args.seed)
 
     print(
         f"KV index: {args.prefixes} prefixes x 2 backends for queries; events over 150k "

@@ -143,6 +143,12 @@ class AdminApi:
     # -- Tier 4 --------------------------------------------------------------------
 
     async def kv_stats(self, req: Request) -> Response:
+        """Tier 4's document; ``prediction_accuracy`` (per backend: predicted and reported
+        cached tokens, their mean absolute error and ``accuracy``, see
+        ``router.kvindex.accuracy``) and, with conversation routing on, ``conversation``
+        (its config, the chain index's counts, the cost scorer's decisions and
+        predictions, the cached-token sums over all backends) come after the reference's
+        fields."""
         kv = self._kv
         if kv is None:
             return _disabled()
@@ -185,6 +191,42 @@ class AdminApi:
         }
         if kv.event_bus is not None:
             doc["event_bus"] = kv.event_bus.stats()
+        doc["prediction_accuracy"] = kv.accuracy.document()
+        scorer, chains = kv.conversation, kv.chain_index
+        if scorer is not None and chains is not None:
+            conv = cfg.conversation
+            st = await chains.stats()
+            decisions = dict(scorer.decisions)
+            total = kv.accuracy.total()
+            doc["conversation"] = {
+                "enabled": True,
+                "config": {
+                    "chunk_bytes": conv.chunk_bytes,
+                    "max_entries": conv.max_entries,
+                    "predict_ttl_seconds": scorer.predict_ttl,
+                    "templates_count": len(conv.templates),
+                    "scoring": conv.scoring.model_dump(),
+                },
+                "index": {
+                    "key_count": st.prefix_count,
+                    "entry_count": st.entry_count,
+                    "total_hits": st.total_hits,
+                    "total_evictions": st.total_evictions,
+                    "queries": chains.queries,
+                },
+                "routing_decisions": {**decisions, "total": sum(decisions.values())},
+                "predictions": {
+                    "keys_written": scorer.predicted_keys,
+                    "write_errors": scorer.prediction_errors,
+                },
+                "cached_tokens": {
+                    "requests": total.requests,
+                    "predicted_tokens": total.predicted_tokens,
+                    "reported_tokens": total.reported_tokens,
+                    "accuracy": f"{total.accuracy:.4f}",
+                },
+                "in_flight_prefill_tokens": kv.prefill_load.snapshot(),
+            }
         return _json(doc)
 
     async def kv_backends(self, req: Request) -> Response:

@@ -8,14 +8,20 @@ LRU order or the routing counters (Score computes what the router *would* decide
 
 Collaborators, each what it reads: Tier 4 (``KvRuntime``, None when the index is off:
 every call then answers FAILED_PRECONDITION), the backend pool (Score's candidates), the
-running ``prefix_routing.max_prefix_length`` (Score of a request) and the admin token.
+running ``prefix_routing.max_prefix_length`` (Score of a request), the admin token, and
+the request -> prompt chain computation of conversation routing (``chain_of(body, model)``,
+None when a request cannot be rendered; the servicer gets None for the whole callable when
+conversation routing is off). The chain index and the conversation scorer come from
+``KvRuntime`` (``chain_index``, ``conversation``); a chain key or chain without them is
+FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
 
 import re
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -28,14 +34,31 @@ from bus.prefix_key import extract_prefix_key
 
 from .admin_auth import AdminToken
 from .kv_runtime import KvRuntime
-from .kvindex.base import StorageTier
+from .kvindex.base import IndexEntry, StorageTier
+from .kvindex.cost import ConversationScorer, RequestChain
 from .kvindex.scorer import Prepared
-from .pool import ENDPOINT_TYPES, BackendPool
+from .pool import ENDPOINT_TYPES, Backend, BackendPool
 
-__all__ = ["SERVICE_NAME", "KvIndexServicer"]
+__all__ = ["SERVICE_NAME", "ChainOf", "KvIndexServicer"]
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KvIndex"].full_name
 _HEX64 = re.compile(r"[0-9a-fA-F]{64}\Z")
+_HEX32 = re.compile(r"[0-9a-fA-F]{32}\Z")
+
+ChainOf = Callable[[dict[str, Any], str], "RequestChain | None"]
+"""``(body, model) -> RequestChain | None``: the router's rendering of a request into its
+prompt chain (``router.conversation.ConversationKeys.chain``; None: no template for the
+model, or the request does not render)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _GivenChain:
+    """A ``PromptChain`` from the wire, as the scorer reads a chain."""
+
+    keys: Sequence[bytes]
+    prompt_bytes: int
+
+
 _TIERS: dict[StorageTier | None, Any] = {
     StorageTier.GPU_HOT: pb.TIER_GPU_HOT,
     StorageTier.STORAGE_WARM: pb.TIER_STORAGE_WARM,
@@ -59,11 +82,13 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         pool: BackendPool,
         max_prefix_length: Callable[[], int],
         token: AdminToken,
+        chain_of: ChainOf | None = None,
     ) -> None:
         self._kv = kv
         self._pool = pool
         self._max_prefix_length = max_prefix_length
         self._token = token
+        self._chain_of = chain_of
 
     async def _require_kv(self, context: grpc.aio.ServicerContext) -> KvRuntime:
         kv = self._kv
@@ -77,6 +102,19 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         return kv
 
     @staticmethod
+    async def _require_conversation(
+        kv: KvRuntime, context: grpc.aio.ServicerContext
+    ) -> ConversationScorer:
+        scorer = kv.conversation
+        if scorer is None:
+            await abort(
+                context,
+                grpc.StatusCode.FAILED_PRECONDITION,
+                "conversation routing is not enabled (kv_cache_index.conversation.enabled)",
+            )
+        return scorer
+
+    @staticmethod
     async def _prefix(value: str, context: grpc.aio.ServicerContext) -> str:
         if not _HEX64.match(value):
             await abort(
@@ -86,27 +124,62 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             )
         return value.lower()
 
+    @staticmethod
+    async def _chain_key(value: str, field: str, context: grpc.aio.ServicerContext) -> bytes:
+        if not _HEX32.match(value):
+            await abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"{field} must be 32 hex characters (a prompt chain key)",
+            )
+        return bytes.fromhex(value)
+
+    @staticmethod
+    def _entries(entries: Sequence[IndexEntry]) -> list[pb.IndexEntry]:
+        return [
+            pb.IndexEntry(
+                backend=e.backend,
+                token_count=e.token_count,
+                tier=_TIERS.get(e.tier, pb.TIER_UNSPECIFIED),
+                expires_at_unix_ms=_unix_ms(e.expires_at),
+            )
+            for e in entries
+        ]
+
     async def Query(self, request: pb.QueryRequest, context: Any) -> pb.QueryResponse:
         kv = await self._require_kv(context)
+        if request.chain_key:
+            if request.prefix_hash:
+                await abort(
+                    context,
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                    "set prefix_hash or chain_key, not both",
+                )
+            await self._require_conversation(kv, context)
+            key = await self._chain_key(request.chain_key, "chain_key", context)
+            assert kv.chain_index is not None
+            found = await kv.chain_index.peek(key)
+            return pb.QueryResponse(chain_key=key.hex(), entries=self._entries(found))
         prefix = await self._prefix(request.prefix_hash, context)
         entries = await kv.index.peek(prefix)
-        return pb.QueryResponse(
-            prefix_hash=prefix,
-            entries=[
-                pb.IndexEntry(
-                    backend=e.backend,
-                    token_count=e.token_count,
-                    tier=_TIERS.get(e.tier, pb.TIER_UNSPECIFIED),
-                    expires_at_unix_ms=_unix_ms(e.expires_at),
-                )
-                for e in entries
-            ],
-        )
+        return pb.QueryResponse(prefix_hash=prefix, entries=self._entries(entries))
 
     async def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreResponse:
         kv = await self._require_kv(context)
         which = request.WhichOneof("key")
         model: str | None = None
+        chain: RequestChain | None = None
+        if which == "chain":
+            conv = await self._require_conversation(kv, context)
+            keys = [
+                await self._chain_key(k, f"chain.keys[{i}]", context)
+                for i, k in enumerate(request.chain.keys)
+            ]
+            size = max(request.chain.prompt_bytes, len(keys) * conv.chunk_bytes)
+            conversation = await self._score_chain(
+                conv, _GivenChain(keys, size), self._chat_candidates()
+            )
+            return pb.ScoreResponse(threshold=kv.scorer.threshold, conversation=conversation)
         if which == "prefix_hash":
             prefix = await self._prefix(request.prefix_hash, context)
         elif which == "request":
@@ -133,17 +206,16 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                     context, grpc.StatusCode.INVALID_ARGUMENT, "the request has no text to key on"
                 )
             prefix = key.hex()
+            if kv.conversation is not None and self._chain_of is not None:
+                chain = self._chain_of(body, model)
         else:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "set prefix_hash or request")
+            await abort(
+                context, grpc.StatusCode.INVALID_ARGUMENT, "set prefix_hash, request or chain"
+            )
         if model is not None:
             candidates, _ = self._pool.candidates(model, "chat")
         else:  # every backend a chat request could be routed to
-            types = ENDPOINT_TYPES["chat"]
-            candidates = tuple(
-                b
-                for b in self._pool.backends
-                if b.healthy and b.config.enabled and not b.config.internal and b.type in types
-            )
+            candidates = self._chat_candidates()
         scorer = kv.scorer
         entries = {e.backend: e for e in await kv.index.peek(prefix)}
         snapshot = Prepared.build(0.0, entries, candidates)
@@ -168,11 +240,55 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             if final > best_score:
                 best, best_score = b.name, final
         scores.sort(key=lambda s: (-s.final_score, s.backend))
-        return pb.ScoreResponse(
+        reply = pb.ScoreResponse(
             prefix_hash=prefix,
             scores=scores,
             selected_backend=best if best_score > scorer.threshold else "",
             threshold=scorer.threshold,
+        )
+        if chain is not None and kv.conversation is not None:
+            reply.conversation.CopyFrom(await self._score_chain(kv.conversation, chain, candidates))
+        return reply
+
+    def _chat_candidates(self) -> tuple[Backend, ...]:
+        """Every backend a chat request could be routed to (Score without a model)."""
+        types = ENDPOINT_TYPES["chat"]
+        return tuple(
+            b
+            for b in self._pool.backends
+            if b.healthy and b.config.enabled and not b.config.internal and b.type in types
+        )
+
+    @staticmethod
+    async def _score_chain(
+        scorer: ConversationScorer, chain: RequestChain, candidates: Sequence[Backend]
+    ) -> pb.ConversationScore:
+        """The conversation cost model for ``chain``, read-only: an uncounted index read,
+        no decision recorded, nothing predicted."""
+        view = await scorer.assess(chain, candidates, peek=True)
+        best, outcome = scorer.pick(view, candidates)
+        scores = []
+        for b in candidates:
+            c = scorer.components(view, b)
+            scores.append(
+                pb.BackendScore(
+                    backend=b.name,
+                    tier=_TIERS.get(c.tier, pb.TIER_UNSPECIFIED),
+                    held_tokens=c.held_tokens,
+                    chain_depth=c.depth,
+                    cost=c.cost,
+                    in_flight_prefill_tokens=c.in_flight_prefill_tokens,
+                    in_flight_requests=c.in_flight_requests,
+                )
+            )
+        scores.sort(key=lambda s: (s.cost, s.backend))
+        return pb.ConversationScore(
+            chain_length=len(chain.keys),
+            prompt_bytes=view.prompt_bytes,
+            prompt_tokens=view.prompt_tokens,
+            scores=scores,
+            selected_backend=best.name if best is not None else "",
+            outcome=outcome,
         )
 
     async def Backends(self, request: pb.BackendsRequest, context: Any) -> pb.BackendsResponse:
@@ -180,6 +296,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         out = []
         transports = {s.backend_name: s.transport for s in kv.config.event_sources}
         counts = await kv.index.backend_counts()
+        chain_counts = await kv.chain_index.backend_counts() if kv.chain_index is not None else {}
         for name, c in kv.consumer_stats().items():
             last = c.get("last_event_at")
             out.append(
@@ -196,6 +313,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                     last_event_at_unix_ms=int(last.timestamp() * 1000) if last is not None else 0,
                     last_event_id=c.get("last_event_id") or "",
                     entries=counts.get(name, 0),
+                    chain_entries=chain_counts.get(name, 0),
                 )
             )
         return pb.BackendsResponse(backends=out)
@@ -204,7 +322,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         kv = await self._require_kv(context)
         st = await kv.index.stats()
         counts = await kv.index.backend_counts()
-        return pb.StatsResponse(
+        reply = pb.StatsResponse(
             backend_counts=[
                 pb.BackendCount(backend=name, entries=n) for name, n in sorted(counts.items())
             ],
@@ -216,6 +334,26 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
             hits=st.total_hits,
             evictions=st.total_evictions,
         )
+        chains, scorer = kv.chain_index, kv.conversation
+        if chains is not None and scorer is not None:
+            cst = await chains.stats()
+            chain_counts = await chains.backend_counts()
+            reply.chain.CopyFrom(
+                pb.ChainIndexStats(
+                    total_entries=cst.entry_count,
+                    key_count=cst.prefix_count,
+                    backend_counts=[
+                        pb.BackendCount(backend=name, entries=n)
+                        for name, n in sorted(chain_counts.items())
+                    ],
+                    fallback_active=cst.fallback_active,
+                    queries=chains.queries,
+                    hits=cst.total_hits,
+                    evictions=cst.total_evictions,
+                    predicted_keys=scorer.predicted_keys,
+                )
+            )
+        return reply
 
     async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
         if self._token.required:
@@ -227,8 +365,14 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
                     "Clear needs the admin token: metadata 'authorization: Bearer <token>'",
                 )
         kv = await self._require_kv(context)
+        chains = kv.chain_index
+        chain_removed = 0
         if request.backend:  # an unknown name simply removes nothing
             removed = await kv.index.remove_backend(request.backend)
+            if chains is not None:
+                chain_removed = await chains.remove_backend(request.backend)
         else:
             removed = await kv.index.clear()
-        return pb.ClearResponse(removed=removed)
+            if chains is not None:
+                chain_removed = await chains.clear()
+        return pb.ClearResponse(removed=removed, chain_removed=chain_removed)

@@ -4,6 +4,13 @@ Built only when ``prefix_routing.enabled`` and ``kv_cache_index.enabled`` are bo
 (the scorer needs prefix keys). ``kv_cache_index`` is restart-only, so this object lives
 as long as the process.
 
+With ``kv_cache_index.conversation.enabled`` it also holds conversation-depth routing:
+the chain index (a second index from the same factory: ``conversation.max_entries``,
+the same TTL, Redis namespace ``cr:kvchain:``), fed by the same consumers (chain events
+go to it, ``router.kvindex.apply``), and the :class:`ConversationScorer` over it. The
+prefill ledger and the predicted-vs-delivered sums exist either way (the forwarder may
+record prefix-routed requests too).
+
 This is where the KV index (``router.kvindex``, which knows nothing of where its events
 come from) meets ingestion (``router.ingest``, which knows nothing of the index but an
 ``apply`` callable) and push mode's session registry (built once by the process and handed
@@ -25,7 +32,17 @@ from .config import RouterConfig
 from .config.models import EventSourceConfig
 from .eventbus.sessions import SessionRegistry
 from .ingest import KvEventConsumerManager, StreamOpener
-from .kvindex import IndexStats, apply_event, apply_events, build_kv_index
+from .kvindex import (
+    CHAIN_KEY_PREFIX,
+    IndexStats,
+    InstrumentedKvIndex,
+    apply_event,
+    apply_events,
+    build_kv_index,
+)
+from .kvindex.accuracy import PredictionAccuracy
+from .kvindex.cost import ConversationScorer
+from .kvindex.prefill import PrefillLoad
 from .kvindex.scorer import KvOverlapScorer
 
 __all__ = ["KvRuntime", "index_figures"]
@@ -40,10 +57,19 @@ class KvRuntime:
         on_decision: Callable[[str, str, float | None], None] | None = None,
         pools: Any = None,
         event_bus: SessionRegistry | None = None,
+        *,
+        on_conversation_decision: Callable[[str], None] | None = None,
+        on_prediction: Callable[[str, int, int], None] | None = None,
     ) -> None:
         """
         Args:
-            on_decision: ``(decision, tier, score)`` of every scorer decision (metrics).
+            on_decision: ``(decision, tier, score)`` of every scorer decision (metrics);
+                the conversation scorer's too (``kv_aware`` when it chose, else
+                ``fallback``; score None).
+            on_conversation_decision: the conversation scorer's ``outcome`` (``chosen``,
+                ``tie``, ``none_held``) of every decision (metrics).
+            on_prediction: ``(backend, predicted, reported)`` cached tokens of every
+                answered request the forwarder records (metrics).
             pools: the router's one ``RedisPools``: the index shares the response cache's
                 pool.
             event_bus: push mode's session registry (None without ``dynamo.event_bus``):
@@ -59,15 +85,42 @@ class KvRuntime:
         self.overlap_scores = 0
         self.queries = 0
         self._on_decision = on_decision
+        self._on_conversation_decision = on_conversation_decision
         self.scorer = KvOverlapScorer(self.index, kv.scoring, on_decision=self._decision)
+        self.prefill_load = PrefillLoad()
+        """In-flight prefill tokens per backend: the forwarder's ``started``/``finished``."""
+        self.accuracy = PredictionAccuracy(on_record=on_prediction)
+        """Predicted against reported cached tokens: the forwarder's ``record``."""
+        conv = kv.conversation
+        self.chain_index: InstrumentedKvIndex | None = None
+        self.conversation: ConversationScorer | None = None
+        if conv.enabled:
+            self.chain_index = build_kv_index(
+                kv,
+                config.response_cache.redis,
+                pools=pools,
+                key_prefix=CHAIN_KEY_PREFIX,
+                max_entries=conv.max_entries,
+            )
+            self.conversation = ConversationScorer(
+                self.chain_index,
+                conv,
+                self.prefill_load,
+                entry_ttl_seconds=kv.entry_ttl_seconds,
+                on_decision=self._conversation_decision,
+            )
         self.event_bus = event_bus
         # ``kv_cache_index`` is restart-only, so the offloading settings are bound once.
         offloading = kv.storage_offloading
         self.consumers = KvEventConsumerManager(
             kv.event_sources,
-            functools.partial(apply_event, self.index, offloading=offloading),
+            functools.partial(
+                apply_event, self.index, offloading=offloading, chain_index=self.chain_index
+            ),
             stream_opener_factory=self._stream_opener,
-            apply_many=functools.partial(apply_events, self.index, offloading=offloading),
+            apply_many=functools.partial(
+                apply_events, self.index, offloading=offloading, chain_index=self.chain_index
+            ),
         )
         self._cleanup: asyncio.Task[None] | None = None
         sc = kv.scoring
@@ -81,6 +134,21 @@ class KvRuntime:
             sc.gpu_tier_weight,
             sc.storage_tier_weight,
         )
+        if self.conversation is not None:
+            cs = conv.scoring
+            log.info(
+                "conversation scorer: chunk_bytes=%d max_entries=%d predict_ttl_seconds=%g "
+                "gpu_credit=%g storage_credit=%g prefill_load_weight=%g "
+                "active_request_weight=%g bytes_per_token=%g",
+                conv.chunk_bytes,
+                conv.max_entries,
+                self.conversation.predict_ttl,
+                cs.gpu_credit,
+                cs.storage_credit,
+                cs.prefill_load_weight,
+                cs.active_request_weight,
+                cs.bytes_per_token,
+            )
 
     def _stream_opener(self, source: EventSourceConfig) -> StreamOpener | None:
         if source.transport == "event_bus" and self.event_bus is not None:
@@ -97,17 +165,27 @@ class KvRuntime:
         await cancel_and_wait(self._cleanup, log=log)
         await self.consumers.stop()
         await self.index.close()
+        if self.chain_index is not None:
+            await self.chain_index.close()
 
     async def _cleanup_loop(self) -> None:
         while True:
             await asyncio.sleep(self.config.cleanup_interval_ms / 1000)
+            await self.sweep()
+
+    async def sweep(self) -> None:
+        """One round of the periodic sweep: expired entries of both indexes, then their
+        stats (``last_stats``, which metrics read). Never raises but CancelledError."""
+        for name, index in (("KV", self.index), ("chain", self.chain_index)):
+            if index is None:
+                continue
             try:
-                removed = await self.index.cleanup_expired()
+                removed = await index.cleanup_expired()
                 if removed:
-                    log.debug("expired %d KV index entries", removed)
-                await self.index.stats()  # refreshes index.last_stats, which metrics read
+                    log.debug("expired %d %s index entries", removed, name)
+                await index.stats()
             except Exception:  # the sweep must never die
-                log.exception("KV index cleanup failed")
+                log.exception("%s index cleanup failed", name)
 
     # -- events and decisions ------------------------------------------------------
 
@@ -120,6 +198,18 @@ class KvRuntime:
             self.fallback += 1
         if self._on_decision is not None:
             self._on_decision(decision, tier, score)
+
+    def _conversation_decision(self, outcome: str, tier: str) -> None:
+        """The conversation scorer's decisions count in the KV decisions as well
+        (``kv_aware``: a KV scorer chose), and by outcome of their own."""
+        if outcome == "chosen":
+            self.kv_aware += 1
+        else:
+            self.fallback += 1
+        if self._on_decision is not None:
+            self._on_decision("kv_aware" if outcome == "chosen" else "fallback", tier, None)
+        if self._on_conversation_decision is not None:
+            self._on_conversation_decision(outcome)
 
     # -- what admin, gRPC and metrics read ---------------------------------------
 
@@ -136,7 +226,10 @@ class KvRuntime:
         snap: dict[str, Any] = {
             "consumers": self.consumer_stats(),
             "index": index_figures(self.index.last_stats),
+            "prefill_tokens": self.prefill_load.snapshot(),
         }
+        if self.chain_index is not None:
+            snap["chain_index"] = index_figures(self.chain_index.last_stats)
         if self.event_bus is not None:
             snap["event_bus"] = self.event_bus.stats()
         return snap

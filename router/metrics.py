@@ -51,7 +51,11 @@ _STATUSES = frozenset(
 )
 _ENDPOINTS = frozenset(("chat", "anthropic", "embeddings"))
 _DECISIONS = ("prefix_hash", "overflow", "fallback")
+_CONVERSATION_OUTCOMES = ("chosen", "tie", "none_held")
 _NO_BACKEND = "none"
+
+_ERROR_BUCKETS = (-16384, -4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096, 16384)
+"""Reported minus predicted cached tokens: symmetric, x4 steps (a chunk is ~256 tokens)."""
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -153,6 +157,32 @@ class _KvCollector(Collector):
             "1 while the Redis KV index serves from its in-memory fallback.",
             1.0 if index.get("fallback_active") else 0.0,
         )
+        chain = snap.get("chain_index")
+        if chain is not None:
+            yield GaugeMetricFamily(
+                "continuum_kv_chain_index_keys",
+                "Prompt chain keys in the conversation index.",
+                chain.get("prefix_count", 0),
+            )
+            yield GaugeMetricFamily(
+                "continuum_kv_chain_index_entries",
+                "(chain key, backend) entries in the conversation index, predictions included.",
+                chain.get("entry_count", 0),
+            )
+            yield GaugeMetricFamily(
+                "continuum_kv_chain_index_fallback_active",
+                "1 while the Redis conversation index serves from its in-memory fallback.",
+                1.0 if chain.get("fallback_active") else 0.0,
+            )
+        prefill = GaugeMetricFamily(
+            "continuum_kv_in_flight_prefill_tokens",
+            "Prompt tokens each backend is still prefilling for requests in flight (the "
+            "conversation cost model's load).",
+            labels=["backend"],
+        )
+        for name, n in sorted(snap.get("prefill_tokens", {}).items()):
+            prefill.add_metric([name], n)
+        yield prefill
         bus = snap.get("event_bus")
         if bus is not None:
             yield from _event_bus_metrics(bus)
@@ -242,6 +272,40 @@ class RouterMetrics:
             buckets=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
             registry=self.registry,
         )
+        self.kv_conversation_decisions = Counter(
+            "continuum_kv_conversation_decisions",
+            "Conversation-depth scorer decisions: chosen (lowest cost), tie (the lowest cost "
+            "shared) or none_held (no candidate holds any of the chain); the last two leave "
+            "the choice to the strategy. Also counted in "
+            "continuum_kv_index_routing_decisions (kv_aware / fallback).",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self._conversation_children = {
+            o: self.kv_conversation_decisions.labels(o) for o in _CONVERSATION_OUTCOMES
+        }
+        self.kv_predicted_cached = Counter(
+            "continuum_kv_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen backend to reuse (held in the index).",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.kv_reported_cached = Counter(
+            "continuum_kv_reported_cached_tokens",
+            "Prompt tokens the backend reported reused (usage.prompt_tokens_details."
+            "cached_tokens), for the same requests.",
+            ["backend"],
+            registry=self.registry,
+        )
+        self.kv_prediction_error = Histogram(
+            "continuum_kv_prediction_error_tokens",
+            "Reported minus predicted cached tokens per request (negative: the index "
+            "promised tokens the engine did not reuse).",
+            ["backend"],
+            buckets=_ERROR_BUCKETS,
+            registry=self.registry,
+        )
+        self._prediction_children: dict[str, tuple[Any, Any, Any]] = {}
         self.registry.register(_PoolCollector(pool_ref))
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
@@ -272,6 +336,28 @@ class RouterMetrics:
         self._kv_children[(decision, tier if tier in ("gpu_hot", "storage_warm") else "none")].inc()
         if score is not None:
             self.kv_overlap.observe(score)
+
+    def kv_conversation_decision(self, outcome: str) -> None:
+        child = self._conversation_children.get(outcome)
+        if child is not None:
+            child.inc()
+
+    def kv_prediction(self, backend: str, predicted: int, reported: int) -> None:
+        """One answered request: predicted and reported cached tokens (``KvRuntime``'s
+        ``on_prediction``)."""
+        children = self._prediction_children.get(backend)
+        if children is None:
+            label = self._backend_label(backend)
+            children = (
+                self.kv_predicted_cached.labels(label),
+                self.kv_reported_cached.labels(label),
+                self.kv_prediction_error.labels(label),
+            )
+            if len(self._prediction_children) < 4096:
+                self._prediction_children[backend] = children
+        children[0].inc(max(0, predicted))
+        children[1].inc(max(0, reported))
+        children[2].observe(reported - predicted)
 
     def _cache_metrics(self) -> None:
         if hasattr(self, "cache_requests"):

@@ -4,6 +4,11 @@
 :class:`KvIndex`; ``apply_event`` feeds it the listener's events. See ``base`` for the
 contract every backend and wrapper honours. The index knows nothing of where its events
 come from (``router.ingest`` reads them, ``router.kv_runtime`` wires the two together).
+
+Conversation-depth routing uses a second instance of the same classes, the chain index
+(``build_kv_index(..., key_prefix=CHAIN_KEY_PREFIX, max_entries=conversation.max_entries)``),
+keyed by ``bus.prompt_chain`` keys; ``chains``, ``cost``, ``prefill`` and ``accuracy``
+hold its query, cost model, load ledger and predicted-vs-delivered sums.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from .base import (
     Change,
     IndexEntry,
     IndexStats,
+    Key,
     KvIndex,
     KvIndexError,
     KvIndexUnavailable,
@@ -27,8 +33,12 @@ from .instrumented import InstrumentedKvIndex
 from .memory import InMemoryKvIndex
 from .redis_index import DEFAULT_KEY_PREFIX, RedisKvIndex, Restore
 
+CHAIN_KEY_PREFIX = "cr:kvchain:"
+"""The chain index's Redis namespace (the prefix index keeps ``cr:kvidx:``)."""
+
 __all__ = [
     "ACTIONS",
+    "CHAIN_KEY_PREFIX",
     "DEFAULT_KEY_PREFIX",
     "EMPTY",
     "Action",
@@ -38,6 +48,7 @@ __all__ = [
     "IndexEntry",
     "IndexStats",
     "InstrumentedKvIndex",
+    "Key",
     "KvIndex",
     "KvIndexError",
     "KvIndexUnavailable",
@@ -56,6 +67,7 @@ def build_kv_index(
     *,
     pools: RedisPools | None = None,
     key_prefix: str = DEFAULT_KEY_PREFIX,
+    max_entries: int | None = None,
 ) -> InstrumentedKvIndex:
     """The index ``config.backend`` names, instrumented. No I/O; safe outside a running loop.
 
@@ -71,13 +83,17 @@ def build_kv_index(
     Args:
         pools: the router's registry of shared Redis clients (it closes them). When
             omitted, the index gets a client of its own, closed by ``index.close()``.
+        key_prefix: the Redis namespace (:data:`CHAIN_KEY_PREFIX` for the chain index).
+        max_entries: keys kept in memory instead of ``config.max_entries`` (the chain
+            index: ``conversation.max_entries``).
 
     Raises:
         ValueError: ``backend: redis`` without ``redis_config``.
     """
     ttl = float(config.entry_ttl_seconds)
+    size = config.max_entries if max_entries is None else max_entries
     if config.backend == "memory":
-        return InstrumentedKvIndex(InMemoryKvIndex(config.max_entries, ttl))
+        return InstrumentedKvIndex(InMemoryKvIndex(size, ttl))
     if redis_config is None:
         raise ValueError(
             "kv_cache_index.backend: redis requires response_cache.redis "
@@ -91,7 +107,7 @@ def build_kv_index(
     return InstrumentedKvIndex(
         FallbackKvIndex(
             primary,
-            InMemoryKvIndex(config.max_entries, ttl),
+            InMemoryKvIndex(size, ttl),
             monitor_interval_s=redis_config.health_check_interval_ms / 1000.0,
         )
     )

@@ -10,16 +10,24 @@ semantics below hold for all of them.
 
 Model::
 
-    prefix_hash -> {backend -> (token_count, tier, expires_at)}
+    key -> {backend -> (token_count, tier, expires_at)}
 
-* A *prefix entry* is one ``prefix_hash``; an *entry* is one (prefix, backend) pair.
-  ``max_entries`` limits prefix entries; every count returned by a mutation counts entries.
+* A key (:data:`Key`) is a prefix hash (the prefix index: 64 hex characters of a
+  ``bus.prefix_key`` digest) or a 16-byte ``bus.prompt_chain`` key (the chain index, a
+  second instance of the same classes). A *prefix entry* is one key; an *entry* is one
+  (key, backend) pair. ``max_entries`` limits prefix entries; every count returned by a
+  mutation counts entries.
 * ``query_backends`` returns the live entries sorted by ``token_count`` descending, ties
   broken by backend name descending (Redis' ``ZREVRANGEBYSCORE`` order). An empty result is
-  always the shared :data:`EMPTY` tuple, so a miss allocates nothing.
+  always the shared :data:`EMPTY` tuple, so a miss allocates nothing. ``query_many`` is the
+  same for many keys at once (one Redis round trip), e.g. every key of a prompt chain.
 * TTL: an entry expires ``ttl_seconds`` after its last event. ``upsert`` and ``set_tier``
   are events and refresh it; ``query_backends`` is not and never does. Expired entries are
   never returned; they are dropped lazily and by ``cleanup_expired``.
+* Per-entry TTL (predictions): ``upsert``/``write_many`` with ``ttl`` write entries that
+  expire ``ttl`` from now instead (at most ``ttl_seconds``), and such a write never
+  shortens a live entry: where the backend's entry already expires later, it is left
+  exactly as it is. So a prediction can extend, never cut, what an event wrote.
 * Tiers: ``GPU_HOT`` (blocks on the accelerator) and ``STORAGE_WARM`` (blocks only in a
   slower tier: CPU, disk, remote). Which events move an entry between them is decided in
   ``router.kvindex.apply``, not here.
@@ -37,6 +45,8 @@ never leave a half-written entry.
 from __future__ import annotations
 
 import abc
+import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -47,10 +57,12 @@ __all__ = [
     "Change",
     "IndexEntry",
     "IndexStats",
+    "Key",
     "KvIndex",
     "KvIndexError",
     "KvIndexUnavailable",
     "StorageTier",
+    "check_ttl",
 ]
 
 
@@ -63,8 +75,12 @@ class StorageTier(StrEnum):
     """Offloaded only (CPU memory, local disk, remote store): reusable after a reload."""
 
 
-Change = tuple[str, str, int, "StorageTier | None"]
-"""``(prefix_hash, backend, token_count, tier)``: an upsert, or with tier None a remove
+Key = str | bytes
+"""An index key: a prefix hash (``str``, 64 hex) or a chain key (``bytes``, 16; Redis
+names it by its 32 hex characters). One index holds one kind."""
+
+Change = tuple[Key, str, int, "StorageTier | None"]
+"""``(key, backend, token_count, tier)``: an upsert, or with tier None a remove
 (``token_count`` is then ignored). See :meth:`KvIndex.write_many`."""
 
 
@@ -110,6 +126,12 @@ class IndexEntry:
 
 EMPTY: Final[tuple[IndexEntry, ...]] = ()
 """The one empty query result; ``query_backends`` returns it (identity) on every miss."""
+
+
+def check_ttl(ttl: float | None) -> None:
+    """Raise ``ValueError`` unless ``ttl`` is None or a positive finite number of seconds."""
+    if ttl is not None and not (ttl > 0 and math.isfinite(ttl)):
+        raise ValueError(f"ttl must be a positive number of seconds, got {ttl!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,15 +183,30 @@ class KvIndex(abc.ABC):
     kind: str = "abstract"
 
     @abc.abstractmethod
-    async def query_backends(self, prefix_hash: str) -> Sequence[IndexEntry]:
+    async def query_backends(self, prefix_hash: Key) -> Sequence[IndexEntry]:
         """Live entries for ``prefix_hash``, ``token_count`` descending (ties: backend
         name descending). Returns :data:`EMPTY` itself when there are none. Never
         refreshes a TTL."""
 
-    async def peek(self, prefix_hash: str) -> Sequence[IndexEntry]:
+    async def query_many(self, keys: Sequence[Key]) -> list[Sequence[IndexEntry]]:
+        """``query_backends`` of each key, in order, as one query: one Redis round trip,
+        counted as one routing query (a hit when any key has an entry). Misses are
+        :data:`EMPTY`. Never refreshes a TTL. This default makes one call each."""
+        return [await self.query_backends(k) for k in keys]
+
+    async def peek(self, prefix_hash: Key) -> Sequence[IndexEntry]:
         """``query_backends`` for operators' tools: not counted as a routing query or hit
         (a wrapper that counts queries forwards this uncounted)."""
         return await self.query_backends(prefix_hash)
+
+    async def peek_many(self, keys: Sequence[Key]) -> list[Sequence[IndexEntry]]:
+        """``query_many`` uncounted, like :meth:`peek`."""
+        return await self.query_many(keys)
+
+    def now(self) -> float:
+        """The index's clock now: the one ``IndexEntry.expires_at`` is on (so a caller can
+        tell how long an entry it read has left)."""
+        return time.time()
 
     async def backend_counts(self) -> dict[str, int]:
         """Live entries per backend. Admin-only: may scan the whole index."""
@@ -177,39 +214,50 @@ class KvIndex(abc.ABC):
 
     @abc.abstractmethod
     async def upsert(
-        self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier
+        self,
+        prefix_hash: Key,
+        backend: str,
+        token_count: int,
+        tier: StorageTier,
+        ttl: float | None = None,
     ) -> None:
         """Create or replace the entry; its TTL restarts. Idempotent.
 
+        With ``ttl`` (seconds, > 0; more than ``ttl_seconds`` counts as ``ttl_seconds``)
+        the entry expires ``ttl`` from now, unless the backend's live entry already expires
+        later: then nothing changes (a prediction never shortens an entry).
+
         Raises:
-            ValueError: ``token_count`` is negative.
+            ValueError: ``token_count`` is negative, or ``ttl`` is not positive.
         """
 
-    async def write_many(self, changes: Sequence[Change]) -> None:
-        """Apply ``changes`` in order, each as ``upsert`` (a tier) or ``remove`` (None)
-        would. The consumer hands a chunk of events over at once; a backend with a cost
-        per call (a Redis round trip) does them together. This default makes one call
-        each.
+    async def write_many(self, changes: Sequence[Change], ttl: float | None = None) -> None:
+        """Apply ``changes`` in order, each as ``upsert`` (a tier, with this ``ttl``) or
+        ``remove`` (None) would. The consumer hands a chunk of events over at once; a
+        backend with a cost per call (a Redis round trip) does them together. This
+        default makes one call each.
 
         Not atomic as a whole. If it raises, any prefix of ``changes`` may have been
         applied; applying them again is harmless (both operations are idempotent).
 
         Raises:
-            ValueError: a negative ``token_count`` (nothing after it is applied).
+            ValueError: a negative ``token_count`` (nothing after it is applied), or a
+                ``ttl`` that is not positive (nothing is applied).
         """
+        check_ttl(ttl)
         for prefix_hash, backend, token_count, tier in changes:
             if tier is None:
                 await self.remove(prefix_hash, backend)
             else:
-                await self.upsert(prefix_hash, backend, token_count, tier)
+                await self.upsert(prefix_hash, backend, token_count, tier, ttl)
 
     @abc.abstractmethod
-    async def set_tier(self, prefix_hash: str, backend: str, tier: StorageTier) -> bool:
+    async def set_tier(self, prefix_hash: Key, backend: str, tier: StorageTier) -> bool:
         """Move an existing live entry to ``tier``, keeping its ``token_count``; its TTL
         restarts. Returns False (and creates nothing) if there is no live entry."""
 
     @abc.abstractmethod
-    async def remove(self, prefix_hash: str, backend: str) -> bool:
+    async def remove(self, prefix_hash: Key, backend: str) -> bool:
         """Drop one entry. Returns whether a live entry was removed."""
 
     @abc.abstractmethod

@@ -40,7 +40,16 @@ from collections.abc import Iterator, Sequence
 
 from router.redis import FallbackSupervisor, SupervisedStore
 
-from .base import Change, IndexEntry, IndexStats, KvIndex, KvIndexUnavailable, StorageTier
+from .base import (
+    Change,
+    IndexEntry,
+    IndexStats,
+    Key,
+    KvIndex,
+    KvIndexUnavailable,
+    StorageTier,
+    check_ttl,
+)
 from .memory import InMemoryKvIndex
 from .redis_index import RedisKvIndex, Restore
 
@@ -80,7 +89,7 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
             interval_s=monitor_interval_s,
             logger=log,
         )
-        self._dirty: dict[tuple[str, str], bool] = {}  # (prefix, backend) -> last op was a put
+        self._dirty: dict[tuple[Key, str], bool] = {}  # (prefix, backend) -> last op was a put
         self._dirty_cap = 2 * fallback.max_entries
         self._dirty_overflow = False
         self._pending_backends: set[str] = set()
@@ -109,7 +118,7 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
         self._supervisor.engage(operation, exc.cause)
         return self._fallback
 
-    def _mark(self, prefix_hash: str, backend: str, put: bool) -> None:
+    def _mark(self, prefix_hash: Key, backend: str, put: bool) -> None:
         if self._dirty_overflow:
             return
         dirty = self._dirty
@@ -154,7 +163,7 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
             did = True
         if self._dirty_overflow:
             self._dirty_overflow = False
-            batch: dict[tuple[str, str], bool] = {(p, e.backend): True for p, e in fb.items()}
+            batch: dict[tuple[Key, str], bool] = {(p, e.backend): True for p, e in fb.items()}
         else:
             batch, self._dirty = self._dirty, {}
         if batch:
@@ -167,7 +176,7 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
             did = True
         return did
 
-    def _restores(self, batch: dict[tuple[str, str], bool]) -> Iterator[Restore]:
+    def _restores(self, batch: dict[tuple[Key, str], bool]) -> Iterator[Restore]:
         """What ``batch`` means for Redis now, read from the fallback as Redis takes it."""
         fb = self._fallback
         fb_now = fb.clock()
@@ -181,13 +190,26 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
 
     # ---- KvIndex -------------------------------------------------------------------------
 
-    async def query_backends(self, prefix_hash: str) -> Sequence[IndexEntry]:
+    async def query_backends(self, prefix_hash: Key) -> Sequence[IndexEntry]:
         if self._supervisor.active:
             return self._fallback.lookup(prefix_hash)
         try:
             return await self._primary.query_backends(prefix_hash)
         except KvIndexUnavailable as exc:
             return self._engage("query", exc).lookup(prefix_hash)
+
+    async def query_many(self, keys: Sequence[Key]) -> list[Sequence[IndexEntry]]:
+        if self._supervisor.active:
+            return self._fallback.lookup_many(keys)
+        try:
+            return await self._primary.query_many(keys)
+        except KvIndexUnavailable as exc:
+            return self._engage("query", exc).lookup_many(keys)
+
+    def now(self) -> float:
+        """The clock of the store that answers now (entries read from the other one may be
+        on another clock: a caller comparing across a switch errs for one call)."""
+        return self._fallback.now() if self._supervisor.active else self._primary.now()
 
     async def backend_counts(self) -> dict[str, int]:
         if self._supervisor.active:
@@ -198,22 +220,29 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
             return self._engage("backend_counts", exc).count_per_backend()
 
     async def upsert(
-        self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier
+        self,
+        prefix_hash: Key,
+        backend: str,
+        token_count: int,
+        tier: StorageTier,
+        ttl: float | None = None,
     ) -> None:
         if token_count < 0:
             raise ValueError("token_count must be non-negative")
+        check_ttl(ttl)
         if not self._supervisor.active:
             try:
-                await self._primary.upsert(prefix_hash, backend, token_count, tier)
+                await self._primary.upsert(prefix_hash, backend, token_count, tier, ttl)
                 return
             except KvIndexUnavailable as exc:
                 self._engage("upsert", exc)
-        self._fallback.put(prefix_hash, backend, token_count, tier)
+        self._fallback.put(prefix_hash, backend, token_count, tier, ttl)
         self._mark(prefix_hash, backend, True)
 
-    async def write_many(self, changes: Sequence[Change]) -> None:
+    async def write_many(self, changes: Sequence[Change], ttl: float | None = None) -> None:
         """Redis' ``write_batch`` changes at a time, so that when one call fails exactly
         the changes from it on go to memory (and the replay log)."""
+        check_ttl(ttl)
         for _, _, token_count, tier in changes:
             if tier is not None and token_count < 0:
                 raise ValueError("token_count must be non-negative")
@@ -223,18 +252,15 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
             part = changes[start : start + step]
             if not self._supervisor.active:
                 try:
-                    await self._primary.write_many(part)
+                    await self._primary.write_many(part, ttl)
                     continue
                 except KvIndexUnavailable as exc:
                     self._engage("write_many", exc)
-            for prefix_hash, backend, token_count, tier in part:
-                if tier is None:
-                    fb.drop(prefix_hash, backend)
-                else:
-                    fb.put(prefix_hash, backend, token_count, tier)
+            fb.write(part, ttl)
+            for prefix_hash, backend, _, tier in part:
                 self._mark(prefix_hash, backend, tier is not None)
 
-    async def set_tier(self, prefix_hash: str, backend: str, tier: StorageTier) -> bool:
+    async def set_tier(self, prefix_hash: Key, backend: str, tier: StorageTier) -> bool:
         if not self._supervisor.active:
             try:
                 return await self._primary.set_tier(prefix_hash, backend, tier)
@@ -245,7 +271,7 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
             self._mark(prefix_hash, backend, True)
         return done
 
-    async def remove(self, prefix_hash: str, backend: str) -> bool:
+    async def remove(self, prefix_hash: Key, backend: str) -> bool:
         if not self._supervisor.active:
             try:
                 return await self._primary.remove(prefix_hash, backend)

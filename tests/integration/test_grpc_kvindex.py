@@ -343,6 +343,27 @@ async def test_stats_and_backends_count_entries_per_backend(rig: Rig) -> None:
     assert {b.name: b.entries for b in backends} == {"b-1": 2, "b-2": 3}
 
 
+async def test_the_conversation_index_needs_conversation_routing(rig: Rig) -> None:
+    """kvindex.proto: a chain key or chain while conversation routing is disabled is
+    FAILED_PRECONDITION; Stats has no chain part and Backends no chain entries."""
+    for call in (
+        rig.stub.Query(pb.QueryRequest(chain_key="0" * 32), timeout=5),
+        rig.stub.Score(pb.ScoreRequest(chain=pb.PromptChain(keys=["0" * 32])), timeout=5),
+    ):
+        err = await rpc_error(call)
+        assert err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
+        assert "conversation" in (err.details() or ""), err.details()
+    st = await rig.stub.Stats(pb.StatsRequest(), timeout=5)
+    assert not st.HasField("chain")
+    backends = (await rig.stub.Backends(pb.BackendsRequest(), timeout=5)).backends
+    assert all(b.chain_entries == 0 for b in backends)
+    # A request is scored on its prefix alone.
+    reply = await rig.stub.Score(
+        pb.ScoreRequest(request=pb.ChatRequest(request_json=orjson.dumps(REQUEST))), timeout=5
+    )
+    assert reply.selected_backend == "b-1" and not reply.HasField("conversation")
+
+
 # -- reflection and health ---------------------------------------------------------------
 
 

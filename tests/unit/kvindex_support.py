@@ -19,6 +19,11 @@ def P(i: int) -> str:
     return f"{i:064x}"
 
 
+def C(i: int) -> bytes:
+    """A chain key (16 bytes, like ``bus.prompt_chain``'s)."""
+    return i.to_bytes(16, "big")
+
+
 def state(entries: Sequence[IndexEntry]) -> dict[str, tuple[int, StorageTier]]:
     return {e.backend: (e.token_count, e.tier) for e in entries}
 

@@ -41,6 +41,7 @@ from router.redis import RedisPools, build_redis
 from tests.unit.kvindex_support import (
     GPU,
     WARM,
+    C,
     FakeClock,
     P,
     assert_sorted,
@@ -515,6 +516,244 @@ async def test_write_many_runs_upserts_and_removes_in_order(harness: Harness) ->
         await idx.write_many([(P(9), "A", 1, GPU), (P(9), "B", -1, GPU)])
 
 
+# ---- chain events: the same table, into the chain index -------------------------------
+
+_CHAIN_OF = {
+    "cache_created": "chain_created",
+    "cache_offloaded": "chain_offloaded",
+    "cache_evicted": "chain_evicted",
+}
+
+
+def as_chain(ev: KvEvent) -> KvEvent:
+    """``ev``'s chain namesake: the same row of the table, keyed by a chain key."""
+    kind = _CHAIN_OF.get(ev.event)
+    if kind is None:
+        return ev
+    assert ev.prefix_hash is not None
+    key = int(ev.prefix_hash, 16)
+    return KvEvent(kind, ev.backend, None, ev.token_count, ev.tier, chain_key=f"{key:032x}")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "offloading"), [("off", OFF), ("demote", DEMOTE), ("keep", KEEP)], ids=str
+)
+async def test_chain_events_follow_the_table_into_the_chain_index(
+    harness: Harness, name: str, offloading: StorageOffloadingConfig
+) -> None:
+    """Every row of the transition table, as chain events: the same labels and states, in
+    the chain index (keyed by the chain key's 16 bytes); the prefix index is untouched, and
+    cleared/resync empty the backend in both."""
+    idx, chains = harness.make(), harness.make()
+    await idx.upsert(P(7), "B", 1, GPU)  # a prefix entry the resync of B must remove
+    for i, (ev, expect) in enumerate(TRANSITIONS):
+        label, s1, s2 = expect[name]
+        assert await apply_event(idx, as_chain(ev), offloading, chains) == label, (i, ev)
+        assert state(await chains.query_backends(C(1))) == s1, (i, ev)
+        assert state(await chains.query_backends(C(2))) == s2, (i, ev)
+        assert await idx.query_backends(P(1)) is EMPTY
+    assert await idx.query_backends(P(7)) is EMPTY  # cache_cleared of B cleared it too
+
+
+async def test_chain_events_without_a_chain_index_are_ignored(harness: Harness) -> None:
+    idx = harness.make()
+    events = [as_chain(ev) for ev, _ in TRANSITIONS[:5]]
+    assert [await apply_event(idx, ev, KEEP) for ev in events] == ["ignored"] * 5
+    assert await apply_events(idx, events, KEEP) == ["ignored"] * 5
+    assert (await idx.stats()).entry_count == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "offloading"), [("off", OFF), ("demote", DEMOTE), ("keep", KEEP)], ids=str
+)
+async def test_apply_events_of_both_kinds_in_one_call_equals_one_by_one(
+    harness: Harness, name: str, offloading: StorageOffloadingConfig
+) -> None:
+    """A random mix of prefix and chain events (and whole-backend ones) through
+    apply_events: each event's label and both indexes' final state equal applying the
+    events one by one."""
+    rng = random.Random(11)
+    mix: list[KvEvent] = []
+    for _ in range(600):
+        ev = KvEvent(
+            rng.choice(["cache_created", "cache_created", "cache_evicted", "cache_offloaded"]),
+            rng.choice("ABC"),
+            P(rng.randrange(8)),
+            rng.choice([None, 16, 64, 256]),
+            rng.choice([None, "gpu", "storage"]),
+        )
+        if ev.event == "cache_offloaded" and ev.token_count is None and rng.random() < 0.5:
+            ev = KvEvent("cache_offloaded", ev.backend, ev.prefix_hash, 32, ev.tier)
+        mix.append(as_chain(ev) if rng.random() < 0.6 else ev)
+    mix[200:200] = [KvEvent("resync", "B"), KvEvent("cache_cleared", "C")]
+    mix[450:450] = [KvEvent("cache_cleared", "A")]
+    one, one_chains = harness.make(), harness.make()
+    many, many_chains = harness.make(), harness.make()
+    labels = [await apply_event(one, ev, offloading, one_chains) for ev in mix]
+    assert await apply_events(many, mix, offloading, many_chains) == labels
+    assert await _snapshot(many, 8) == await _snapshot(one, 8)
+    chain_state = [state(r) for r in await many_chains.query_many([C(i) for i in range(8)])]
+    assert chain_state == [state(r) for r in await one_chains.query_many([C(i) for i in range(8)])]
+    assert any(chain_state)
+
+
+async def test_apply_events_makes_one_write_many_per_run_per_index() -> None:
+    class Counting(InMemoryKvIndex):
+        def __init__(self) -> None:
+            super().__init__(1000, 600)
+            self.calls: list[int] = []
+
+        async def write_many(self, changes: Sequence[Change], ttl: float | None = None) -> None:
+            self.calls.append(len(changes))
+            await super().write_many(changes, ttl)
+
+    idx, chains = Counting(), Counting()
+    ck = [f"{i:032x}" for i in range(4)]
+    events = [
+        KvEvent("cache_created", "A", P(1), 10, "gpu"),
+        KvEvent("chain_created", "A", token_count=10, tier="gpu", chain_key=ck[0]),
+        KvEvent("chain_created", "A", token_count=20, tier="gpu", chain_key=ck[1]),
+        KvEvent("cache_created", "A", P(2), 10, "gpu"),
+        KvEvent("chain_evicted", "A", chain_key=ck[2]),
+        KvEvent("resync", "B"),
+        KvEvent("chain_created", "B", token_count=5, tier="gpu", chain_key=ck[3]),
+    ]
+    labels = await apply_events(idx, events, OFF, chains)
+    assert labels == ["created", "created", "created", "created", "evicted", "resync", "created"]
+    assert idx.calls == [2]
+    assert chains.calls == [3, 1]
+
+
+# ---- query_many, per-entry TTL (predictions), chain keys: every backend and wrapper -----
+
+
+async def test_query_many_is_query_backends_of_each_key(harness: Harness) -> None:
+    clock = FakeClock()
+    idx = harness.make(ttl=100, clock=clock)
+    await idx.upsert(P(1), "a", 10, GPU)
+    await idx.upsert(P(2), "a", 5, WARM)
+    await idx.upsert(P(2), "b", 7, GPU)
+    await idx.upsert(P(3), "c", 1, GPU)
+    clock.advance(60)
+    await idx.upsert(P(3), "d", 2, GPU)
+    keys = [P(1), P(9), P(2), P(3), P(1), P(8)]
+    got = await idx.query_many(keys)
+    assert [state(r) for r in got] == [state(await idx.query_backends(k)) for k in keys]
+    assert [[e.backend for e in r] for r in got] == [["a"], [], ["b", "a"], ["d", "c"], ["a"], []]
+    for r in got:
+        assert_sorted(r)
+    assert got[1] is EMPTY and got[5] is EMPTY  # a miss is the shared empty tuple
+    assert await idx.query_many([]) == []
+    # Never a refresh: an entry read by query_many still expires on time.
+    clock.advance(41)
+    rows = await idx.query_many([P(1), P(2), P(3)])
+    assert rows[0] is EMPTY and rows[1] is EMPTY
+    assert state(rows[2]) == {"d": (2, GPU)}
+    assert [state(r) for r in await idx.peek_many([P(3), P(1)])] == [{"d": (2, GPU)}, {}]
+
+
+async def test_query_many_of_a_long_chain(harness: Harness) -> None:
+    """64 chain keys, prefix-closed per backend, in one query."""
+    idx = harness.make()
+    depth = {"a": 64, "b": 40, "c": 3}
+    await idx.write_many(
+        [(C(i), b, 100 * (i + 1), GPU) for b, d in depth.items() for i in range(d)]
+    )
+    rows = await idx.query_many([C(i) for i in range(70)])
+    assert len(rows) == 70
+    for i, row in enumerate(rows):
+        assert {e.backend for e in row} == {b for b, d in depth.items() if i < d}, i
+        assert all(e.token_count == 100 * (i + 1) for e in row)
+    assert rows[64] is EMPTY
+
+
+async def test_chain_keys_are_bytes_on_every_operation(harness: Harness) -> None:
+    clock = FakeClock()
+    idx = harness.make(ttl=100, clock=clock)
+    await idx.upsert(C(1), "a", 10, GPU)
+    await idx.write_many([(C(2), "a", 20, GPU), (C(2), "b", 5, WARM), (C(3), "b", 1, GPU)])
+    assert state(await idx.query_backends(C(2))) == {"a": (20, GPU), "b": (5, WARM)}
+    assert await idx.set_tier(C(1), "a", WARM) is True
+    assert state(await idx.peek(C(1))) == {"a": (10, WARM)}
+    assert await idx.remove(C(3), "b") is True
+    assert await idx.query_backends(C(3)) is EMPTY
+    assert await idx.backend_counts() == {"a": 2, "b": 1}
+    st = await idx.stats()
+    assert (st.prefix_count, st.entry_count) == (2, 3)
+    assert await idx.remove_backend("b") == 1
+    clock.advance(101)
+    assert await idx.cleanup_expired() == 2
+    assert await idx.query_many([C(1), C(2)]) == [EMPTY, EMPTY]
+
+
+async def test_now_is_the_clock_of_expires_at(harness: Harness) -> None:
+    clock = FakeClock()
+    idx = harness.make(ttl=100, clock=clock)
+    await idx.upsert(P(1), "a", 1, GPU)
+    (e,) = await idx.query_backends(P(1))
+    assert idx.now() == pytest.approx(clock.now, abs=0.01)
+    assert e.expires_at - idx.now() == pytest.approx(100, abs=0.01)
+
+
+async def test_a_prediction_expires_early_and_never_shortens_an_entry(harness: Harness) -> None:
+    clock = FakeClock()
+    idx = harness.make(ttl=100, clock=clock)
+    await idx.upsert(C(1), "a", 10, GPU)  # an event: 100 s
+    await idx.upsert(C(1), "a", 5, WARM, ttl=10)  # a prediction over it changes nothing
+    (e,) = await idx.query_backends(C(1))
+    assert (e.token_count, e.tier) == (10, GPU)
+    assert e.expires_at == pytest.approx(clock.now + 100, abs=0.01)
+    await idx.upsert(C(2), "a", 5, GPU, ttl=10)  # a prediction where there was nothing
+    await idx.upsert(C(1), "b", 6, GPU, ttl=10)  # beside another backend's entry
+    (p,) = await idx.query_backends(C(2))
+    assert p.expires_at == pytest.approx(clock.now + 10, abs=0.01)
+    clock.advance(6)
+    await idx.upsert(C(2), "a", 7, WARM, ttl=10)  # a prediction renews a prediction
+    (p,) = await idx.query_backends(C(2))
+    assert (p.token_count, p.tier) == (7, WARM)
+    assert p.expires_at == pytest.approx(clock.now + 10, abs=0.01)
+    clock.advance(5)  # b's prediction on C(1) expired; a's event entry did not
+    assert state(await idx.query_backends(C(1))) == {"a": (10, GPU)}
+    await idx.upsert(C(2), "a", 9, GPU)  # an event replaces a prediction, full TTL
+    (p,) = await idx.query_backends(C(2))
+    assert p.token_count == 9 and p.expires_at == pytest.approx(clock.now + 100, abs=0.01)
+    await idx.upsert(C(3), "a", 1, GPU, ttl=1000)  # never longer than the index's TTL
+    (p,) = await idx.query_backends(C(3))
+    assert p.expires_at == pytest.approx(clock.now + 100, abs=0.01)
+    clock.advance(5)
+    await idx.upsert(C(2), "a", 1, WARM, ttl=100)  # outlives the event entry: replaces it
+    (p,) = await idx.query_backends(C(2))
+    assert (p.token_count, p.tier) == (1, WARM)
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="ttl"):
+            await idx.upsert(C(4), "a", 1, GPU, ttl=bad)
+        with pytest.raises(ValueError, match="ttl"):
+            await idx.write_many([(C(4), "a", 1, GPU)], ttl=bad)
+    assert await idx.query_backends(C(4)) is EMPTY
+
+
+async def test_write_many_with_a_ttl(harness: Harness) -> None:
+    clock = FakeClock()
+    idx = harness.make(ttl=100, clock=clock)
+    await idx.write_many([(C(i), "a", i, GPU) for i in range(3)])  # events
+    clock.advance(95)  # 5 s left
+    changes: list[Change] = [(C(i), "a", 100 + i, WARM) for i in range(5)]
+    changes.append((C(0), "a", 0, None))  # a removal in a predicting batch is a removal
+    changes += [(C(10 + i % 40), f"b{i % 3}", i, GPU) for i in range(300)]  # > one batch
+    await idx.write_many(changes, ttl=10)
+    rows = await idx.query_many([C(i) for i in range(5)])
+    assert [state(r) for r in rows] == [{}] + [{"a": (100 + i, WARM)} for i in range(1, 5)]
+    assert all(r[0].expires_at == pytest.approx(clock.now + 10, abs=0.01) for r in rows[1:])
+    assert state(await idx.query_backends(C(10))) == {
+        "b0": (240, GPU),
+        "b1": (280, GPU),
+        "b2": (200, GPU),
+    }
+    clock.advance(11)
+    assert await idx.query_many([C(1), C(10)]) == [EMPTY, EMPTY]
+    await idx.write_many([], ttl=10)
+
+
 # ---- memory specifics ----------------------------------------------------------------
 
 
@@ -591,6 +830,70 @@ def test_memory_entry_size_within_budget() -> None:
     assert per_entry <= 400, per_entry
 
 
+def test_memory_lookup_many_misses_are_the_shared_tuple() -> None:
+    idx = InMemoryKvIndex(1000, 60)
+    idx.put(C(1), "a", 1, GPU)
+    keys = [C(i) for i in range(2, 66)]
+    tracemalloc.start()
+    try:
+        idx.lookup_many(keys)
+        tracemalloc.reset_peak()
+        before = tracemalloc.get_traced_memory()[0]
+        rows = idx.lookup_many(keys)
+        peak = tracemalloc.get_traced_memory()[1]
+        # The result list (and its growth) is the only allocation: a miss allocates
+        # nothing (a tuple per miss would add 48 B each).
+        assert peak - before <= 16 * len(keys) + 256, peak - before
+    finally:
+        tracemalloc.stop()
+    assert all(r is EMPTY for r in rows)
+
+
+def test_memory_chain_entry_size_within_budget() -> None:
+    """A chain key (16 bytes) held by one backend, written in batches as events arrive:
+    at most 200 B per (key, backend), the key included."""
+    n = 20_000
+    hexes = [f"{i * 7919:032x}" for i in range(n)]
+    idx = InMemoryKvIndex(n, 600)
+    backends = [f"vllm-{j}" for j in range(4)]
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for start in range(0, n, 256):
+            idx.write(
+                [
+                    (bytes.fromhex(h), backends[i % 4], 1000 + i, GPU)
+                    for i, h in enumerate(hexes[start : start + 256], start)
+                ]
+            )
+        per_entry = (tracemalloc.get_traced_memory()[0] - before) / n
+    finally:
+        tracemalloc.stop()
+    assert per_entry <= 200, per_entry
+
+
+def test_memory_single_and_shared_keys_keep_their_order_and_counts() -> None:
+    """A key moves between one holder (stored bare) and several (a tuple) and back."""
+    clock = FakeClock(0.0)
+    idx = InMemoryKvIndex(100, 10, clock=clock)
+    idx.put(C(1), "a", 5, GPU)
+    idx.put(C(1), "b", 9, WARM)
+    idx.put(C(1), "c", 5, GPU)
+    assert [e.backend for e in idx.lookup(C(1))] == ["b", "c", "a"]
+    assert idx.drop(C(1), "b") and idx.drop(C(1), "c")
+    assert state(idx.lookup(C(1))) == {"a": (5, GPU)}
+    assert idx.retier(C(1), "a", WARM) and state(idx.lookup(C(1))) == {"a": (5, WARM)}
+    idx.put(C(1), "b", 1, GPU)
+    assert idx.drop_backend("a") == 1 and state(idx.lookup(C(1))) == {"b": (1, GPU)}
+    clock.advance(5)
+    idx.put(C(1), "c", 2, GPU)
+    clock.advance(6)  # b expired, c not: the lazy prune leaves a bare entry
+    assert state(idx.lookup(C(1))) == {"c": (2, GPU)}
+    st = idx.snapshot_stats()
+    assert (st.prefix_count, st.entry_count, st.total_expired) == (1, 1, 1)
+    assert idx.drop_all() == 1
+
+
 def test_memory_sweep_stops_at_first_live_prefix() -> None:
     clock = FakeClock(0.0)
     idx = InMemoryKvIndex(1000, 10, clock=clock)
@@ -624,10 +927,14 @@ async def test_instrumented_counts_routing_queries_and_hits_only() -> None:
     assert await idx.peek(P(1))  # operators' reads are not routing lookups
     assert await idx.peek(P(2)) is EMPTY
     assert (idx.queries, idx.hits) == (2, 1)
+    assert [state(r) for r in await idx.query_many([P(1), P(2)])] == [{"a": (10, GPU)}, {}]
+    await idx.query_many([P(3), P(4)])
+    assert await idx.peek_many([P(1)])
+    assert (idx.queries, idx.hits) == (4, 2)  # query_many: one lookup; peek_many: none
     await idx.upsert(P(2), "a", 1, GPU)
     await idx.upsert(P(3), "a", 1, GPU)  # full: the oldest prefix is evicted by memory
     st = await idx.stats()
-    assert (st.kind, st.total_hits, st.total_evictions, st.prefix_count) == ("memory", 1, 1, 2)
+    assert (st.kind, st.total_hits, st.total_evictions, st.prefix_count) == ("memory", 2, 1, 2)
     assert idx.last_stats == st  # the scrape-time view
     assert (await inner.stats()).total_hits == 0  # the backend itself counts no hits
 

@@ -24,6 +24,7 @@ from router.kvindex import (
     IndexEntry,
     InMemoryKvIndex,
     InstrumentedKvIndex,
+    Key,
     KvIndexUnavailable,
     RedisKvIndex,
     Restore,
@@ -204,20 +205,29 @@ class FlakyPrimary(InMemoryKvIndex):
         self._check("query")
         return self.lookup(prefix_hash)
 
+    async def query_many(self, keys: Sequence[Key]) -> list[Sequence[IndexEntry]]:
+        self._check("query")
+        return self.lookup_many(keys)
+
     async def upsert(
-        self, prefix_hash: str, backend: str, token_count: int, tier: StorageTier
+        self,
+        prefix_hash: Key,
+        backend: str,
+        token_count: int,
+        tier: StorageTier,
+        ttl: float | None = None,
     ) -> None:
         self._check("upsert")
-        self.put(prefix_hash, backend, token_count, tier)
+        self.put(prefix_hash, backend, token_count, tier, ttl)
 
-    async def write_many(self, changes: Sequence[Change]) -> None:
+    async def write_many(self, changes: Sequence[Change], ttl: float | None = None) -> None:
         assert len(changes) <= self.write_batch  # the wrapper hands over one slice at a time
         if self.writes_before_outage is not None:
             if self.writes_before_outage == 0:
                 self.down = True
             self.writes_before_outage -= 1
         self._check("write_many")
-        await super().write_many(changes)
+        await super().write_many(changes, ttl)
 
     async def remove(self, prefix_hash: str, backend: str) -> bool:
         self._check("remove")
@@ -313,3 +323,28 @@ async def test_hits_and_stats_through_an_outage(redis_server: RedisServer) -> No
     finally:
         await idx.close()
         await client.aclose(close_connection_pool=True)
+
+
+async def test_query_many_and_predictions_through_an_outage() -> None:
+    """query_many is answered from memory while Redis is down; predictions (writes with a
+    ttl) go to memory and are replayed with the short lifetime they have left."""
+    primary, idx = flaky()
+    try:
+        await idx.upsert(P(1), "a", 10, GPU)
+        primary.down = True
+        rows = await idx.query_many([P(1), P(2)])
+        assert idx.fallback_active and rows == [EMPTY, EMPTY]  # Redis-only state misses
+        await idx.write_many([(P(2), "b", 5, GPU), (P(3), "b", 6, GPU)], ttl=10)
+        await idx.upsert(P(4), "b", 7, GPU, ttl=10)
+        rows = await idx.query_many([P(2), P(3), P(4)])
+        assert [state(r) for r in rows] == [{"b": (5, GPU)}, {"b": (6, GPU)}, {"b": (7, GPU)}]
+        assert all(r[0].expires_at - idx.now() <= 10 for r in rows)
+        primary.down = False
+        assert await idx.try_recover() is True
+        restored = {r[0]: r for r in primary.restored}
+        assert sorted(restored) == [P(2), P(3), P(4)]
+        assert all(0 < r[4] <= 10 for r in restored.values())
+        rows = await idx.query_many([P(1), P(2)])
+        assert [state(r) for r in rows] == [{"a": (10, GPU)}, {"b": (5, GPU)}]
+    finally:
+        await idx.close()

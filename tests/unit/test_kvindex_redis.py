@@ -202,3 +202,69 @@ async def test_redis_restore_writes_the_lifetime_left_and_removals(
     assert (await idx.stats()).prefix_count == 300
     clock.advance(6)
     assert await idx.query_backends(P(7)) is EMPTY
+
+
+async def test_redis_chain_keys_are_named_by_their_hex(
+    redis_client: Redis, key_prefix: str, cleanup: None
+) -> None:
+    idx = RedisKvIndex(redis_client, 600, key_prefix)
+    chain_key = bytes(range(16))
+    await idx.upsert(chain_key, "vllm-1", 300, GPU)
+    key = (key_prefix + chain_key.hex()).encode()
+    assert await redis_client.zrange(key, 0, -1, withscores=True) == [(b"vllm-1", 300.0)]
+    assert (await redis_client.hget(key + b":t", "vllm-1") or b"")[:1] == b"g"
+
+
+async def test_redis_a_prediction_never_shortens_a_key(
+    redis_client: Redis, key_prefix: str, cleanup: None
+) -> None:
+    """A prediction beside an event entry leaves the key's PEXPIRE at the event's TTL; a key
+    holding only a prediction expires with it; a later event lengthens it again."""
+    idx = RedisKvIndex(redis_client, 600, key_prefix)
+    await idx.upsert(P(1), "a", 10, GPU)
+    await idx.write_many([(P(1), "b", 5, GPU), (P(2), "b", 5, GPU)], ttl=10)
+    k1, k2 = (key_prefix + P(1)).encode(), (key_prefix + P(2)).encode()
+    for k in (k1, k1 + b":t"):
+        assert 590_000 < await redis_client.pttl(k) <= 600_000
+    for k in (k2, k2 + b":t"):
+        assert 0 < await redis_client.pttl(k) <= 10_000
+    await idx.upsert(P(2), "a", 7, GPU)
+    assert 590_000 < await redis_client.pttl(k2) <= 600_000
+    await idx.upsert(P(2), "c", 7, GPU, ttl=10)
+    assert 590_000 < await redis_client.pttl(k2) <= 600_000
+    # A member we cannot date (a foreign tool's) is left alone by a prediction.
+    await redis_client.zadd(k2, {"legacy": 4096})
+    await idx.upsert(P(2), "legacy", 1, WARM, ttl=10)
+    assert state(await idx.query_backends(P(2)))["legacy"] == (4096, GPU)
+
+
+async def test_redis_query_many_rereads_a_line_it_cannot_parse(
+    redis_client: Redis, key_prefix: str, cleanup: None
+) -> None:
+    """query_many's one-string reply separates fields with spaces; a member with a space
+    in it (no backend name has one) makes its key's line odd, and that key is read again
+    with the per-key query, so the answer is still exact."""
+    idx = RedisKvIndex(redis_client, 600, key_prefix)
+    await idx.upsert(P(1), "a", 10, GPU)
+    await redis_client.zadd(key_prefix + P(2), {"two words": 5})
+    await idx.upsert(P(3), "b", 3, WARM)
+    rows = await idx.query_many([P(1), P(2), P(3), P(4)])
+    assert [state(r) for r in rows] == [
+        {"a": (10, GPU)},
+        {"two words": (5, GPU)},
+        {"b": (3, WARM)},
+        {},
+    ]
+    assert rows[3] is EMPTY
+
+
+async def test_redis_query_many_of_more_keys_than_one_script_call(
+    redis_client: Redis, key_prefix: str, cleanup: None
+) -> None:
+    idx = RedisKvIndex(redis_client, 600, key_prefix)
+    keys = [i.to_bytes(16, "big") for i in range(1100)]
+    await idx.write_many([(k, "a", i, GPU) for i, k in enumerate(keys) if i % 3 == 0])
+    rows = await idx.query_many(keys)
+    assert len(rows) == 1100
+    assert [i for i, r in enumerate(rows) if r] == list(range(0, 1100, 3))
+    assert all(r[0].token_count == i for i, r in enumerate(rows) if r)

@@ -24,45 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"continuum/kvindex/v1/kvindex.proto\x12\x14\x63ontinuum.kvindex.v1\"#\n\x0cQueryRequest\x12\x13\n\x0bprefix_hash\x18\x01 \x01(\t\"W\n\rQueryResponse\x12\x13\n\x0bprefix_hash\x18\x01 \x01(\t\x12\x31\n\x07\x65ntries\x18\x02 \x03(\x0b\x32 .continuum.kvindex.v1.IndexEntry\"x\n\nIndexEntry\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\x04\x12(\n\x04tier\x18\x03 \x01(\x0e\x32\x1a.continuum.kvindex.v1.Tier\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x04 \x01(\x03\"b\n\x0cScoreRequest\x12\x15\n\x0bprefix_hash\x18\x01 \x01(\tH\x00\x12\x34\n\x07request\x18\x02 \x01(\x0b\x32!.continuum.kvindex.v1.ChatRequestH\x00\x42\x05\n\x03key\"2\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0crequest_json\x18\x02 \x01(\x0c\"\x85\x01\n\rScoreResponse\x12\x13\n\x0bprefix_hash\x18\x01 \x01(\t\x12\x32\n\x06scores\x18\x02 \x03(\x0b\x32\".continuum.kvindex.v1.BackendScore\x12\x18\n\x10selected_backend\x18\x03 \x01(\t\x12\x11\n\tthreshold\x18\x04 \x01(\x01\"\xa2\x01\n\x0c\x42\x61\x63kendScore\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07overlap\x18\x02 \x01(\x01\x12\x0c\n\x04load\x18\x03 \x01(\x01\x12\x0e\n\x06health\x18\x04 \x01(\x01\x12\x13\n\x0b\x66inal_score\x18\x05 \x01(\x01\x12(\n\x04tier\x18\x06 \x01(\x0e\x32\x1a.continuum.kvindex.v1.Tier\x12\x13\n\x0btoken_count\x18\x07 \x01(\x04\"\x11\n\x0f\x42\x61\x63kendsRequest\"I\n\x10\x42\x61\x63kendsResponse\x12\x35\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32#.continuum.kvindex.v1.BackendStatus\"\x97\x02\n\rBackendStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x17\n\x0f\x65vents_received\x18\x04 \x01(\x04\x12\x18\n\x10\x65vents_processed\x18\x05 \x01(\x04\x12\x16\n\x0e\x65vents_dropped\x18\x06 \x01(\x04\x12\x15\n\rindex_created\x18\x07 \x01(\x04\x12\x15\n\rindex_evicted\x18\x08 \x01(\x04\x12\x12\n\nreconnects\x18\t \x01(\x04\x12\x1d\n\x15last_event_at_unix_ms\x18\n \x01(\x03\x12\x15\n\rlast_event_id\x18\x0b \x01(\t\x12\x0f\n\x07\x65ntries\x18\x0c \x01(\x04\"\x0e\n\x0cStatsRequest\"\xda\x01\n\rStatsResponse\x12\x15\n\rtotal_entries\x18\x01 \x01(\x04\x12\x14\n\x0cprefix_count\x18\x02 \x01(\x04\x12:\n\x0e\x62\x61\x63kend_counts\x18\x03 \x03(\x0b\x32\".continuum.kvindex.v1.BackendCount\x12\x15\n\rindex_backend\x18\x04 \x01(\t\x12\x17\n\x0f\x66\x61llback_active\x18\x05 \x01(\x08\x12\x0f\n\x07queries\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\"0\n\x0c\x42\x61\x63kendCount\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\"\x1f\n\x0c\x43learRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\" \n\rClearResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04*E\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x10\n\x0cTIER_GPU_HOT\x10\x01\x12\x15\n\x11TIER_STORAGE_WARM\x10\x02\x32\xac\x03\n\x07KvIndex\x12P\n\x05Query\x12\".continuum.kvindex.v1.QueryRequest\x1a#.continuum.kvindex.v1.QueryResponse\x12P\n\x05Score\x12\".continuum.kvindex.v1.ScoreRequest\x1a#.continuum.kvindex.v1.ScoreResponse\x12Y\n\x08\x42\x61\x63kends\x12%.continuum.kvindex.v1.BackendsRequest\x1a&.continuum.kvindex.v1.BackendsResponse\x12P\n\x05Stats\x12\".continuum.kvindex.v1.StatsRequest\x1a#.continuum.kvindex.v1.StatsResponse\x12P\n\x05\x43lear\x12\".continuum.kvindex.v1.ClearRequest\x1a#.continuum.kvindex.v1.ClearResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"continuum/kvindex/v1/kvindex.proto\x12\x14\x63ontinuum.kvindex.v1\"6\n\x0cQueryRequest\x12\x13\n\x0bprefix_hash\x18\x01 \x01(\t\x12\x11\n\tchain_key\x18\x02 \x01(\t\"j\n\rQueryResponse\x12\x13\n\x0bprefix_hash\x18\x01 \x01(\t\x12\x31\n\x07\x65ntries\x18\x02 \x03(\x0b\x32 .continuum.kvindex.v1.IndexEntry\x12\x11\n\tchain_key\x18\x03 \x01(\t\"x\n\nIndexEntry\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x13\n\x0btoken_count\x18\x02 \x01(\x04\x12(\n\x04tier\x18\x03 \x01(\x0e\x32\x1a.continuum.kvindex.v1.Tier\x12\x1a\n\x12\x65xpires_at_unix_ms\x18\x04 \x01(\x03\"\x96\x01\n\x0cScoreRequest\x12\x15\n\x0bprefix_hash\x18\x01 \x01(\tH\x00\x12\x34\n\x07request\x18\x02 \x01(\x0b\x32!.continuum.kvindex.v1.ChatRequestH\x00\x12\x32\n\x05\x63hain\x18\x03 \x01(\x0b\x32!.continuum.kvindex.v1.PromptChainH\x00\x42\x05\n\x03key\"1\n\x0bPromptChain\x12\x0c\n\x04keys\x18\x01 \x03(\t\x12\x14\n\x0cprompt_bytes\x18\x02 \x01(\x04\"2\n\x0b\x43hatRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0crequest_json\x18\x02 \x01(\x0c\"\xc4\x01\n\rScoreResponse\x12\x13\n\x0bprefix_hash\x18\x01 \x01(\t\x12\x32\n\x06scores\x18\x02 \x03(\x0b\x32\".continuum.kvindex.v1.BackendScore\x12\x18\n\x10selected_backend\x18\x03 \x01(\t\x12\x11\n\tthreshold\x18\x04 \x01(\x01\x12=\n\x0c\x63onversation\x18\x05 \x01(\x0b\x32\'.continuum.kvindex.v1.ConversationScore\"\xb5\x01\n\x11\x43onversationScore\x12\x14\n\x0c\x63hain_length\x18\x01 \x01(\r\x12\x14\n\x0cprompt_bytes\x18\x02 \x01(\x04\x12\x15\n\rprompt_tokens\x18\x03 \x01(\x04\x12\x32\n\x06scores\x18\x04 \x03(\x0b\x32\".continuum.kvindex.v1.BackendScore\x12\x18\n\x10selected_backend\x18\x05 \x01(\t\x12\x0f\n\x07outcome\x18\x06 \x01(\t\"\x98\x02\n\x0c\x42\x61\x63kendScore\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07overlap\x18\x02 \x01(\x01\x12\x0c\n\x04load\x18\x03 \x01(\x01\x12\x0e\n\x06health\x18\x04 \x01(\x01\x12\x13\n\x0b\x66inal_score\x18\x05 \x01(\x01\x12(\n\x04tier\x18\x06 \x01(\x0e\x32\x1a.continuum.kvindex.v1.Tier\x12\x13\n\x0btoken_count\x18\x07 \x01(\x04\x12\x13\n\x0bheld_tokens\x18\x08 \x01(\x04\x12\x13\n\x0b\x63hain_depth\x18\t \x01(\r\x12\x0c\n\x04\x63ost\x18\n \x01(\x01\x12 \n\x18in_flight_prefill_tokens\x18\x0b \x01(\x04\x12\x1a\n\x12in_flight_requests\x18\x0c \x01(\r\"\x11\n\x0f\x42\x61\x63kendsRequest\"I\n\x10\x42\x61\x63kendsResponse\x12\x35\n\x08\x62\x61\x63kends\x18\x01 \x03(\x0b\x32#.continuum.kvindex.v1.BackendStatus\"\xae\x02\n\rBackendStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x11\n\tconnected\x18\x03 \x01(\x08\x12\x17\n\x0f\x65vents_received\x18\x04 \x01(\x04\x12\x18\n\x10\x65vents_processed\x18\x05 \x01(\x04\x12\x16\n\x0e\x65vents_dropped\x18\x06 \x01(\x04\x12\x15\n\rindex_created\x18\x07 \x01(\x04\x12\x15\n\rindex_evicted\x18\x08 \x01(\x04\x12\x12\n\nreconnects\x18\t \x01(\x04\x12\x1d\n\x15last_event_at_unix_ms\x18\n \x01(\x03\x12\x15\n\rlast_event_id\x18\x0b \x01(\t\x12\x0f\n\x07\x65ntries\x18\x0c \x01(\x04\x12\x15\n\rchain_entries\x18\r \x01(\x04\"\x0e\n\x0cStatsRequest\"\x90\x02\n\rStatsResponse\x12\x15\n\rtotal_entries\x18\x01 \x01(\x04\x12\x14\n\x0cprefix_count\x18\x02 \x01(\x04\x12:\n\x0e\x62\x61\x63kend_counts\x18\x03 \x03(\x0b\x32\".continuum.kvindex.v1.BackendCount\x12\x15\n\rindex_backend\x18\x04 \x01(\t\x12\x17\n\x0f\x66\x61llback_active\x18\x05 \x01(\x08\x12\x0f\n\x07queries\x18\x06 \x01(\x04\x12\x0c\n\x04hits\x18\x07 \x01(\x04\x12\x11\n\tevictions\x18\x08 \x01(\x04\x12\x34\n\x05\x63hain\x18\t \x01(\x0b\x32%.continuum.kvindex.v1.ChainIndexStats\"\xda\x01\n\x0f\x43hainIndexStats\x12\x15\n\rtotal_entries\x18\x01 \x01(\x04\x12\x11\n\tkey_count\x18\x02 \x01(\x04\x12:\n\x0e\x62\x61\x63kend_counts\x18\x03 \x03(\x0b\x32\".continuum.kvindex.v1.BackendCount\x12\x17\n\x0f\x66\x61llback_active\x18\x04 \x01(\x08\x12\x0f\n\x07queries\x18\x05 \x01(\x04\x12\x0c\n\x04hits\x18\x06 \x01(\x04\x12\x11\n\tevictions\x18\x07 \x01(\x04\x12\x16\n\x0epredicted_keys\x18\x08 \x01(\x04\"0\n\x0c\x42\x61\x63kendCount\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x0f\n\x07\x65ntries\x18\x02 \x01(\x04\"\x1f\n\x0c\x43learRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\"7\n\rClearResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x04\x12\x15\n\rchain_removed\x18\x02 \x01(\x04*E\n\x04Tier\x12\x14\n\x10TIER_UNSPECIFIED\x10\x00\x12\x10\n\x0cTIER_GPU_HOT\x10\x01\x12\x15\n\x11TIER_STORAGE_WARM\x10\x02\x32\xac\x03\n\x07KvIndex\x12P\n\x05Query\x12\".continuum.kvindex.v1.QueryRequest\x1a#.continuum.kvindex.v1.QueryResponse\x12P\n\x05Score\x12\".continuum.kvindex.v1.ScoreRequest\x1a#.continuum.kvindex.v1.ScoreResponse\x12Y\n\x08\x42\x61\x63kends\x12%.continuum.kvindex.v1.BackendsRequest\x1a&.continuum.kvindex.v1.BackendsResponse\x12P\n\x05Stats\x12\".continuum.kvindex.v1.StatsRequest\x1a#.continuum.kvindex.v1.StatsResponse\x12P\n\x05\x43lear\x12\".continuum.kvindex.v1.ClearRequest\x1a#.continuum.kvindex.v1.ClearResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bus._gen.continuum.kvindex.v1.kvindex_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TIER']._serialized_start=1491
-  _globals['_TIER']._serialized_end=1560
+  _globals['_TIER']._serialized_start=2319
+  _globals['_TIER']._serialized_end=2388
   _globals['_QUERYREQUEST']._serialized_start=60
-  _globals['_QUERYREQUEST']._serialized_end=95
-  _globals['_QUERYRESPONSE']._serialized_start=97
-  _globals['_QUERYRESPONSE']._serialized_end=184
-  _globals['_INDEXENTRY']._serialized_start=186
-  _globals['_INDEXENTRY']._serialized_end=306
-  _globals['_SCOREREQUEST']._serialized_start=308
-  _globals['_SCOREREQUEST']._serialized_end=406
-  _globals['_CHATREQUEST']._serialized_start=408
-  _globals['_CHATREQUEST']._serialized_end=458
-  _globals['_SCORERESPONSE']._serialized_start=461
-  _globals['_SCORERESPONSE']._serialized_end=594
-  _globals['_BACKENDSCORE']._serialized_start=597
-  _globals['_BACKENDSCORE']._serialized_end=759
-  _globals['_BACKENDSREQUEST']._serialized_start=761
-  _globals['_BACKENDSREQUEST']._serialized_end=778
-  _globals['_BACKENDSRESPONSE']._serialized_start=780
-  _globals['_BACKENDSRESPONSE']._serialized_end=853
-  _globals['_BACKENDSTATUS']._serialized_start=856
-  _globals['_BACKENDSTATUS']._serialized_end=1135
-  _globals['_STATSREQUEST']._serialized_start=1137
-  _globals['_STATSREQUEST']._serialized_end=1151
-  _globals['_STATSRESPONSE']._serialized_start=1154
-  _globals['_STATSRESPONSE']._serialized_end=1372
-  _globals['_BACKENDCOUNT']._serialized_start=1374
-  _globals['_BACKENDCOUNT']._serialized_end=1422
-  _globals['_CLEARREQUEST']._serialized_start=1424
-  _globals['_CLEARREQUEST']._serialized_end=1455
-  _globals['_CLEARRESPONSE']._serialized_start=1457
-  _globals['_CLEARRESPONSE']._serialized_end=1489
-  _globals['_KVINDEX']._serialized_start=1563
-  _globals['_KVINDEX']._serialized_end=1991
+  _globals['_QUERYREQUEST']._serialized_end=114
+  _globals['_QUERYRESPONSE']._serialized_start=116
+  _globals['_QUERYRESPONSE']._serialized_end=222
+  _globals['_INDEXENTRY']._serialized_start=224
+  _globals['_INDEXENTRY']._serialized_end=344
+  _globals['_SCOREREQUEST']._serialized_start=347
+  _globals['_SCOREREQUEST']._serialized_end=497
+  _globals['_PROMPTCHAIN']._serialized_start=499
+  _globals['_PROMPTCHAIN']._serialized_end=548
+  _globals['_CHATREQUEST']._serialized_start=550
+  _globals['_CHATREQUEST']._serialized_end=600
+  _globals['_SCORERESPONSE']._serialized_start=603
+  _globals['_SCORERESPONSE']._serialized_end=799
+  _globals['_CONVERSATIONSCORE']._serialized_start=802
+  _globals['_CONVERSATIONSCORE']._serialized_end=983
+  _globals['_BACKENDSCORE']._serialized_start=986
+  _globals['_BACKENDSCORE']._serialized_end=1266
+  _globals['_BACKENDSREQUEST']._serialized_start=1268
+  _globals['_BACKENDSREQUEST']._serialized_end=1285
+  _globals['_BACKENDSRESPONSE']._serialized_start=1287
+  _globals['_BACKENDSRESPONSE']._serialized_end=1360
+  _globals['_BACKENDSTATUS']._serialized_start=1363
+  _globals['_BACKENDSTATUS']._serialized_end=1665
+  _globals['_STATSREQUEST']._serialized_start=1667
+  _globals['_STATSREQUEST']._serialized_end=1681
+  _globals['_STATSRESPONSE']._serialized_start=1684
+  _globals['_STATSRESPONSE']._serialized_end=1956
+  _globals['_CHAININDEXSTATS']._serialized_start=1959
+  _globals['_CHAININDEXSTATS']._serialized_end=2177
+  _globals['_BACKENDCOUNT']._serialized_start=2179
+  _globals['_BACKENDCOUNT']._serialized_end=2227
+  _globals['_CLEARREQUEST']._serialized_start=2229
+  _globals['_CLEARREQUEST']._serialized_end=2260
+  _globals['_CLEARRESPONSE']._serialized_start=2262
+  _globals['_CLEARRESPONSE']._serialized_end=2317
+  _globals['_KVINDEX']._serialized_start=2391
+  _globals['_KVINDEX']._serialized_end=2819
 # @@protoc_insertion_point(module_scope)

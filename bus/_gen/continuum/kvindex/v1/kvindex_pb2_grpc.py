@@ -73,9 +73,10 @@ class KvIndexServicer:
     """
 
     def Query(self, request, context):
-        """Query lists the index entries of one prefix hash. Read-only: it does not
-        refresh LRU recency or TTLs, and is not counted in StatsResponse.queries
-        or StatsResponse.hits (those count routing lookups).
+        """Query lists the index entries of one prefix hash, or of one chain key in
+        the conversation index. Read-only: it does not refresh LRU recency or
+        TTLs, and is not counted in StatsResponse.queries or StatsResponse.hits
+        (those count routing lookups).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -84,8 +85,11 @@ class KvIndexServicer:
     def Score(self, request, context):
         """Score runs the KV overlap scorer for a prefix hash, or for a request
         from which the router derives the prefix key exactly as on its HTTP
-        path, and explains the result per backend. Read-only like Query: it
-        records no routing decision and no metric.
+        path, and explains the result per backend. With conversation routing, a
+        request the router renders into a prompt chain, or a chain given as is,
+        is also scored by the conversation cost model (ScoreResponse.conversation).
+        Read-only like Query: it records no routing decision, no prediction and
+        no metric.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -106,8 +110,9 @@ class KvIndexServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Clear(self, request, context):
-        """Clear removes index entries, of one backend or of all. The index
-        rebuilds itself from the events that follow. Idempotent.
+        """Clear removes index entries, of one backend or of all, in the prefix
+        index and the conversation index. The indexes rebuild themselves from
+        the events that follow. Idempotent.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,296 @@
+"""ConversationScorer: route a request to the backend that would prefill the fewest tokens.
+
+The cost of sending the request to backend ``b``, in prompt tokens
+(``kv_cache_index.conversation.scoring``, ``ConversationScoringConfig``)::
+
+    cost(b) = prompt_tokens - credit(tier(b)) * held_tokens(b)
+            + prefill_load_weight   * in_flight_prefill_tokens(b)
+            + active_request_weight * in_flight_requests(b)
+
+* ``held_tokens(b)``: the ``token_count`` of b's deepest key of the request's chain, from
+  ONE ``query_many`` of the chain index (``router.kvindex.chains``); ``credit`` is
+  ``gpu_credit`` or ``storage_credit`` by that key's tier.
+* ``prompt_tokens``: the router never tokenizes. The rendered prompt's byte length times
+  a tokens-per-byte ratio: the deepest held key's own (its ``token_count`` over the bytes
+  its chunks cover) when any backend holds one, else ``1 / bytes_per_token``.
+* ``in_flight_prefill_tokens(b)``: the :class:`~router.kvindex.prefill.PrefillLoad`
+  ledger the forwarder keeps; ``in_flight_requests(b)``: the pool's in-flight count.
+
+The lowest cost wins. When no candidate holds anything, or the lowest cost is shared
+exactly, :meth:`ConversationScorer.choose` returns None and the configured strategy
+decides; ``on_decision(outcome, tier)`` reports each decision (``chosen``, ``tie``,
+``none_held``; the winner's tier or ``none``).
+
+Predict on route (:meth:`ConversationScorer.routed`): once a backend is chosen, by the
+scorer or by the strategy, the request's keys are written as held by it for
+``predict_ttl_seconds`` (token counts estimated per chunk with the same ratio). Events
+that arrive later replace the predictions (an event is a plain upsert, full TTL); a
+prediction never shortens or overwrites a live entry that outlives it (the index's
+``ttl`` writes), so a real entry is only ever extended. A key the backend holds with more
+than half the prediction TTL left is not rewritten, so a burst of siblings costs one
+write per key per half TTL. Without any listener this is the approximate
+conversation-aware mode: a new prefix goes where the strategy (or the cheapest backend)
+sends it, and the requests after it follow.
+
+The request path, as the forwarder drives it::
+
+    view = await scorer.assess(chain, candidates)     # one index query
+    backend = scorer.decide(view, candidates) or strategy.select(...)
+    await scorer.routed(view, backend)                # predictions (never raises)
+    ticket = prefill_load.started(backend.name, scorer.prefill_tokens(view, backend))
+    ... first byte, or failure: prefill_load.finished(ticket)
+    ... usage: accuracy.record(backend.name, scorer.predicted_cached_tokens(view, backend),
+                               cached_tokens_of(usage))
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from ..config.models import ConversationConfig
+from ..pool import Backend
+from .base import Change, IndexEntry, KvIndex, StorageTier
+from .chains import Held, deepest_held
+from .prefill import PrefillLoad
+
+__all__ = [
+    "DECISIONS",
+    "ChainView",
+    "ConversationScorer",
+    "CostComponents",
+    "RequestChain",
+]
+
+log = logging.getLogger("continuum.kvindex")
+
+DECISIONS: tuple[str, ...] = ("chosen", "tie", "none_held")
+"""``on_decision`` outcomes: the scorer chose; the lowest cost was shared; nobody holds
+anything of the chain (the last two leave the choice to the strategy)."""
+
+_GPU = StorageTier.GPU_HOT
+_ERROR_LOG_EVERY_S = 60.0
+
+
+class RequestChain(Protocol):
+    """What the scorer reads of a request's chain (``router.conversation``'s
+    ``RequestChain``): its keys in order and the rendered prompt's byte length."""
+
+    @property
+    def keys(self) -> Sequence[bytes]: ...
+
+    @property
+    def prompt_bytes(self) -> int: ...
+
+
+@dataclass(slots=True)
+class ChainView:
+    """One request chain against the chain index, at one instant: what every decision,
+    prediction and estimate for that request reads."""
+
+    keys: Sequence[bytes]
+    rows: list[Sequence[IndexEntry]]
+    """``query_many(keys)``: each key's entries."""
+    held: dict[str, Held]
+    """Each candidate's deepest key (candidates holding nothing are absent)."""
+    prompt_bytes: int
+    tokens_per_byte: float
+    prompt_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class CostComponents:
+    """One candidate's cost and its parts (gRPC Score, tests)."""
+
+    backend: str
+    prompt_tokens: int
+    held_tokens: int
+    depth: int
+    """Keys of the chain held (0: none)."""
+    tier: StorageTier | None
+    credited_tokens: float
+    """``credit(tier) * held_tokens``."""
+    in_flight_prefill_tokens: int
+    in_flight_requests: int
+    cost: float
+
+
+class ConversationScorer:
+    """The cost model over the chain index (module docstring)."""
+
+    def __init__(
+        self,
+        index: KvIndex,
+        config: ConversationConfig,
+        load: PrefillLoad,
+        *,
+        entry_ttl_seconds: float,
+        on_decision: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """
+        Args:
+            index: the chain index (keys: 16-byte chain keys).
+            config: ``kv_cache_index.conversation`` (chunk size, prediction TTL, weights).
+            load: the in-flight prefill ledger the forwarder keeps.
+            entry_ttl_seconds: the index's TTL; predictions never live longer.
+            on_decision: ``(outcome, tier)`` of every :meth:`decide` (metrics).
+        """
+        self.index = index
+        self.config = config
+        self.scoring = config.scoring
+        self.load = load
+        self.chunk_bytes = config.chunk_bytes
+        self.predict_ttl = min(float(config.predict_ttl_seconds), float(entry_ttl_seconds))
+        self._default_tpb = 1.0 / config.scoring.bytes_per_token
+        self._on_decision = on_decision
+        self.decisions = dict.fromkeys(DECISIONS, 0)
+        self.predicted_keys = 0
+        """Chain keys written as predictions since start."""
+        self.prediction_errors = 0
+        """Prediction writes that failed (the index was unavailable)."""
+        self._error_logged = -_ERROR_LOG_EVERY_S
+
+    # ---- reading the index ----------------------------------------------------------
+
+    async def assess(
+        self, chain: RequestChain, candidates: Sequence[Backend], *, peek: bool = False
+    ) -> ChainView:
+        """Query the chain index once for ``chain`` (``peek``: an operator's read, not
+        counted as a routing lookup) and estimate its prompt tokens."""
+        keys = chain.keys
+        index = self.index
+        rows = await (index.peek_many(keys) if peek else index.query_many(keys))
+        held, deepest = deepest_held(rows, [b.name for b in candidates])
+        tpb = self._default_tpb
+        if deepest is not None and deepest.token_count > 0:
+            tpb = deepest.token_count / (deepest.depth * self.chunk_bytes)
+        prompt_bytes = chain.prompt_bytes
+        prompt_tokens = round(prompt_bytes * tpb)
+        if deepest is not None and deepest.token_count > prompt_tokens:
+            prompt_tokens = deepest.token_count
+        return ChainView(keys, rows, held, prompt_bytes, tpb, prompt_tokens)
+
+    def _credited(self, view: ChainView, held: Held | None) -> float:
+        if held is None:
+            return 0.0
+        sc = self.scoring
+        credit = sc.gpu_credit if held.tier is _GPU else sc.storage_credit
+        return credit * min(held.token_count, view.prompt_tokens)
+
+    def cost(self, view: ChainView, backend: Backend) -> float:
+        """``backend``'s cost for the request ``view`` describes (module docstring)."""
+        sc = self.scoring
+        name = backend.name
+        return (
+            view.prompt_tokens
+            - self._credited(view, view.held.get(name))
+            + sc.prefill_load_weight * self.load.tokens(name)
+            + sc.active_request_weight * backend.in_flight
+        )
+
+    def components(self, view: ChainView, backend: Backend) -> CostComponents:
+        """:meth:`cost` with its parts."""
+        held = view.held.get(backend.name)
+        return CostComponents(
+            backend=backend.name,
+            prompt_tokens=view.prompt_tokens,
+            held_tokens=held.token_count if held is not None else 0,
+            depth=held.depth if held is not None else 0,
+            tier=held.tier if held is not None else None,
+            credited_tokens=self._credited(view, held),
+            in_flight_prefill_tokens=self.load.tokens(backend.name),
+            in_flight_requests=backend.in_flight,
+            cost=self.cost(view, backend),
+        )
+
+    # ---- deciding -------------------------------------------------------------------
+
+    def pick(self, view: ChainView, candidates: Sequence[Backend]) -> tuple[Backend | None, str]:
+        """The lowest-cost candidate and the outcome, without reporting it."""
+        if not view.held or not candidates:
+            return None, "none_held"
+        best: Backend | None = None
+        best_cost = 0.0
+        tied = False
+        for b in candidates:
+            c = self.cost(view, b)
+            if best is None or c < best_cost:
+                best, best_cost, tied = b, c, False
+            elif c == best_cost:
+                tied = True
+        if tied:
+            return None, "tie"
+        return best, "chosen"
+
+    def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None:
+        """The lowest-cost candidate; None (the strategy decides) when nobody holds any
+        key of the chain or the lowest cost is shared. Reported to ``on_decision``."""
+        best, outcome = self.pick(view, candidates)
+        self.decisions[outcome] += 1
+        if self._on_decision is not None:
+            held = view.held.get(best.name) if best is not None else None
+            self._on_decision(outcome, held.tier.value if held is not None else "none")
+        return best
+
+    async def choose(self, chain: RequestChain, candidates: Sequence[Backend]) -> Backend | None:
+        """:meth:`assess` then :meth:`decide`: the selector's hook."""
+        return self.decide(await self.assess(chain, candidates), candidates)
+
+    # ---- what the forwarder records -------------------------------------------------
+
+    def predicted_cached_tokens(self, view: ChainView, backend: Backend) -> int:
+        """The prompt tokens ``backend`` is expected to reuse: its held tokens (whatever
+        the tier; what ``accuracy.record`` compares with the reported ``cached_tokens``)."""
+        held = view.held.get(backend.name)
+        return held.token_count if held is not None else 0
+
+    def prefill_tokens(self, view: ChainView, backend: Backend) -> int:
+        """The tokens ``backend`` must still compute for the request (prompt minus the
+        credited held tokens): what ``PrefillLoad.started`` counts."""
+        credited = self._credited(view, view.held.get(backend.name))
+        return max(0, round(view.prompt_tokens - credited))
+
+    # ---- predict on route -----------------------------------------------------------
+
+    def predictions(self, view: ChainView, backend: Backend) -> list[Change]:
+        """The writes that record ``view``'s keys as held by ``backend`` (module
+        docstring): every key it does not hold, and every key it holds that has less than
+        half the prediction TTL left (with its own count and tier)."""
+        ttl = self.predict_ttl
+        if ttl <= 0:
+            return []
+        name = backend.name
+        renew_before = self.index.now() + ttl / 2
+        per_chunk = self.chunk_bytes * view.tokens_per_byte
+        changes: list[Change] = []
+        for i, (key, row) in enumerate(zip(view.keys, view.rows, strict=True)):
+            for e in row:
+                if e.backend == name:
+                    if e.expires_at < renew_before:
+                        changes.append((key, name, e.token_count, e.tier))
+                    break
+            else:
+                changes.append((key, name, round((i + 1) * per_chunk), _GPU))
+        return changes
+
+    async def routed(self, view: ChainView, backend: Backend) -> int:
+        """Write ``view``'s keys as held by ``backend`` for ``predict_ttl_seconds``; returns
+        how many were written. Never raises (a failed write is counted and logged at most
+        once a minute): routing must not fail for a prediction."""
+        changes = self.predictions(view, backend)
+        if not changes:
+            return 0
+        try:
+            await self.index.write_many(changes, self.predict_ttl)
+        except Exception as exc:
+            self.prediction_errors += 1
+            now = time.monotonic()
+            if now - self._error_logged >= _ERROR_LOG_EVERY_S:
+                self._error_logged = now
+                log.warning("conversation prediction write failed: %r", exc)
+            return 0
+        self.predicted_keys += len(changes)
+        return len(changes)

@@ -1,0 +1,465 @@
+"""Conversation-depth routing over the chain index: deepest held, the cost model, predict
+on route, the prefill ledger and predicted-against-delivered accounting.
+
+The index is a real ``InMemoryKvIndex`` (behind the instrumented wrapper, as the router
+builds it) on a settable clock; the backends are ``router.pool.Backend`` objects from a
+parsed config, so ``in_flight`` is the real gauge. Costs are worked out by hand from the
+defaults (gpu_credit 1.0, storage_credit 0.5, prefill_load_weight 1.0,
+active_request_weight 256, bytes_per_token 4.0, chunk_bytes 1024).
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.config import parse_config
+from router.config.models import ConversationConfig
+from router.kvindex import (
+    EMPTY,
+    Change,
+    IndexEntry,
+    InMemoryKvIndex,
+    InstrumentedKvIndex,
+    StorageTier,
+)
+from router.kvindex.accuracy import PredictionAccuracy
+from router.kvindex.chains import deepest_held
+from router.kvindex.cost import ConversationScorer
+from router.kvindex.prefill import PrefillLoad
+from router.pool import Backend, BackendPool
+from tests.unit.kvindex_support import GPU, WARM, C, FakeClock, state
+
+CHUNK = 1024
+
+
+@dataclass
+class Chain:
+    """A request chain as ``router.conversation`` computes it: keys and the prompt's size."""
+
+    keys: list[bytes]
+    prompt_bytes: int
+
+
+def chain(n: int, tail: int = 0, first: int = 0) -> Chain:
+    """``n`` keys C(first)..C(first + n - 1) of a prompt of n full chunks plus ``tail``."""
+    return Chain([C(first + i) for i in range(n)], n * CHUNK + tail)
+
+
+def backends(*names: str) -> tuple[Backend, ...]:
+    cfg, _ = parse_config(
+        {
+            "backends": [
+                {"name": n, "url": f"http://h:{i + 1}", "type": "vllm", "models": ["m"]}
+                for i, n in enumerate(names)
+            ]
+        }
+    )
+    pool = BackendPool(cfg.backends, cfg.health_check)
+    cands, _ = pool.candidates("m", "chat")
+    return cands
+
+
+@dataclass
+class Rig:
+    clock: FakeClock
+    inner: InMemoryKvIndex
+    index: InstrumentedKvIndex
+    load: PrefillLoad
+    scorer: ConversationScorer
+    cands: tuple[Backend, ...]
+    decisions: list[tuple[str, str]] = field(default_factory=list)
+
+    def by(self, name: str) -> Backend:
+        return next(b for b in self.cands if b.name == name)
+
+    def hold(
+        self, backend: str, depth: int, tier: StorageTier = GPU, per_key: int = 256, first: int = 0
+    ) -> None:
+        """``backend`` holds keys first..first+depth-1, ``per_key`` tokens a chunk (events)."""
+        self.inner.write([(C(first + i), backend, per_key * (i + 1), tier) for i in range(depth)])
+
+
+def rig(names: Sequence[str] = ("a", "b", "c"), entry_ttl: float = 600, **conv: Any) -> Rig:
+    clock = FakeClock(1000.0)
+    inner = InMemoryKvIndex(10_000, entry_ttl, clock=clock)
+    index = InstrumentedKvIndex(inner)
+    load = PrefillLoad()
+    config = ConversationConfig(enabled=True, chunk_bytes=CHUNK, **conv)
+    decisions: list[tuple[str, str]] = []
+    scorer = ConversationScorer(
+        index,
+        config,
+        load,
+        entry_ttl_seconds=entry_ttl,
+        on_decision=lambda outcome, tier: decisions.append((outcome, tier)),
+    )
+    return Rig(clock, inner, index, load, scorer, backends(*names), decisions)
+
+
+# ---- deepest held ------------------------------------------------------------------------
+
+
+def E(backend: str, tokens: int, tier: StorageTier = GPU) -> IndexEntry:
+    return IndexEntry(backend, tokens, tier, 1e12)
+
+
+def test_deepest_held_is_each_candidates_deepest_key() -> None:
+    rows: list[Sequence[IndexEntry]] = [
+        (E("a", 100), E("b", 100)),
+        (E("a", 200), E("b", 200, WARM)),
+        (E("a", 300),),
+        EMPTY,
+        (E("z", 500),),  # not a candidate, but the deepest key anyone holds
+    ]
+    held, deepest = deepest_held(rows, ["a", "b", "c"])
+    assert {n: (h.depth, h.token_count, h.tier) for n, h in held.items()} == {
+        "a": (3, 300, GPU),
+        "b": (2, 200, WARM),
+    }
+    assert deepest is not None and (deepest.depth, deepest.token_count) == (5, 500)
+    assert deepest_held([EMPTY] * 4, ["a"]) == ({}, None)
+    assert deepest_held([], ["a"]) == ({}, None)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from("abcdef"), st.sets(st.integers(0, 39), max_size=40), max_size=6
+    ),
+    st.sets(st.sampled_from("abcdefg")),
+)
+def test_deepest_held_is_the_deepest_key_present(
+    holdings: dict[str, set[int]], names: set[str]
+) -> None:
+    """Against brute force, whatever the holdings (prefix-closed or not); and for
+    prefix-closed holdings it equals a binary search over i (valid only because of
+    closure), which is what ``bus.events`` promises the listener announces."""
+    n = 40
+    rows: list[Sequence[IndexEntry]] = [
+        tuple(E(b, 10 * (i + 1)) for b in sorted(holdings, reverse=True) if i in holdings[b])
+        or EMPTY
+        for i in range(n)
+    ]
+    held, deepest = deepest_held(rows, names)
+    want = {b: max(ix) + 1 for b, ix in holdings.items() if b in names and ix}
+    assert {b: h.depth for b, h in held.items()} == want
+    assert all(h.token_count == 10 * h.depth for h in held.values())
+    anyone = [max(ix) + 1 for ix in holdings.values() if ix]
+    assert (deepest.depth if deepest else 0) == max(anyone, default=0)
+
+    closed = {b: set(range(max(ix) + 1)) for b, ix in holdings.items() if ix}
+    rows = [
+        tuple(E(b, 10 * (i + 1)) for b in sorted(closed, reverse=True) if i in closed[b]) or EMPTY
+        for i in range(n)
+    ]
+
+    def search(b: str) -> int:
+        lo, hi = 0, n  # keys [0, lo) held, [hi, n) not
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if any(e.backend == b for e in rows[mid]):
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    held, _ = deepest_held(rows, names)
+    assert {b: h.depth for b, h in held.items()} == {b: search(b) for b in names if search(b) > 0}
+
+
+# ---- the cost model --------------------------------------------------------------------
+
+
+async def test_cost_is_prompt_minus_credited_held_tokens_plus_load() -> None:
+    r = rig()
+    r.hold("a", 6)  # keys 0..5, 1536 tokens at the deepest: 0.25 tokens per byte
+    r.hold("b", 3, WARM)  # 768 tokens, storage only
+    view = await r.scorer.assess(chain(8, tail=500), r.cands)
+    assert view.tokens_per_byte == pytest.approx(0.25)
+    assert view.prompt_tokens == round((8 * CHUNK + 500) * 0.25) == 2173
+    a, b, c = (r.scorer.components(view, x) for x in r.cands)
+    assert (a.held_tokens, a.depth, a.tier, a.credited_tokens, a.cost) == (
+        1536,
+        6,
+        GPU,
+        1536.0,
+        2173 - 1536,
+    )
+    assert (b.held_tokens, b.depth, b.tier, b.cost) == (768, 3, WARM, 2173 - 0.5 * 768)
+    assert (c.held_tokens, c.depth, c.tier, c.cost) == (0, 0, None, 2173)
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+    assert r.decisions == [("chosen", "gpu_hot")]
+
+    # Load: two requests in flight on a (+512) still leave it cheapest; 1000 prefill
+    # tokens in flight on it too (+1000: 2149) make b (1789) the cheapest.
+    r.by("a").in_flight = 2
+    assert r.scorer.cost(view, r.by("a")) == 637 + 512
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+    ticket = r.load.started("a", 1000)
+    comp = r.scorer.components(view, r.by("a"))
+    assert (comp.in_flight_prefill_tokens, comp.in_flight_requests, comp.cost) == (1000, 2, 2149)
+    assert r.scorer.decide(view, r.cands) is r.by("b")
+    assert r.decisions[-1] == ("chosen", "storage_warm")
+    r.load.finished(ticket)
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+
+
+async def test_the_weights_come_from_the_config() -> None:
+    r = rig(
+        scoring={
+            "gpu_credit": 0.5,
+            "storage_credit": 0.0,
+            "prefill_load_weight": 2.0,
+            "active_request_weight": 10.0,
+            "bytes_per_token": 2.0,
+        }
+    )
+    r.hold("b", 2, WARM)  # storage credit 0: worth nothing
+    r.by("a").in_flight = 1
+    r.load.started("a", 5)
+    view = await r.scorer.assess(chain(4), r.cands)  # 4096 bytes * 512/2048 = 1024 tokens
+    assert view.prompt_tokens == 1024
+    assert r.scorer.cost(view, r.by("a")) == 1024 + 2 * 5 + 10 * 1
+    assert r.scorer.cost(view, r.by("b")) == 1024
+    r.hold("c", 4)  # 1024 tokens on the GPU: credit 0.5
+    view = await r.scorer.assess(chain(4), r.cands)
+    assert r.scorer.cost(view, r.by("c")) == 1024 - 512
+
+
+async def test_nobody_holding_anything_and_ties_go_to_the_strategy() -> None:
+    r = rig()
+    r.hold("z", 8)  # a backend that is not a candidate
+    view = await r.scorer.assess(chain(8), r.cands)
+    assert view.held == {} and view.prompt_tokens == 8 * 256  # z's ratio still informs
+    assert r.scorer.decide(view, r.cands) is None
+    r.hold("a", 3)
+    r.hold("b", 3)  # a and b hold the same, all idle: an exact tie
+    view = await r.scorer.assess(chain(8), r.cands)
+    assert r.scorer.decide(view, r.cands) is None
+    r.by("b").in_flight = 1  # the tie broken by load
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+    assert r.decisions == [("none_held", "none"), ("tie", "none"), ("chosen", "gpu_hot")]
+    assert r.scorer.decisions == {"chosen": 1, "tie": 1, "none_held": 1}
+    assert r.scorer.decide(view, ()) is None
+
+
+async def test_an_empty_holder_can_win_on_load() -> None:
+    """Held tokens are a credit, not a gate: a holder loaded past its credit loses to an
+    idle backend that holds nothing."""
+    r = rig(("a", "b"))
+    r.hold("a", 2)  # 512 tokens held of 1024
+    r.by("a").in_flight = 3  # +768
+    view = await r.scorer.assess(chain(4), r.cands)
+    assert r.scorer.cost(view, r.by("a")) == 1024 - 512 + 768
+    assert r.scorer.decide(view, r.cands) is r.by("b")
+    assert r.decisions == [("chosen", "none")]
+
+
+async def test_prompt_tokens_without_any_holder_use_bytes_per_token() -> None:
+    r = rig()
+    view = await r.scorer.assess(Chain([], 4000), r.cands)  # shorter than one chunk
+    assert (view.prompt_tokens, view.held, view.rows) == (1000, {}, [])
+    assert r.scorer.decide(view, r.cands) is None
+
+
+async def test_choose_is_one_routing_lookup_and_a_peek_is_none() -> None:
+    r = rig()
+    r.hold("a", 2)
+    assert await r.scorer.choose(chain(6), r.cands) is r.by("a")
+    assert (r.index.queries, r.index.hits) == (1, 1)
+    view = await r.scorer.assess(chain(6), r.cands, peek=True)
+    assert view.held["a"].depth == 2
+    assert (r.index.queries, r.index.hits) == (1, 1)
+    await r.scorer.assess(chain(3, first=100), r.cands)
+    assert (r.index.queries, r.index.hits) == (2, 1)
+
+
+async def test_what_the_forwarder_records() -> None:
+    r = rig()
+    r.hold("a", 4, per_key=300)  # 1200 tokens held; ratio 1200 / 4096 tokens per byte
+    r.hold("b", 2, WARM, per_key=300)
+    view = await r.scorer.assess(chain(8), r.cands)
+    assert view.prompt_tokens == 2400
+    assert r.scorer.predicted_cached_tokens(view, r.by("a")) == 1200
+    assert r.scorer.predicted_cached_tokens(view, r.by("b")) == 600  # whatever the tier
+    assert r.scorer.predicted_cached_tokens(view, r.by("c")) == 0
+    assert r.scorer.prefill_tokens(view, r.by("a")) == 1200
+    assert r.scorer.prefill_tokens(view, r.by("b")) == 2400 - 300
+    assert r.scorer.prefill_tokens(view, r.by("c")) == 2400
+
+
+# ---- predict on route --------------------------------------------------------------------
+
+
+async def test_routed_writes_the_chain_as_held_for_the_prediction_ttl() -> None:
+    r = rig(predict_ttl_seconds=10)
+    r.hold("a", 2, per_key=300)  # real entries, 600 s
+    view = await r.scorer.assess(chain(5), r.cands)
+    assert await r.scorer.routed(view, r.by("a")) == 3  # keys 2..4: a holds 0 and 1
+    rows = await r.index.peek_many(chain(5).keys)
+    assert [state(row)["a"] for row in rows] == [(300 * (i + 1), GPU) for i in range(5)]
+    assert [round(row[0].expires_at - r.clock.now) for row in rows] == [600, 600, 10, 10, 10]
+
+    # The next request of the conversation sees a holding all five keys.
+    view = await r.scorer.assess(chain(6), r.cands)
+    assert view.held["a"].depth == 5
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+    # Predictions vanish after their TTL; events are untouched.
+    r.clock.advance(11)
+    view = await r.scorer.assess(chain(6), r.cands)
+    assert view.held["a"].depth == 2
+
+
+async def test_an_event_replaces_a_prediction_and_a_prediction_never_cuts_an_event() -> None:
+    r = rig(predict_ttl_seconds=10)
+    view = await r.scorer.assess(chain(3), r.cands)
+    await r.scorer.routed(view, r.by("b"))
+    r.inner.write([(C(1), "b", 999, WARM)])  # the engine's event for key 1
+    (e,) = r.inner.lookup(C(1))
+    assert (e.token_count, e.tier, e.expires_at) == (999, WARM, r.clock.now + 600)
+    view = await r.scorer.assess(chain(3), r.cands)
+    # Even with a stale view (key 1 unheld in it), the prediction leaves the event alone.
+    stale = view.rows
+    view.rows = [EMPTY, EMPTY, EMPTY]
+    await r.scorer.routed(view, r.by("b"))
+    view.rows = stale
+    (e,) = r.inner.lookup(C(1))
+    assert (e.token_count, e.tier, e.expires_at) == (999, WARM, r.clock.now + 600)
+
+
+async def test_routed_renews_only_what_is_about_to_expire() -> None:
+    r = rig(predict_ttl_seconds=10)
+    view = await r.scorer.assess(chain(4), r.cands)
+    assert await r.scorer.routed(view, r.by("a")) == 4
+    r.clock.advance(4)  # 6 s left: more than half the TTL
+    view = await r.scorer.assess(chain(4), r.cands)
+    assert await r.scorer.routed(view, r.by("a")) == 0
+    r.clock.advance(2)  # 4 s left: renewed, count and tier kept
+    view = await r.scorer.assess(chain(6), r.cands)
+    assert await r.scorer.routed(view, r.by("a")) == 6
+    rows = r.inner.lookup_many(chain(6).keys)
+    assert all(row[0].expires_at == r.clock.now + 10 for row in rows)
+    assert r.scorer.predicted_keys == 10
+
+
+async def test_predictions_are_off_at_ttl_0_and_never_outlive_the_index_ttl() -> None:
+    r = rig(predict_ttl_seconds=0)
+    view = await r.scorer.assess(chain(3), r.cands)
+    assert await r.scorer.routed(view, r.by("a")) == 0
+    assert r.inner.lookup(C(0)) is EMPTY
+    r = rig(entry_ttl=5, predict_ttl_seconds=60)
+    assert r.scorer.predict_ttl == 5
+    view = await r.scorer.assess(chain(1), r.cands)
+    await r.scorer.routed(view, r.by("a"))
+    assert r.inner.lookup(C(0))[0].expires_at == r.clock.now + 5
+
+
+async def test_a_failed_prediction_never_fails_the_request(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    class Down(InMemoryKvIndex):
+        async def write_many(self, changes: Sequence[Change], ttl: float | None = None) -> None:
+            raise ConnectionError("down")
+
+    r = rig()
+    scorer = ConversationScorer(Down(), r.scorer.config, r.load, entry_ttl_seconds=600)
+    view = await scorer.assess(chain(2), r.cands)
+    assert await scorer.routed(view, r.by("a")) == 0
+    assert await scorer.routed(view, r.by("a")) == 0
+    assert scorer.prediction_errors == 2
+    assert len([m for m in caplog.messages if "prediction write failed" in m]) == 1
+
+
+async def test_without_events_predictions_keep_each_prompt_on_one_backend() -> None:
+    """The approximate mode (no listener): 8 system prompts over 2 backends, requests in
+    random order; the first of each prompt goes where the strategy (round robin) sends it
+    and every later one follows it there, 50/50."""
+    r = rig(("a", "b"), predict_ttl_seconds=10)
+    rng = random.Random(3)
+    turn = 0
+    placed: dict[int, set[str]] = {}
+    for _ in range(400):
+        p = rng.randrange(8)
+        # a shared 3-chunk system prompt, then 2 chunks of this session's own
+        keys = [C(1000 * p + i) for i in range(3)] + [
+            C(rng.randrange(10**9) + 10**6) for _ in range(2)
+        ]
+        req = Chain(keys, 5 * CHUNK + 100)
+        view = await r.scorer.assess(req, r.cands)
+        chosen = r.scorer.decide(view, r.cands)
+        if chosen is None:
+            chosen = r.cands[turn % 2]
+            turn += 1
+        await r.scorer.routed(view, chosen)
+        placed.setdefault(p, set()).add(chosen.name)
+        r.clock.advance(0.05)
+    assert all(len(names) == 1 for names in placed.values()), placed
+    spread = [sum(1 for names in placed.values() if n in names) for n in ("a", "b")]
+    assert spread == [4, 4]
+
+
+# ---- the prefill ledger -----------------------------------------------------------------
+
+
+def test_prefill_load_counts_until_finished_once() -> None:
+    load = PrefillLoad()
+    t1 = load.started("a", 100)
+    t2 = load.started("a", 50)
+    t3 = load.started("b", 7)
+    assert (load.tokens("a"), load.tokens("b"), load.tokens("c")) == (150, 7, 0)
+    load.finished(t1)
+    load.finished(t1)  # idempotent: first byte, then the forwarder's finally
+    assert load.tokens("a") == 50
+    load.finished(t2)
+    load.finished(t3)
+    assert load.snapshot() == {}
+    assert load.started("a", -5).tokens == 0 and load.tokens("a") == 0
+
+
+# ---- predicted against delivered --------------------------------------------------------
+
+
+def test_accuracy_sums_per_backend_and_reports_to_metrics() -> None:
+    seen: list[tuple[str, int, int]] = []
+    acc = PredictionAccuracy(on_record=lambda b, p, r: seen.append((b, p, r)))
+    acc.record("a", 1000, 1000)
+    acc.record("a", 1000, 1200)  # the engine reused more (whole blocks)
+    acc.record("a", 500, 0)  # predicted tokens that were not there
+    acc.record("b", 0, 0)
+    acc.record("b", -3, -1)  # negatives count as 0
+    a = acc.get("a")
+    assert a is not None
+    assert (a.requests, a.predicted_tokens, a.reported_tokens, a.abs_error_tokens) == (
+        3,
+        2500,
+        2200,
+        700,
+    )
+    assert a.accuracy == pytest.approx(1 - 700 / (1000 + 1200 + 500))
+    assert acc.document() == {
+        "a": {
+            "requests": 3,
+            "predicted_cached_tokens": 2500,
+            "reported_cached_tokens": 2200,
+            "mean_abs_error_tokens": "233.3",
+            "accuracy": "0.7407",
+        },
+        "b": {
+            "requests": 2,
+            "predicted_cached_tokens": 0,
+            "reported_cached_tokens": 0,
+            "mean_abs_error_tokens": "0.0",
+            "accuracy": "1.0000",
+        },
+    }
+    assert seen[1] == ("a", 1000, 1200) and seen[-1] == ("b", 0, 0)
+    total = acc.total()
+    assert (total.requests, total.predicted_tokens, total.reported_tokens) == (5, 2500, 2200)
+    assert total.accuracy == a.accuracy  # b's records were exact and empty
