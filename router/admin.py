@@ -19,6 +19,7 @@ import orjson
 from .admin_auth import AdminToken
 from .cache.service import ResponseCacheService
 from .config import RouterConfig
+from .conversation import ConversationKeys
 from .errors import openai_error
 from .gemini import GeminiService
 from .gemini.manager import Counters
@@ -64,6 +65,7 @@ class AdminApi:
         cache: the response cache service, when built.
         kv: Tier 4, when enabled.
         gemini: the Gemini service, when configured.
+        conversation: the prompt-chain renderer of conversation-depth routing, when on.
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class AdminApi:
         cache: ResponseCacheService | None = None,
         kv: KvRuntime | None = None,
         gemini: GeminiService | None = None,
+        conversation: ConversationKeys | None = None,
     ) -> None:
         self._config = config
         self._token = token
@@ -84,6 +87,7 @@ class AdminApi:
         self._cache = cache
         self._kv = kv
         self._gemini = gemini
+        self._conversation = conversation
 
     def routes(self) -> dict[tuple[str, str], Route]:
         return {
@@ -227,6 +231,8 @@ class AdminApi:
                 },
                 "in_flight_prefill_tokens": kv.prefill_load.snapshot(),
             }
+            if self._conversation is not None:
+                doc["conversation"]["rendering"] = self._conversation.stats()
         return _json(doc)
 
     async def kv_backends(self, req: Request) -> Response:
@@ -260,7 +266,15 @@ class AdminApi:
         before = (await kv.index.stats()).entry_count
         cleared = await kv.index.clear()
         await kv.index.stats()  # refreshes the metrics' view
-        return _json({"success": True, "entries_before_clear": before, "cleared_entries": cleared})
+        doc: dict[str, Any] = {
+            "success": True,
+            "entries_before_clear": before,
+            "cleared_entries": cleared,
+        }
+        if kv.chain_index is not None:
+            doc["cleared_chain_entries"] = await kv.chain_index.clear()
+            await kv.chain_index.stats()
+        return _json(doc)
 
     # -- Tiers 2 and 3 -------------------------------------------------------------
 

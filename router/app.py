@@ -5,10 +5,13 @@ collaborators it uses:
 
 * the backend pool (health, load), the metrics, the upstream HTTP client;
 * the selector (strategies, the CHWBL ring) with, under Tier 4, the KV scorer in front;
-* the response cache service (Tiers 2 and 3, with its semantic path), the KV runtime
-  (Tier 4: index, event consumers, scorer), push mode's session registry (the event bus's
-  session registry: the KV consumers open their streams from it, ``router.serve``'s bus server
-  registers the listeners' sessions in it), the Gemini service, the cache-salt step;
+* the response cache service (Tiers 2 and 3, with its semantic path);
+* the KV runtime (Tier 4: index, event consumers, scorer; with conversation-depth routing
+  also the chain index and its cost scorer, fed by the prompt chains that
+  ``router.conversation`` renders from each chat request);
+* push mode's session registry (the KV consumers open their streams from it,
+  ``router.serve``'s bus server registers the listeners' sessions in it);
+* the Gemini service and the cache-salt step;
 * the forwarder (selection + upstream + relay) and, over it, one dialect per client API
   (``router.dialects``), the status endpoints, the admin API and the gRPC KvIndex
   service.
@@ -31,6 +34,7 @@ from .cache import build_cache_store
 from .cache.semantic import SemanticCache
 from .cache.service import ResponseCacheService
 from .config import RouterConfig
+from .conversation import ConversationKeys
 from .dialects import AnthropicMessages, CacheSalter, ChatCompletions, Embeddings
 from .errors import openai_error
 from .eventbus.sessions import SessionRegistry
@@ -71,15 +75,35 @@ class Router:
         self.event_bus = self._build_event_bus(config, tier4)
         self.kv: KvRuntime | None = None
         salter = None
+        self.conversation: ConversationKeys | None = None
+        """Renders chat requests into prompt chains (conversation-depth routing)."""
         if tier4:
-            self.kv = KvRuntime(config, self.metrics.kv_decision, self.redis_pools, self.event_bus)
+            self.kv = KvRuntime(
+                config,
+                self.metrics.kv_decision,
+                self.redis_pools,
+                self.event_bus,
+                on_conversation_decision=self.metrics.kv_conversation_decision,
+                on_prediction=self.metrics.kv_prediction,
+            )
             self.selector.scorer = self.kv.scorer
             self.metrics.attach_kv(self.kv.metrics_snapshot)
             kvc = config.kv_cache_index
             if kvc.salt_secret_file or kvc.salt_secret_env:
                 salter = CacheSalter(load_secret(kvc.salt_secret_file, kvc.salt_secret_env))
+            if self.kv.conversation is not None:
+                self.selector.conversation = self.kv.conversation
+                self.conversation = ConversationKeys.from_specs(
+                    kvc.conversation.templates, chunk_bytes=kvc.conversation.chunk_bytes
+                )
         self.gemini = self._build_gemini(config)
-        forwarder = Forwarder(self.selector, self.client, self.pool, self.metrics)
+        forwarder = Forwarder(
+            self.selector,
+            self.client,
+            self.pool,
+            self.metrics,
+            self.kv if self.conversation is not None else None,
+        )
         current = lambda: self.config  # noqa: E731 - read per request: a reload swaps it
         chat = ChatCompletions(
             config=current,
@@ -89,6 +113,7 @@ class Router:
             cache=self.cache,
             gemini=self.gemini,
             salter=salter,
+            conversation=self.conversation,
         )
         messages = AnthropicMessages(
             config=current, pool=self.pool, forwarder=forwarder, gemini=self.gemini
@@ -103,12 +128,14 @@ class Router:
             cache=self.cache,
             kv=self.kv,
             gemini=self.gemini,
+            conversation=self.conversation,
         )
         self.kvindex_service = KvIndexServicer(
             self.kv,
             self.pool,
             lambda: self.config.prefix_routing.max_prefix_length,
             self.admin_token,
+            chain_of=self.conversation.chain if self.conversation is not None else None,
         )
         """``continuum.kvindex.v1.KvIndex``, served by ``router.serve`` on ``grpc_listen``."""
         self._routes: dict[tuple[str, str], Handler] = {

@@ -18,7 +18,7 @@ from .http.types import Response
 from .pool import Backend, Endpoint
 from .selection import SelectionContext
 
-__all__ = ["CacheWrite", "ErrorFactory", "ForwardSpec", "UpstreamFormat"]
+__all__ = ["CacheWrite", "ErrorFactory", "ForwardSpec", "RoutingFeedback", "UpstreamFormat"]
 
 ErrorFactory = Callable[[int, str, str | None], Response]
 """``(status, message, code)`` -> an error response in the client's API shape."""
@@ -91,3 +91,24 @@ class ForwardSpec:
         if self.gemini is not None and backend.type == "gemini":
             return self.gemini
         return self.format
+
+
+class RoutingFeedback(Protocol):
+    """What the forwarder tells the router's routing model about a request it sent.
+
+    Conversation-depth routing counts the prompt tokens each backend is still prefilling
+    (a load signal of its cost model) and compares the cached tokens it predicted for the
+    chosen backend with what the engine reports (``usage.prompt_tokens_details``).
+    """
+
+    def sent(self, backend: Backend, ctx: SelectionContext) -> object | None:
+        """The request goes to ``backend``; returns a ticket for :meth:`answered`."""
+        ...
+
+    def answered(self, ticket: object | None) -> None:
+        """The backend answered (first byte) or the attempt failed. Idempotent."""
+        ...
+
+    def delivered(self, backend: Backend, ctx: SelectionContext, usage: Mapping[str, Any]) -> None:
+        """The answer's OpenAI ``usage`` object."""
+        ...

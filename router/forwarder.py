@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import orjson
 
-from .forward_spec import CacheWrite, ForwardSpec, UpstreamFormat
+from .forward_spec import CacheWrite, ForwardSpec, RoutingFeedback, UpstreamFormat
 from .http.types import Response, StreamResponse
 from .metrics import RouterMetrics
 from .pool import Backend, BackendPool
@@ -56,6 +57,8 @@ class Forwarder:
         client: the upstream HTTP client.
         pool: told about connect failures (passive health).
         metrics: request counts and latencies, retries.
+        feedback: told what each request cost and what the engine reused, for requests
+            the selector assessed by their prompt chain (conversation-depth routing).
     """
 
     def __init__(
@@ -64,11 +67,13 @@ class Forwarder:
         client: UpstreamClient,
         pool: BackendPool,
         metrics: RouterMetrics,
+        feedback: RoutingFeedback | None = None,
     ) -> None:
         self._selector = selector
         self._client = client
         self._pool = pool
         self._metrics = metrics
+        self._feedback = feedback
 
     async def forward(
         self, spec: ForwardSpec, candidates: Sequence[Backend], mask: int, started: float
@@ -78,6 +83,8 @@ class Forwarder:
             backend = await self._selector.select(candidates, mask, spec.ctx)
             fmt = spec.format_for(backend)
             body = fmt.body(backend, spec)
+            feedback = self._feedback if spec.ctx.view is not None else None
+            ticket = feedback.sent(backend, spec.ctx) if feedback is not None else None
             backend.in_flight += 1
             t0 = time.perf_counter()
             try:
@@ -111,10 +118,13 @@ class Forwarder:
             except BaseException:
                 backend.in_flight -= 1
                 raise
+            finally:
+                if feedback is not None:
+                    feedback.answered(ticket)
             backend.record_latency(time.perf_counter() - t0)
             if spec.stream and up.status == 200:
-                return self._relay(spec, fmt, backend, up, started)
-            resp = await self._whole(spec, fmt, backend, up, started)
+                return self._relay(spec, fmt, backend, up, started, feedback)
+            resp = await self._whole(spec, fmt, backend, up, started, feedback)
             if resp is not None:
                 return resp
             # The format asked for one more attempt (a Gemini cache reference had expired).
@@ -139,6 +149,7 @@ class Forwarder:
         backend: Backend,
         up: UpstreamResponse,
         started: float,
+        feedback: RoutingFeedback | None,
     ) -> Response | None:
         """A non-streaming answer (or an error answer to a streaming request).
 
@@ -156,13 +167,14 @@ class Forwarder:
             backend.in_flight -= 1
         status = up.status
         ctype = up.content_type
+        doc: Any = None
         if status != 200 and fmt.retry(backend, status, data):
             backend.record_outcome(True)
             return None
         data = fmt.transform(backend, status, data)
         if status == 200 or "json" in ctype:
             try:
-                orjson.loads(data)
+                doc = orjson.loads(data)
             except orjson.JSONDecodeError:
                 backend.record_outcome(False)
                 return self._error(
@@ -187,6 +199,10 @@ class Forwarder:
             )
         backend.record_outcome(status < 500)
         self._metrics.observe(spec.endpoint, backend.name, status, time.perf_counter() - started)
+        if feedback is not None and status == 200 and type(doc) is dict:
+            usage = doc.get("usage")
+            if type(usage) is dict:
+                feedback.delivered(backend, spec.ctx, usage)
         if status == 200 and spec.store is not None and len(data) <= spec.store_limit:
             spec.store(data, False)
         return Response(
@@ -202,6 +218,7 @@ class Forwarder:
         backend: Backend,
         up: UpstreamResponse,
         started: float,
+        feedback: RoutingFeedback | None,
     ) -> StreamResponse:
         ctype = up.content_type
         if not ctype.startswith(_SSE):
@@ -215,9 +232,12 @@ class Forwarder:
             return StreamResponse(resp.status, _once(resp.body), resp.headers)
         self._metrics.observe(spec.endpoint, backend.name, 200, time.perf_counter() - started)
         tee = _Tee(spec.store, spec.store_limit) if spec.store is not None else None
+        chunks = fmt.stream(backend, up.iter_chunks())
+        if feedback is not None:
+            chunks = _usage_of(chunks, lambda usage: feedback.delivered(backend, spec.ctx, usage))
         return StreamResponse(
             200,
-            _Relay(backend, up, tee, fmt.stream(backend, up.iter_chunks())),
+            _Relay(backend, up, tee, chunks),
             [
                 ("content-type", ctype),
                 ("cache-control", "no-cache"),
@@ -228,6 +248,31 @@ class Forwarder:
 
 async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
+
+
+async def _usage_of(
+    chunks: AsyncIterator[bytes], sink: Callable[[dict[str, Any]], None]
+) -> AsyncIterator[bytes]:
+    """``chunks`` unchanged; the ``usage`` of the stream's usage chunk (OpenAI sends it
+    last, with ``stream_options.include_usage``) goes to ``sink``. Only a chunk that
+    mentions ``"usage"`` is parsed; an event split across chunks is joined first."""
+    pending = b""
+    async for chunk in chunks:
+        yield chunk
+        if pending or b'"usage"' in chunk:
+            pending += chunk
+            *events, pending = pending.split(b"\n\n")
+            for event in events:
+                if b'"usage"' in event and event.startswith(b"data: {"):
+                    try:
+                        doc = orjson.loads(event[6:])
+                    except orjson.JSONDecodeError:
+                        continue
+                    usage = doc.get("usage") if type(doc) is dict else None
+                    if type(usage) is dict:
+                        sink(usage)
+            if len(pending) > 1 << 20:
+                pending = b""
 
 
 class _Tee:

@@ -23,7 +23,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from bus.tasks import cancel_and_wait
@@ -31,6 +31,7 @@ from bus.tasks import cancel_and_wait
 from .config import RouterConfig
 from .config.models import EventSourceConfig
 from .eventbus.sessions import SessionRegistry
+from .gemini.usage import cached_tokens_of
 from .ingest import KvEventConsumerManager, StreamOpener
 from .kvindex import (
     CHAIN_KEY_PREFIX,
@@ -42,8 +43,10 @@ from .kvindex import (
 )
 from .kvindex.accuracy import PredictionAccuracy
 from .kvindex.cost import ConversationScorer
-from .kvindex.prefill import PrefillLoad
+from .kvindex.prefill import PrefillLoad, PrefillTicket
 from .kvindex.scorer import KvOverlapScorer
+from .pool import Backend
+from .selection import SelectionContext
 
 __all__ = ["KvRuntime", "index_figures"]
 
@@ -210,6 +213,33 @@ class KvRuntime:
             self._on_decision("kv_aware" if outcome == "chosen" else "fallback", tier, None)
         if self._on_conversation_decision is not None:
             self._on_conversation_decision(outcome)
+
+    # -- what the forwarder reports (RoutingFeedback) -----------------------------
+
+    def sent(self, backend: Backend, ctx: SelectionContext) -> object | None:
+        """The tokens ``backend`` must still prefill for the request count as its load
+        until it answers (the cost model's ``in_flight_prefill_tokens``)."""
+        conv, view = self.conversation, ctx.view
+        if conv is None or view is None:
+            return None
+        return self.prefill_load.started(backend.name, conv.prefill_tokens(view, backend))
+
+    def answered(self, ticket: object | None) -> None:
+        if isinstance(ticket, PrefillTicket):
+            self.prefill_load.finished(ticket)
+
+    def delivered(self, backend: Backend, ctx: SelectionContext, usage: Mapping[str, Any]) -> None:
+        """The engine's own ``cached_tokens`` against the prediction for ``backend``; an
+        engine that does not report them (no ``prompt_tokens_details``) is not counted."""
+        conv, view = self.conversation, ctx.view
+        details = usage.get("prompt_tokens_details")
+        if conv is None or view is None or not isinstance(details, Mapping):
+            return
+        if "cached_tokens" not in details:
+            return
+        self.accuracy.record(
+            backend.name, conv.predicted_cached_tokens(view, backend), cached_tokens_of(usage)
+        )
 
     # -- what admin, gRPC and metrics read ---------------------------------------
 

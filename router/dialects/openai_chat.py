@@ -7,8 +7,11 @@ Steps of one request, in order:
    (the stored JSON, or the stored stream replayed as SSE); every answer carries
    ``X-Cache: HIT | MISS | BYPASS``;
 3. candidates: enabled, healthy, public backends of the model (404/503 otherwise);
-4. the selection context: the prefix key (Tier 1, ``bus.prefix_key``) and, for
-   ``ConsistentHash``, the session affinity (``x-session-id`` header, else ``user``);
+4. the selection context: the prefix key (Tier 1, ``bus.prefix_key``), for
+   ``ConsistentHash`` the session affinity (``x-session-id`` header, else ``user``), and
+   with conversation-depth routing the prompt chain (``router.conversation``: the body
+   rendered with the model's chat template; None when it cannot be, and the prefix key
+   routes it);
 5. forward (:class:`~router.forwarder.Forwarder`), with the cache write-back of a miss.
 
 Upstream, for backends that speak OpenAI's API: ``/v1/chat/completions`` (gemini's
@@ -28,6 +31,7 @@ from bus.prefix_key import extract_prefix_key
 from ..cache.response import replay_sse
 from ..cache.service import CacheLookup, ResponseCacheService
 from ..config import RouterConfig
+from ..conversation import ConversationKeys
 from ..errors import openai_error
 from ..forward_spec import ForwardSpec
 from ..forwarder import Forwarder
@@ -62,6 +66,8 @@ class ChatCompletions(PassThroughAnswers):
         cache: the response cache service, when it was built at start.
         gemini: the Gemini adapter factory, when the context cache or the native API is on.
         salter: the cache-salt step, when a salt secret is configured.
+        conversation: renders the request into its prompt chain (conversation-depth
+            routing), when configured.
     """
 
     def __init__(
@@ -74,6 +80,7 @@ class ChatCompletions(PassThroughAnswers):
         cache: ResponseCacheService | None = None,
         gemini: GeminiService | None = None,
         salter: CacheSalter | None = None,
+        conversation: ConversationKeys | None = None,
     ) -> None:
         self._config = config
         self._pool = pool
@@ -82,6 +89,7 @@ class ChatCompletions(PassThroughAnswers):
         self._cache = cache
         self._gemini = gemini
         self._salter = salter
+        self._conversation = conversation
 
     async def handle(self, req: Request) -> Response | StreamResponse:
         """Every chat completion answer says what the response cache did (X-Cache)."""
@@ -161,6 +169,9 @@ class ChatCompletions(PassThroughAnswers):
             model,
             extract_prefix_key(body, enabled=pr.enabled, max_prefix_length=pr.max_prefix_length),
             _affinity(req.headers, body) if cfg.selection_strategy == "ConsistentHash" else None,
+            # The client's body, before the salt step binds a backend: the chain's root
+            # takes the caller's own cache_salt, which the listener recovers too.
+            self._conversation.chain(body, model) if self._conversation is not None else None,
         )
         spec = ForwardSpec(
             "chat", req.body, body, stream, ctx, forwarded_headers(req), self, openai_errors

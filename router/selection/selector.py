@@ -13,6 +13,7 @@ from typing import Protocol
 
 from ..config import RouterConfig
 from ..hll import HyperLogLog
+from ..kvindex.cost import ChainView, RequestChain
 from ..pool import Backend, BackendPool
 from .ring import HashRing
 from .strategies import (
@@ -23,13 +24,21 @@ from .strategies import (
     Strategy,
 )
 
-__all__ = ["BackendScorer", "RoutingCounts", "Selector"]
+__all__ = ["BackendScorer", "ChainScorer", "RoutingCounts", "Selector"]
 
 
 class BackendScorer(Protocol):
     """Tier 4's hook: return a backend it is confident about, or ``None`` to defer."""
 
     async def choose(self, prefix_key: bytes, candidates: Sequence[Backend]) -> Backend | None: ...
+
+
+class ChainScorer(Protocol):
+    """Conversation-depth routing's hook (``router.kvindex.cost.ConversationScorer``)."""
+
+    async def assess(self, chain: RequestChain, candidates: Sequence[Backend]) -> ChainView: ...
+    def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None: ...
+    async def routed(self, view: ChainView, backend: Backend) -> int: ...
 
 
 class RoutingCounts:
@@ -60,6 +69,8 @@ class Selector:
         self.pool = pool
         self.counts = RoutingCounts()
         self.scorer: BackendScorer | None = None
+        self.conversation: ChainScorer | None = None
+        """Runs first for a request with a prompt chain (registered by Tier 4)."""
         self._on_prefix_decision = on_prefix_decision
         self._ring: HashRing | None = None
         self._ring_key: tuple[tuple[str, ...], int] | None = None
@@ -119,6 +130,9 @@ class Selector:
     async def select(
         self, candidates: Sequence[Backend], mask: int, ctx: SelectionContext
     ) -> Backend:
+        conversation = self.conversation
+        if conversation is not None and ctx.chain is not None:
+            return await self._select_by_chain(conversation, candidates, mask, ctx)
         if len(candidates) == 1 and not isinstance(self.strategy, PrefixAwareHash):
             return candidates[0]
         if self.scorer is not None and ctx.prefix_key is not None:
@@ -126,3 +140,26 @@ class Selector:
             if chosen is not None:
                 return chosen
         return self.strategy.select(candidates, mask, ctx)
+
+    async def _select_by_chain(
+        self,
+        conversation: ChainScorer,
+        candidates: Sequence[Backend],
+        mask: int,
+        ctx: SelectionContext,
+    ) -> Backend:
+        """The lowest-cost backend for the chain; the strategy when nobody holds any of it
+        or the cost is tied (not the prefix scorer: the chain knows more than the prefix).
+        Either way the chosen backend is recorded as holding the chain (predict on route),
+        so the next request of the conversation follows it before its events arrive."""
+        assert ctx.chain is not None
+        view = ctx.view = await conversation.assess(ctx.chain, candidates)
+        chosen = conversation.decide(view, candidates)
+        if chosen is None:
+            chosen = (
+                candidates[0]
+                if len(candidates) == 1
+                else self.strategy.select(candidates, mask, ctx)
+            )
+        await conversation.routed(view, chosen)
+        return chosen

@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from ..kvindex.cost import ChainView, RequestChain
 from ..pool import Backend
 from .ring import HashRing, key_position
 
@@ -37,6 +38,11 @@ class SelectionContext:
     prefix_key: bytes | None = None
     affinity: str | None = None
     """Session-affinity key for ConsistentHash (``x-session-id`` header or ``user``)."""
+    chain: RequestChain | None = None
+    """The request's prompt chain (conversation-depth routing), when it could be rendered."""
+    view: ChainView | None = None
+    """The chain against the chain index, set by the selector when it assessed it: what
+    the forwarder's prefill and accuracy accounting read for the chosen backend."""
 
 
 class Strategy(Protocol):
