@@ -217,7 +217,9 @@ def _normalizer(path: str, spec: Any) -> tuple[str | None, bool, bool]:
             form = kind
         elif kind == "Prepend" and n.get("prepend") == _SPACE:
             prepend = True
-        elif kind == "Replace" and n.get("pattern") == {"String": " "} and n.get("content") == _SPACE:
+        elif kind == "Replace" and n.get("pattern") == {"String": " "}:
+            if n.get("content") != _SPACE:
+                raise _fail(path, "a Replace normalizer of spaces by anything but U+2581")
             replace = True
         else:
             raise _fail(
@@ -239,7 +241,7 @@ def build_token_bytes(spec: dict[str, Any], path: str = "<tokenizer.json>") -> T
         raise _fail(path, "no model section")
     mtype = model.get("type")
     if mtype != "BPE":
-        raise _fail(path, f"model type {mtype!r} is not supported (byte-level or SentencePiece BPE)")
+        raise _fail(path, f"model type {mtype!r} is not supported (only BPE)")
     vocab = model.get("vocab")
     if not isinstance(vocab, dict):
         raise _fail(path, "the BPE model has no vocabulary")
@@ -260,7 +262,7 @@ def build_token_bytes(spec: dict[str, Any], path: str = "<tokenizer.json>") -> T
             raise _fail(path, "mixes byte-level and SentencePiece conventions")
         for p in pre:
             if p.get("type") == "ByteLevel" and p.get("add_prefix_space"):
-                raise _fail(path, "a ByteLevel pre-tokenizer with add_prefix_space cannot be undone")
+                raise _fail(path, "ByteLevel with add_prefix_space cannot be undone")
         kind = "byte_level"
         decoder = _byte_decoder()
 
@@ -302,7 +304,7 @@ def build_token_bytes(spec: dict[str, Any], path: str = "<tokenizer.json>") -> T
             return piece.replace(_SPACE, " ").encode()
 
     else:
-        raise _fail(path, "neither byte-level nor SentencePiece-style: its tokens do not spell the text")
+        raise _fail(path, "neither byte-level nor SentencePiece-style BPE: tokens lose the text")
 
     added = spec.get("added_tokens") or []
     ids = [i for i in vocab.values() if type(i) is int and i >= 0]

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from listener.engine_events import BlockHash
@@ -206,6 +207,8 @@ class BlockStore:
         UNATTRIBUTED that does not extend an unattributed chain."""
         self.chains: ConversationLedger | None = None
         """Conversation keys (when on): a dropped block's node is withdrawn there."""
+        self.chain_copy: Callable[[BlockKey], ChainNode | None] = lambda key: None
+        """The live chain node of a copy of the block ``key`` in another medium."""
 
     def add(self, b: TrackedBlock) -> None:
         """Track the new block ``b`` (its state, links and tokens set), then the bounds."""
@@ -239,7 +242,7 @@ class BlockStore:
         b.alive = False
         self.policy.removed(b)
         if b.chain is not None:
-            self.chains.drop(b.chain)  # type: ignore[union-attr]
+            self.chains.drop(b.chain, self.chain_copy(b.key))  # type: ignore[union-attr]
         state = b.state
         self.counts[state] -= 1
         if state == KEYED:  # no tokens, parent or children (see settle): only the counts

@@ -11,9 +11,10 @@ the same rendered prompt.
 are stored: then every token up to the end of key ``i``'s chunk is in stored blocks. A
 key's ``token_count`` is the number of tokens lying wholly within its first ``(i+1) *
 chunk_bytes`` bytes (tokens before the block, plus the block's own that end at or before
-the chunk's end). Keys are counted per tier (``ChainRef``): two paths that share text (a
-GPU block and its CPU copy, a conversation and its sibling, two tokenizations of one
-text) share keys, and a key is announced once while any reference holds it:
+the chunk's end). A node's tier is gpu when it and every ancestor are GPU blocks, storage
+otherwise. Keys are counted per tier (``ChainRef``): two paths that share text (a GPU
+block and its CPU copy, a conversation and its sibling, two tokenizations of one text)
+share keys, and a key is announced once while any reference holds it:
 
 * ``chain_created`` (tier gpu) when a GPU node first holds it, or again after it was
   storage only;
@@ -24,12 +25,17 @@ Every flush announces withdrawals first, deepest first, then new keys shallowest
 so a subscriber applying the records in order never sees a key held without its
 predecessors (a backend's keys stay prefix-closed).
 
-**Removal.** When a block goes (the engine removed it, or the tracker pruned it), its node
-and every descendant's are withdrawn: the text in front of them is no longer whole. (A
-copy in another medium has its own node and keeps holding its keys. vLLM's offloading
-connector announces a copy without its parent; such a copy is trusted until it is removed
-itself.) A withdrawn node stays attached to its block as inert: nothing is derived from it
-again, even if the engine stores the missing ancestor once more.
+**Copies.** A copy of a block in another medium (CPU, disk) has its own node with the
+same state and keys, placed beside the original (under the same parent): vLLM's
+offloading connector announces copies without parent or tokens, so the original is how
+the listener knows where a copy stands.
+
+**Removal.** When a block goes (the engine removed it, or the tracker pruned it) and a
+copy of it remains, its children move under the copy (and count as storage from there);
+otherwise its node and every descendant's are withdrawn: the text in front of them is no
+longer whole. A withdrawn node stays attached to its block as inert: nothing is derived
+from it again, even if the engine stores the missing ancestor once more. So a node's
+ancestors always spell the text in front of it, and a backend's keys stay prefix-closed.
 
 **No keys.** A block gets no node, and nothing under it gets one, when its chain's root is
 unknown (no ``model`` configured, a LoRA adapter without a name), when its token ids are
@@ -194,17 +200,22 @@ class ConversationLedger:
         return node
 
     def copy(self, twin: ChainNode, tier: str) -> ChainNode | None:
-        """A copy of ``twin``'s block in another medium, announced without its parent:
-        the same state and keys, held in ``tier`` until the copy itself is removed."""
+        """A copy of ``twin``'s block in ``tier`` (announced without its parent): the same
+        state and keys, placed under the same parent."""
         if not twin.live:
             return None
+        parent = twin.parent
+        if parent is not None and parent.tier != "gpu":
+            tier = "storage"
         node = ChainNode(twin.state, tier, twin.at_start)
-        if node.state is not None:
-            self._hold(node)
         self.live += 1
+        if parent is not None:
+            self._link(parent, node)
         if twin.keys:
             node.keys = twin.keys
             self._count(node, 1)
+        if node.state is not None:
+            self._hold(node)
         return node
 
     def mismatch(self) -> None:
@@ -235,6 +246,8 @@ class ConversationLedger:
             self._warn_once("chain_unmapped", "token ids outside the tokenizer's table")
             return None
         new, keys = extend(state, data, self.chunk_bytes)
+        if parent is not None and parent.tier != "gpu":
+            tier = "storage"
         node = ChainNode(new, tier, after)
         self.live += 1
         if parent is not None:
@@ -300,20 +313,44 @@ class ConversationLedger:
                 r.storage_refs += sign
                 touched[r] = None
 
-    # -- removal ------------------------------------------------------------------------
+    @staticmethod
+    def _link(parent: ChainNode, node: ChainNode) -> None:
+        node.parent, node.prev = parent, None
+        first = parent.child
+        node.next = first
+        if first is not None:
+            first.prev = node
+        parent.child = node
 
-    def drop(self, node: ChainNode) -> None:
-        """``node``'s block is gone: withdraw it and every descendant."""
-        if not node.live:
-            return
+    @staticmethod
+    def _unlink(node: ChainNode) -> None:
         parent = node.parent
-        if parent is not None:  # unlink from the siblings
+        if parent is not None:
             if node.prev is None:
                 parent.child = node.next
             else:
                 node.prev.next = node.next
             if node.next is not None:
                 node.next.prev = node.prev
+        node.parent = node.next = node.prev = None
+
+    # -- removal ------------------------------------------------------------------------
+
+    def drop(self, node: ChainNode, copy: ChainNode | None = None) -> None:
+        """``node``'s block is gone: its children move under ``copy`` (a live copy of the
+        block in another medium), or it is withdrawn with every descendant."""
+        if not node.live:
+            return
+        self._unlink(node)
+        if copy is not None and copy.live:
+            c = node.child
+            node.child = None
+            while c is not None:
+                nxt = c.next
+                self._link(copy, c)
+                if copy.tier != "gpu" and c.tier == "gpu":
+                    self._demote(c)
+                c = nxt
         holders = self._holders
         stack = [node]
         while stack:
@@ -332,6 +369,20 @@ class ConversationLedger:
             n.live = False
             n.parent = n.child = n.next = n.prev = None
             self.live -= 1
+
+    def _demote(self, top: ChainNode) -> None:
+        """``top`` now has a non-GPU ancestor: it and its GPU descendants count as storage."""
+        stack = [top]
+        while stack:
+            n = stack.pop()
+            if n.tier == "gpu":
+                if n.keys:
+                    self._count(n, -1)
+                    n.tier = "storage"
+                    self._count(n, 1)
+                else:
+                    n.tier = "storage"
+                stack.extend(n.children())
 
     def clear(self) -> None:
         """Forget every node and key without events (the source resyncs or was cleared).
@@ -403,6 +454,7 @@ class ConversationLedger:
                 assert n.parent.live and n in set(n.parent.children())
             for c in n.children():
                 assert c.parent is n and c.live
+                assert n.tier == "gpu" or c.tier != "gpu"
             if n.state is not None:
                 assert len(n.state.partial) < self.chunk_bytes
                 retained += len(n.state.partial)

@@ -132,6 +132,7 @@ class ChainTracker:
         if conversation is not None:
             self._conv = ConversationLedger(backend, emit, conversation, self._warn_once)
             self._blocks.chains = self._conv
+            self._blocks.chain_copy = self._chain_twin
 
     # Counters kept by the parts, readable here as before the split.
 

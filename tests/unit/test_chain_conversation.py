@@ -48,12 +48,13 @@ TABLE = TokenBytes(
 
 class Router:
     """What a router would believe after applying the emitted chain events, checking that
-    every record is a legal step (no key announced twice in one tier, none evicted unheld,
-    and the held keys stay prefix-closed along every chain the test knows)."""
+    every record is a legal step: no key announced twice in one tier, none evicted unheld,
+    and, for keys whose predecessor the test knows (``pred``), none held without it."""
 
     def __init__(self) -> None:
         self.events: list[KvEvent] = []
         self.keys: dict[str, tuple[str, int]] = {}
+        self.pred: dict[str, str | None] = {}
 
     def __call__(self, ev: KvEvent) -> None:
         self.events.append(ev)
@@ -66,6 +67,10 @@ class Router:
             assert ev.chain_key is not None and ev.token_count is not None and ev.tier
             assert self.keys.get(ev.chain_key, ("", 0))[0] != ev.tier, "announced twice"
             self.keys[ev.chain_key] = (ev.tier, ev.token_count)
+        if self.pred:
+            for k in self.keys:
+                p = self.pred[k]
+                assert p is None or p in self.keys, "a key held without its predecessor"
 
     def chain_kinds(self) -> list[str]:
         return [e.event for e in self.events if e.event.startswith("chain_")]
@@ -77,11 +82,12 @@ def make(
     model: str | None = MODEL,
     table: TokenBytes = TABLE,
     max_retained_bytes: int = 1 << 20,
+    chunk: int = C,
     **limits: Any,
 ) -> tuple[ChainTracker, Router]:
     att = Attributor(model="m", template=CHATML, backend="b1", salt_secret=SECRET)
     router = Router()
-    conv = ConversationSettings(table, model, C, max_retained_bytes)
+    conv = ConversationSettings(table, model, chunk, max_retained_bytes)
     tracker = ChainTracker("b1", router, att, engine=engine, conversation=conv, **limits)  # type: ignore[arg-type]
     return tracker, router
 
@@ -128,10 +134,12 @@ def batch(*events: EngineEvent, dp: int = 0) -> EventBatch:
     return EventBatch(1.0, list(events), dp)
 
 
-def expected(text: bytes, salt: str | None = None, lora: str | None = None) -> dict[str, int]:
+def expected(
+    text: bytes, salt: str | None = None, lora: str | None = None, chunk: int = C
+) -> dict[str, int]:
     """key hex -> token count for a chain whose tokens are the bytes of ``text``."""
-    keys = chain_keys(text, chain_root(MODEL, salt, lora), C)
-    return {k.hex(): (i + 1) * C for i, k in enumerate(keys)}
+    keys = chain_keys(text, chain_root(MODEL, salt, lora), chunk)
+    return {k.hex(): (i + 1) * chunk for i, k in enumerate(keys)}
 
 
 TEXT = bytes(range(33, 123)) * 2  # 180 bytes: 5 full chunks of 32, 45 blocks of 4
@@ -219,7 +227,8 @@ def test_removing_a_block_withdraws_it_and_its_descendants_deepest_first() -> No
     assert evicted.index(list(branch)[2]) < evicted.index(keys[1])
     check(tracker, router)
     # The engine stores the block again: nothing under the hole gets keys back.
-    tracker.apply(batch(stored(TEXT[48:52], int(ev.block_hashes[11]), hashes=[ev.block_hashes[12]])))
+    again = stored(TEXT[48:52], int(ev.block_hashes[11]), hashes=[ev.block_hashes[12]])
+    tracker.apply(batch(again))
     assert set(router.keys) == set(keys[:1])
     check(tracker, router)
 
@@ -298,9 +307,7 @@ def _frames(fmt: str, text: bytes, salt: str | None) -> list[bytes]:
     enc = EventEncoder(get_format(fmt))
     frames = [enc.batch(1.0, [enc.stored([1, 2], None, list(text[:8]), BS, salt, True)])]
     for i in range(2, len(text) // BS):
-        frames.append(
-            enc.batch(1.0, [enc.stored([i + 1], i, list(text[4 * i : 4 * i + 4]), BS)])
-        )
+        frames.append(enc.batch(1.0, [enc.stored([i + 1], i, list(text[4 * i : 4 * i + 4]), BS)]))
     return frames
 
 
@@ -346,8 +353,7 @@ def test_trtllm_partial_last_block() -> None:
     salt = encode_salt(SECRET, "b1", b"\x05" * 32)
     # Per-block counts; the last block is partial: one 12-byte token, which completes the
     # first chunk (bytes 24..36), so key 0 counts the 24 tokens in front of it.
-    head = stored(list(TEXT[:24]) + [256], hashes=list(range(1, 8)), salt=salt,
-                  counts=[4] * 6 + [1])  # fmt: skip
+    head = stored([*TEXT[:24], 256], hashes=list(range(1, 8)), salt=salt, counts=[4] * 6 + [1])
     tracker.apply(batch(head))
     text = TEXT[:24] + SPECIAL[256]
     (k0,) = chain_keys(text, chain_root(MODEL), C)
@@ -400,114 +406,133 @@ def test_pruning_an_entry_withdraws_its_keys() -> None:
 
 @dataclass
 class Engine:
-    """The blocks the engine holds: per hash its parent, bytes and medium."""
+    """What the engine holds. Every block position (hash) has its parent and bytes, fixed
+    when it is first stored on the GPU; ``media`` says where copies of it are now. A key
+    is held while every position from the root to the block completing it has a copy
+    somewhere; gpu when each of them has one on the GPU."""
 
-    blocks: dict[tuple[str, int], tuple[int | None, bytes]] = field(default_factory=dict)
-    copies: dict[int, dict[str, tuple[str, int]]] = field(default_factory=dict)
+    chunk: int = C
+    blocks: dict[int, tuple[int | None, bytes]] = field(default_factory=dict)
+    media: dict[int, set[str]] = field(default_factory=dict)
 
-    def path(self, h: int) -> bytes | None:
+    def path(self, h: int, medium: str | None = None) -> bytes | None:
+        """The text up to ``h`` if every position on the way has a copy (in ``medium``)."""
         out: list[bytes] = []
         cur: int | None = h
         while cur is not None:
-            b = self.blocks.get(("GPU", cur))
-            if b is None:
+            here = self.media.get(cur, set())
+            if not here or (medium is not None and medium not in here):
                 return None
-            out.append(b[1])
-            cur = b[0]
+            parent, data = self.blocks[cur]
+            out.append(data)
+            cur = parent
         return b"".join(reversed(out))
 
     def held(self, h: int) -> dict[str, tuple[str, int]]:
-        """The keys GPU block ``h`` completes while its whole path is stored."""
+        """The keys position ``h`` completes, if its path is whole, with their tier."""
         text = self.path(h)
-        parent = self.blocks[("GPU", h)][0]
         if text is None:
             return {}
-        before = 0 if parent is None else len(self.path(parent) or b"")
-        keys = expected(text)
-        return {k: ("gpu", n) for k, n in keys.items() if n > before}
+        tier = "gpu" if self.path(h, "GPU") is not None else "storage"
+        before = len(text) - len(self.blocks[h][1])
+        keys = expected(text, chunk=self.chunk)
+        return {k: (tier, n) for k, n in keys.items() if n > before}
 
     def want(self) -> dict[str, tuple[str, int]]:
         out: dict[str, tuple[str, int]] = {}
-        for h, held in self.copies.items():
-            if ("CPU", h) in self.blocks:
-                out.update({k: ("storage", n) for k, (_, n) in held.items()})
-        for medium, h in self.blocks:
-            if medium == "GPU":
-                out.update(self.held(h))
+        for h in self.media:
+            for k, v in self.held(h).items():
+                if out.get(k, ("storage",))[0] != "gpu":
+                    out[k] = v
         return out
+
+    def preds(self) -> dict[str, str | None]:
+        """key -> the key before it, for every whole path now."""
+        out: dict[str, str | None] = {}
+        for h in self.media:
+            text = self.path(h)
+            keys: list[str | None] = [None]
+            keys += expected(text, chunk=self.chunk) if text is not None else []
+            out.update(zip(keys[1:], keys, strict=False))
+        return out
+
+    def apply(self, ev: EngineEvent) -> None:
+        if isinstance(ev, BlockStored):
+            medium = ev.medium or "GPU"
+            parent = None if ev.parent_block_hash is None else int(ev.parent_block_hash)
+            for i, h in enumerate(map(int, ev.block_hashes)):
+                if medium == "GPU":
+                    self.blocks[h] = (parent, bytes(ev.token_ids[BS * i : BS * i + BS]))
+                self.media.setdefault(h, set()).add(medium)
+                parent = h
+        elif isinstance(ev, BlockRemoved):
+            for h in map(int, ev.block_hashes):
+                here = self.media.get(h, set())
+                here.discard(ev.medium or "GPU")
+                if not here:
+                    self.media.pop(h, None)
 
 
 @st.composite
 def engine_runs(draw: st.DrawFn) -> list[EngineEvent]:
-    """Trees of GPU blocks (roots, children of any stored block, several blocks per event),
-    removals anywhere, CPU copies without parent or tokens, and clears."""
+    """Trees of GPU blocks (roots, children of any GPU block, several blocks per event),
+    removals anywhere (GPU or CPU), and CPU copies without parent or tokens (vLLM's
+    offloading connector)."""
     eng = Engine()
     out: list[EngineEvent] = []
     hashes = itertools.count(1)
     for _ in range(draw(st.integers(1, 40))):
-        gpu_blocks = [h for m, h in eng.blocks if m == "GPU"]
-        action = draw(st.sampled_from(["grow"] * 6 + ["root", "remove", "copy", "uncopy"]))
-        if action == "root" or not gpu_blocks:
-            parent = None
-        else:
-            parent = draw(st.sampled_from(gpu_blocks))
+        gpu_blocks = sorted(h for h, m in eng.media.items() if "GPU" in m)
+        cpu_blocks = sorted(h for h, m in eng.media.items() if "CPU" in m)
+        action = draw(st.sampled_from(["grow"] * 5 + ["root", "remove", "copy", "copy", "uncopy"]))
+        ev: EngineEvent
         if action in ("grow", "root") or not gpu_blocks:
+            parent = None
+            if action != "root" and gpu_blocks:
+                parent = draw(st.sampled_from(gpu_blocks))
             n = draw(st.integers(1, 3))
             data = draw(st.binary(min_size=BS * n, max_size=BS * n))
-            hs = [next(hashes) for _ in range(n)]
-            out.append(stored(data, parent, hashes=hs))
-            for i, h in enumerate(hs):
-                eng.blocks[("GPU", h)] = (parent if i == 0 else hs[i - 1], data[4 * i : 4 * i + 4])
+            ev = stored(data, parent, hashes=[next(hashes) for _ in range(n)])
         elif action == "remove":
-            assert parent is not None
-            out.append(BlockRemoved([BlockHash(parent)]))
-            del eng.blocks[("GPU", parent)]
+            ev = BlockRemoved([BlockHash(draw(st.sampled_from(gpu_blocks)))])
         elif action == "copy":
-            assert parent is not None
-            if ("CPU", parent) not in eng.blocks:
-                eng.copies[parent] = eng.held(parent)
-                eng.blocks[("CPU", parent)] = (None, b"")
-                out.append(BlockStored([BlockHash(parent)], None, [], BS, medium="CPU"))
+            h = draw(st.sampled_from(gpu_blocks))
+            if "CPU" in eng.media[h]:
+                continue
+            ev = BlockStored([BlockHash(h)], None, [], BS, medium="CPU")
+        elif cpu_blocks:
+            ev = BlockRemoved([BlockHash(draw(st.sampled_from(cpu_blocks)))], medium="CPU")
         else:
-            cpu = [h for m, h in eng.blocks if m == "CPU"]
-            if cpu:
-                h = draw(st.sampled_from(cpu))
-                del eng.blocks[("CPU", h)]
-                out.append(BlockRemoved([BlockHash(h)], medium="CPU"))
+            continue
+        eng.apply(ev)
+        out.append(ev)
     return out
 
 
-def _replay(events: list[EngineEvent]) -> list[tuple[EngineEvent, dict[str, tuple[str, int]]]]:
-    """Each event with what the engine's blocks hold after it."""
-    eng = Engine()
+def _replay(
+    events: list[EngineEvent], chunk: int, pred: dict[str, str | None] | None = None
+) -> list[tuple[EngineEvent, dict[str, tuple[str, int]]]]:
+    """Each event with what the engine's blocks hold after it (and every key's predecessor
+    into ``pred``)."""
+    eng = Engine(chunk)
     out = []
     for ev in events:
-        if isinstance(ev, BlockStored):
-            medium = ev.medium or "GPU"
-            if medium == "CPU":
-                h = int(ev.block_hashes[0])
-                eng.copies[h] = eng.held(h)
-                eng.blocks[("CPU", h)] = (None, b"")
-            else:
-                parent = None if ev.parent_block_hash is None else int(ev.parent_block_hash)
-                for i, h in enumerate(ev.block_hashes):
-                    eng.blocks[("GPU", int(h))] = (parent, bytes(ev.token_ids[4 * i : 4 * i + 4]))
-                    parent = int(h)
-        elif isinstance(ev, BlockRemoved):
-            eng.blocks.pop((ev.medium or "GPU", int(ev.block_hashes[0])), None)
+        eng.apply(ev)
         out.append((ev, eng.want()))
+        if pred is not None:
+            pred.update(eng.preds())
     return out
 
 
 @settings(max_examples=200, deadline=None)
-@given(events=engine_runs(), fast=st.booleans())
+@given(events=engine_runs(), fast=st.booleans(), chunk=st.sampled_from([4, 8, 12]))
 def test_property_announced_keys_are_exactly_what_the_blocks_hold(
-    events: list[EngineEvent], fast: bool
+    events: list[EngineEvent], fast: bool, chunk: int
 ) -> None:
-    tracker, router = make()
+    tracker, router = make(chunk=chunk)
     if not fast:
         tracker._extend = lambda dp, ev: False  # type: ignore[method-assign]
-    for ev, want in _replay(events):
+    for ev, want in _replay(events, chunk, router.pred):
         tracker.apply(batch(ev))
         check(tracker, router)
         assert router.keys == want
@@ -522,9 +547,9 @@ def test_property_announced_keys_are_exactly_what_the_blocks_hold(
 def test_property_bounds_hold_and_nothing_unheld_is_announced(
     events: list[EngineEvent], max_tracked: int, max_bytes: int
 ) -> None:
-    tracker, router = make(max_tracked_blocks=max_tracked, max_retained_bytes=max_bytes)
-    for ev, want in _replay(events):
+    tracker, router = make(max_tracked_blocks=max_tracked, max_retained_bytes=max_bytes, chunk=8)
+    for ev, want in _replay(events, 8):
         tracker.apply(batch(ev))
         check(tracker, router)
-        assert tracker.stats()["chain_retained_bytes"] <= min(max_bytes, max_tracked * (C - 1))
+        assert tracker.stats()["chain_retained_bytes"] <= min(max_bytes, max_tracked * 7)
         assert set(router.keys) <= set(want)
