@@ -3,10 +3,12 @@
 One ``SourceRuntime`` per configured backend owns its tracker and its transports (one
 ZMQ source per DP rank, or one trtllm poller). With ``conversation.enabled`` each tracker
 also gets its source's token byte table (``listener.token_bytes``, one per tokenizer file,
-shared by the sources that name it) and announces conversation keys. Everything runs on one asyncio loop; the
-ingestion path (``_on_batch``) is synchronous from the decoded batch to the hub, so an
-event is published in the same step its engine event is applied and a snapshot taken
-by a new subscriber is always consistent with the live stream that follows.
+shared by the sources that name it) and announces conversation keys.
+
+Everything runs on one asyncio loop; the ingestion path (``_on_batch``) is synchronous
+from the decoded batch to the hub, so an event is published in the same step its engine
+event is applied and a snapshot taken by a new subscriber is always consistent with the
+live stream that follows.
 
 Stop order (SIGTERM/SIGINT): sources, gRPC, SSE, then the hub, so subscribers see the
 end of their stream rather than a reset connection.
