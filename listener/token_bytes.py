@@ -48,6 +48,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Sequence
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Literal
 
@@ -174,14 +175,10 @@ class TokenBytes:
 
     def ends(self, ids: Sequence[int], at_start: bool) -> list[int]:
         """Cumulative byte offsets: ``ends[k]`` = bytes of ``ids[: k + 1]`` (as ``convert``)."""
+        if self.prepend == "never":
+            return list(accumulate(map(len, map(self.table.__getitem__, ids))))  # type: ignore[arg-type]
         total = 0
         out: list[int] = []
-        if self.prepend == "never":
-            table = self.table
-            for i in ids:
-                total += len(table[i])  # type: ignore[arg-type]
-                out.append(total)
-            return out
         for i in ids:
             data, at_start = self.convert((i,), at_start)
             total += len(data)

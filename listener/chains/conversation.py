@@ -42,6 +42,12 @@ unknown (no ``model`` configured, a LoRA adapter without a name), when its token
 missing, do not split into the engine's block size, or do not map through the table. Each
 kind is counted in ``stats`` and warned about once.
 
+**Cost.** This runs for every stored block on the ingestion path, so a node holds its
+chain state's three fields itself (``key``, ``partial``, ``length``: a
+``bus.prompt_chain.ChainState`` without the extra object) and ``extend`` is called only
+for a block that completes a chunk; below that, extending is appending the block's bytes
+to the partial chunk, which is all ``extend`` would do.
+
 **Memory.** Nodes exist only for tracked blocks (``max_tracked_blocks`` bounds them). Each
 node's state keeps the bytes after its last full chunk (fewer than ``chunk_bytes``); those
 bytes count against ``max_retained_bytes``, and beyond it the least recently extended node
@@ -57,6 +63,7 @@ from bisect import bisect_right
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 
 from bus.events import KvEvent
 from bus.prompt_chain import ChainKey, ChainState, chain_root, extend
@@ -95,23 +102,53 @@ class ChainRef:
 class ChainNode:
     """A tracked block's place in its chain (see the module docstring).
 
-    ``state`` is None once the byte bound took it (or the node was withdrawn); ``at_start``
-    is the tokenizer's leading-space flag after the block (``TokenBytes.convert``).
-    Children are a doubly linked sibling list (``child``, ``next``, ``prev``): O(1) to
-    link and unlink, whatever the fan-out under a shared system prompt.
+    ``key``, ``partial`` and ``length`` are the chain's state after the block (the last
+    full chunk's key, the bytes after it, every byte so far); ``partial`` is None once the
+    byte bound took the state (or the node was withdrawn). ``at_start`` is the tokenizer's
+    leading-space flag after the block (``TokenBytes.convert``). Children are a doubly
+    linked sibling list (``child``, ``next``, ``prev``): O(1) to link and unlink, whatever
+    the fan-out under a shared system prompt.
     """
 
-    __slots__ = ("at_start", "child", "keys", "live", "next", "parent", "prev", "state", "tier")
+    __slots__ = (
+        "at_start",
+        "child",
+        "key",
+        "keys",
+        "length",
+        "live",
+        "next",
+        "parent",
+        "partial",
+        "prev",
+        "tier",
+    )
 
-    def __init__(self, state: ChainState | None, tier: str, at_start: bool) -> None:
-        self.state: ChainState | None = state
+    def __init__(
+        self,
+        key: bytes,
+        partial: bytes | None,
+        length: int,
+        tier: str,
+        at_start: bool,
+        parent: ChainNode | None = None,
+        next: ChainNode | None = None,
+    ) -> None:
+        self.key, self.partial, self.length = key, partial, length
         self.tier, self.at_start = tier, at_start
         self.keys = _NO_KEYS
         self.live = True
-        self.parent: ChainNode | None = None
+        self.parent = parent
         self.child: ChainNode | None = None
-        self.next: ChainNode | None = None
+        self.next = next
         self.prev: ChainNode | None = None
+
+    @property
+    def state(self) -> ChainState | None:
+        """The chain state after the block, as ``bus.prompt_chain`` spells it."""
+        if self.partial is None:
+            return None
+        return ChainState(ChainKey(self.key), self.partial, self.length)
 
     def children(self) -> Iterator[ChainNode]:
         c = self.child
@@ -145,6 +182,7 @@ class ConversationLedger:
         self.max_retained_bytes = settings.max_retained_bytes
         self._stateless = settings.table.stateless
         self._join = settings.table.join
+        self._pieces = settings.table.table
         self.refs: dict[bytes, ChainRef] = {}
         self.touched: dict[ChainRef, None] = {}
         self._holders: OrderedDict[ChainNode, None] = OrderedDict()
@@ -180,7 +218,7 @@ class ConversationLedger:
             )
             return None
         root = chain_root(self.model, caller_salt(cache_salt), lora_name)
-        return self._derive(None, ChainState.start(root), True, ids, tier, 0)
+        return self._derive(None, root, b"", 0, True, ids, tier, 0)
 
     def child(
         self, parent: ChainNode, ids: Sequence[int] | None, tier: str, start_tokens: int
@@ -188,15 +226,57 @@ class ConversationLedger:
         """The node of a block stored under ``parent``'s block, or None.
 
         ``start_tokens`` is the number of tokens in front of the block (its parent's depth).
+        ``ids`` must not be negative (the decoders' contract: a negative id would index the
+        table from its end); the caller checks ids of unknown origin (``unmapped``).
+
+        This is the ingestion path's one per-block step, so the common case (a stateless
+        table, no chunk completed) is written out in full here; ``_derive`` is the same
+        for every case.
         """
-        state = parent.state
-        if state is None:
+        partial = parent.partial
+        if partial is None:
             return None
-        node = self._derive(parent, state, parent.at_start, ids, tier, start_tokens)
+        if not self._stateless or not ids or len(ids) == 1:
+            node = self._derive(
+                parent,
+                parent.key,
+                partial,
+                parent.length,
+                parent.at_start,
+                ids,
+                tier,
+                start_tokens,
+            )
+        else:
+            try:
+                data = b"".join(itemgetter(*ids)(self._pieces))
+            except (IndexError, TypeError):
+                self.unmapped()
+                return None
+            buf = partial + data
+            if parent.tier != "gpu":
+                tier = "storage"
+            first = parent.child
+            if len(buf) < self.chunk_bytes:
+                node = ChainNode(parent.key, buf, parent.length + len(data), tier, False, parent)
+            else:
+                node = self._completing(parent, data, ids, False, tier, start_tokens)
+                node.parent = parent
+                buf = node.partial  # type: ignore[assignment]
+            node.next = first
+            parent.child = node
+            if first is not None:
+                first.prev = node
+            self.live += 1
+            self._holders[node] = None
+            self.retained += len(buf)
+            if self.retained > self.max_retained_bytes:
+                self._enforce()
         if node is not None:
-            holders = self._holders
-            if parent in holders:
-                holders.move_to_end(parent)
+            try:
+                self._holders.move_to_end(parent)
+            except KeyError:
+                pass  # the byte bound took its state
         return node
 
     def copy(self, twin: ChainNode, tier: str) -> ChainNode | None:
@@ -207,16 +287,21 @@ class ConversationLedger:
         parent = twin.parent
         if parent is not None and parent.tier != "gpu":
             tier = "storage"
-        node = ChainNode(twin.state, tier, twin.at_start)
+        node = ChainNode(twin.key, twin.partial, twin.length, tier, twin.at_start)
         self.live += 1
         if parent is not None:
             self._link(parent, node)
         if twin.keys:
             node.keys = twin.keys
             self._count(node, 1)
-        if node.state is not None:
+        if node.partial is not None:
             self._hold(node)
         return node
+
+    def unmapped(self) -> None:
+        """A block with a token id outside the table: no node."""
+        self.counts["unmapped_tokens"] += 1
+        self._warn_once("chain_unmapped", "token ids outside the tokenizer's table")
 
     def mismatch(self) -> None:
         """A block whose token ids do not split into its engine's block size: no node."""
@@ -226,12 +311,15 @@ class ConversationLedger:
     def _derive(
         self,
         parent: ChainNode | None,
-        state: ChainState,
+        key: bytes,
+        partial: bytes,
+        length: int,
         at_start: bool,
         ids: Sequence[int] | None,
         tier: str,
         start_tokens: int,
     ) -> ChainNode | None:
+        """The node of a block whose chain stands at (``key``, ``partial``, ``length``)."""
         if not ids:
             self.counts["missing_tokens"] += 1
             self._warn_once("chain_tokens", "stored blocks without token ids get no chain keys")
@@ -242,25 +330,40 @@ class ConversationLedger:
             else:
                 data, after = self.table.convert(ids, at_start)
         except UnmappedToken:
-            self.counts["unmapped_tokens"] += 1
-            self._warn_once("chain_unmapped", "token ids outside the tokenizer's table")
+            self.unmapped()
             return None
-        new, keys = extend(state, data, self.chunk_bytes)
         if parent is not None and parent.tier != "gpu":
             tier = "storage"
-        node = ChainNode(new, tier, after)
+        if len(partial) + len(data) < self.chunk_bytes:
+            node = ChainNode(key, partial + data, length + len(data), tier, after)
+        else:
+            state = ChainState(ChainKey(key), partial, length)
+            node = self._completing(state, data, ids, at_start, tier, start_tokens)
+            node.at_start = after
         self.live += 1
         if parent is not None:
-            node.parent = parent
-            first = parent.child
-            if first is not None:
-                node.next = first
-                first.prev = node
-            parent.child = node
-        if keys:
-            node.keys = self._refs(keys, state.length, ids, at_start, start_tokens)
-            self._count(node, 1)
+            self._link(parent, node)
         self._hold(node)
+        return node
+
+    def _completing(
+        self,
+        state: ChainState | ChainNode,
+        data: bytes,
+        ids: Sequence[int],
+        at_start: bool,
+        tier: str,
+        start_tokens: int,
+    ) -> ChainNode:
+        """The node (not linked) of a block that completes one chunk or more, with its
+        keys counted."""
+        if isinstance(state, ChainNode):
+            assert state.partial is not None
+            state = ChainState(ChainKey(state.key), state.partial, state.length)
+        new, keys = extend(state, data, self.chunk_bytes)
+        node = ChainNode(new.key, new.partial, new.length, tier, False)
+        node.keys = self._refs(keys, state.length, ids, at_start, start_tokens)
+        self._count(node, 1)
         return node
 
     def _refs(
@@ -286,10 +389,9 @@ class ConversationLedger:
         return tuple(out)
 
     def _hold(self, node: ChainNode) -> None:
-        state = node.state
-        assert state is not None
+        assert node.partial is not None
         self._holders[node] = None
-        self.retained += len(state.partial)
+        self.retained += len(node.partial)
         if self.retained > self.max_retained_bytes:
             self._enforce()
 
@@ -297,9 +399,9 @@ class ConversationLedger:
         holders = self._holders
         while self.retained > self.max_retained_bytes and holders:
             victim, _ = holders.popitem(last=False)
-            assert victim.state is not None
-            self.retained -= len(victim.state.partial)
-            victim.state = None
+            assert victim.partial is not None
+            self.retained -= len(victim.partial)
+            victim.partial = None
             self.counts["bytes_pruned"] += 1
 
     def _count(self, node: ChainNode, sign: int) -> None:
@@ -362,9 +464,9 @@ class ConversationLedger:
             if n.keys:
                 self._count(n, -1)
                 n.keys = _NO_KEYS
-            if n.state is not None:
-                self.retained -= len(n.state.partial)
-                n.state = None
+            if n.partial is not None:
+                self.retained -= len(n.partial)
+                n.partial = None
                 holders.pop(n, None)
             n.live = False
             n.parent = n.child = n.next = n.prev = None
@@ -446,7 +548,7 @@ class ConversationLedger:
         for n in nodes.values():
             if n is None or not n.live:
                 if n is not None:
-                    assert n.state is None and not n.keys and n.parent is None
+                    assert n.partial is None and not n.keys and n.parent is None
                     assert n.child is None and n not in self._holders
                 continue
             live += 1
@@ -455,9 +557,10 @@ class ConversationLedger:
             for c in n.children():
                 assert c.parent is n and c.live
                 assert n.tier == "gpu" or c.tier != "gpu"
-            if n.state is not None:
-                assert len(n.state.partial) < self.chunk_bytes
-                retained += len(n.state.partial)
+            if n.partial is not None:
+                assert len(n.partial) < self.chunk_bytes
+                assert n.length % self.chunk_bytes == len(n.partial)
+                retained += len(n.partial)
                 holders.add(n)
             for r in n.keys:
                 assert self.refs.get(r.key) is r

@@ -371,6 +371,9 @@ class ChainTracker:
             twin = self._chain_twin(b.key)  # no tokens: a copy of a block we know?
             if twin is not None:
                 return conv.copy(twin, b.tier)
+        if ids and min(ids) < 0:  # the ZMQ decoders refuse these; trtllm's JSON may not
+            conv.unmapped()
+            return None
         if parent is not None:
             pc = parent.chain
             return None if pc is None else conv.child(pc, ids, b.tier, b.start)
