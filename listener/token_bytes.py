@@ -305,7 +305,7 @@ def build_token_bytes(spec: dict[str, Any], path: str = "<tokenizer.json>") -> T
 
     added = spec.get("added_tokens") or []
     ids = [i for i in vocab.values() if type(i) is int and i >= 0]
-    ids += [t.get("id") for t in added if isinstance(t, dict) and type(t.get("id")) is int]
+    ids += [t["id"] for t in added if isinstance(t, dict) and type(t.get("id")) is int]
     size = max(ids, default=-1) + 1
     if size > 1 << 24:
         raise _fail(path, f"token id {size - 1} is implausibly large")

@@ -42,17 +42,19 @@ unknown (no ``model`` configured, a LoRA adapter without a name), when its token
 missing, do not split into the engine's block size, or do not map through the table. Each
 kind is counted in ``stats`` and warned about once.
 
-**Cost.** This runs for every stored block on the ingestion path, so a node holds its
-chain state's three fields itself (``key``, ``partial``, ``length``: a
-``bus.prompt_chain.ChainState`` without the extra object) and ``extend`` is called only
-for a block that completes a chunk; below that, extending is appending the block's bytes
-to the partial chunk, which is all ``extend`` would do.
+**Cost.** This runs for every stored block on the ingestion path, so a node keeps its
+chain state (``bus.prompt_chain.ChainState``: the last full chunk's key, the bytes after
+it, the length) as a rope: the key, the length, and only the bytes the block itself adds
+after the last chunk boundary (``data``); the partial chunk is the ``data`` of the nodes
+from the one that crossed the boundary down to this one. ``extend`` runs only for a block
+that completes a chunk (then the partial chunk is gathered, at most one chunk of bytes);
+any other block costs its own bytes and one node, never a copy of the partial chunk.
 
 **Memory.** Nodes exist only for tracked blocks (``max_tracked_blocks`` bounds them). Each
-node's state keeps the bytes after its last full chunk (fewer than ``chunk_bytes``); those
-bytes count against ``max_retained_bytes``, and beyond it the least recently extended node
-loses its state (it keeps its keys; nothing new derives from it). Hence at all times, per
-source::
+node keeps fewer than ``chunk_bytes`` bytes of ``data``; those count against
+``max_retained_bytes``, and beyond it the least recently extended node loses them (it
+keeps its keys; nothing that needs them derives from it or below it within the chunk).
+Hence at all times, per source::
 
     retained chain bytes <= min(max_retained_bytes, max_tracked_blocks * (chunk_bytes - 1))
 """
@@ -60,7 +62,7 @@ source::
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import OrderedDict
+from collections import deque
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -102,9 +104,10 @@ class ChainRef:
 class ChainNode:
     """A tracked block's place in its chain (see the module docstring).
 
-    ``key``, ``partial`` and ``length`` are the chain's state after the block (the last
-    full chunk's key, the bytes after it, every byte so far); ``partial`` is None once the
-    byte bound took the state (or the node was withdrawn). ``at_start`` is the tokenizer's
+    ``key`` and ``length`` are the chain's state after the block (the last full chunk's
+    key, every byte so far); ``data`` the bytes it adds after the last chunk boundary (the
+    module docstring's rope), None once the byte bound took them (or the node was
+    withdrawn). ``at_start`` is the tokenizer's
     leading-space flag after the block (``TokenBytes.convert``). Children are a doubly
     linked sibling list (``child``, ``next``, ``prev``): O(1) to link and unlink, whatever
     the fan-out under a shared system prompt.
@@ -113,28 +116,29 @@ class ChainNode:
     __slots__ = (
         "at_start",
         "child",
+        "data",
         "key",
         "keys",
         "length",
         "live",
         "next",
         "parent",
-        "partial",
         "prev",
         "tier",
+        "used",
     )
 
     def __init__(
         self,
         key: bytes,
-        partial: bytes | None,
+        data: bytes | None,
         length: int,
         tier: str,
         at_start: bool,
         parent: ChainNode | None = None,
         next: ChainNode | None = None,
     ) -> None:
-        self.key, self.partial, self.length = key, partial, length
+        self.key, self.data, self.length = key, data, length
         self.tier, self.at_start = tier, at_start
         self.keys = _NO_KEYS
         self.live = True
@@ -142,13 +146,30 @@ class ChainNode:
         self.child: ChainNode | None = None
         self.next = next
         self.prev: ChainNode | None = None
+        self.used = False
 
-    @property
-    def state(self) -> ChainState | None:
+    def partial(self, chunk_bytes: int) -> bytes | None:
+        """The bytes after the last full chunk (None when a node they come from lost them)."""
+        need = self.length % chunk_bytes
+        pieces: list[bytes] = []
+        n: ChainNode | None = self
+        while need:
+            if n is None or n.data is None:
+                return None
+            data = n.data
+            pieces.append(data)
+            need -= len(data)
+            n = n.parent
+        assert need == 0
+        pieces.reverse()
+        return b"".join(pieces)
+
+    def state(self, chunk_bytes: int) -> ChainState | None:
         """The chain state after the block, as ``bus.prompt_chain`` spells it."""
-        if self.partial is None:
+        partial = self.partial(chunk_bytes)
+        if partial is None:
             return None
-        return ChainState(ChainKey(self.key), self.partial, self.length)
+        return ChainState(ChainKey(self.key), partial, self.length)
 
     def children(self) -> Iterator[ChainNode]:
         c = self.child
@@ -185,10 +206,12 @@ class ConversationLedger:
         self._pieces = settings.table.table
         self.refs: dict[bytes, ChainRef] = {}
         self.touched: dict[ChainRef, None] = {}
-        self._holders: OrderedDict[ChainNode, None] = OrderedDict()
-        """Nodes with a state, least recently extended first (the byte bound's order)."""
+        self._holders: deque[ChainNode] = deque()
+        """Nodes with ``data``, oldest first, for the byte bound: a clock (second chance)
+        over creation order, ``used`` set when a child derives from a node; entries of
+        nodes that lost their data are skipped, and compacted away once they are half."""
         self.retained = 0
-        """Bytes kept in the states of all nodes (their partial chunks)."""
+        """Bytes kept by all nodes (their ``data``)."""
         self.live = 0
         self.counts = {
             "no_root": 0,
@@ -218,7 +241,7 @@ class ConversationLedger:
             )
             return None
         root = chain_root(self.model, caller_salt(cache_salt), lora_name)
-        return self._derive(None, root, b"", 0, True, ids, tier, 0)
+        return self._derive(None, root, 0, True, ids, tier, 0)
 
     def child(
         self, parent: ChainNode, ids: Sequence[int] | None, tier: str, start_tokens: int
@@ -233,50 +256,40 @@ class ConversationLedger:
         table, no chunk completed) is written out in full here; ``_derive`` is the same
         for every case.
         """
-        partial = parent.partial
-        if partial is None:
+        if parent.data is None:
             return None
         if not self._stateless or not ids or len(ids) == 1:
-            node = self._derive(
-                parent,
-                parent.key,
-                partial,
-                parent.length,
-                parent.at_start,
-                ids,
-                tier,
-                start_tokens,
-            )
+            node = self._derive(parent, parent.key, parent.length, parent.at_start, ids, tier,
+                                start_tokens)  # fmt: skip
         else:
             try:
                 data = b"".join(itemgetter(*ids)(self._pieces))
             except (IndexError, TypeError):
                 self.unmapped()
                 return None
-            buf = partial + data
+            length = parent.length
             if parent.tier != "gpu":
                 tier = "storage"
-            first = parent.child
-            if len(buf) < self.chunk_bytes:
-                node = ChainNode(parent.key, buf, parent.length + len(data), tier, False, parent)
+            if length % self.chunk_bytes + len(data) < self.chunk_bytes:
+                node = ChainNode(parent.key, data, length + len(data), tier, False, parent)
             else:
-                node = self._completing(parent, data, ids, False, tier, start_tokens)
+                node = self._completing(parent, parent.key, length, data, ids, False, tier,
+                                        start_tokens)  # fmt: skip
+                if node is None:
+                    return None
                 node.parent = parent
-                buf = node.partial  # type: ignore[assignment]
-            node.next = first
+                data = node.data  # type: ignore[assignment]
+            first = node.next = parent.child
             parent.child = node
             if first is not None:
                 first.prev = node
             self.live += 1
-            self._holders[node] = None
-            self.retained += len(buf)
+            self._holders.append(node)
+            self.retained += len(data)
             if self.retained > self.max_retained_bytes:
                 self._enforce()
         if node is not None:
-            try:
-                self._holders.move_to_end(parent)
-            except KeyError:
-                pass  # the byte bound took its state
+            parent.used = True
         return node
 
     def copy(self, twin: ChainNode, tier: str) -> ChainNode | None:
@@ -287,14 +300,14 @@ class ConversationLedger:
         parent = twin.parent
         if parent is not None and parent.tier != "gpu":
             tier = "storage"
-        node = ChainNode(twin.key, twin.partial, twin.length, tier, twin.at_start)
+        node = ChainNode(twin.key, twin.data, twin.length, tier, twin.at_start)
         self.live += 1
         if parent is not None:
             self._link(parent, node)
         if twin.keys:
             node.keys = twin.keys
             self._count(node, 1)
-        if node.partial is not None:
+        if node.data is not None:
             self._hold(node)
         return node
 
@@ -312,14 +325,14 @@ class ConversationLedger:
         self,
         parent: ChainNode | None,
         key: bytes,
-        partial: bytes,
         length: int,
         at_start: bool,
         ids: Sequence[int] | None,
         tier: str,
         start_tokens: int,
     ) -> ChainNode | None:
-        """The node of a block whose chain stands at (``key``, ``partial``, ``length``)."""
+        """The node of a block whose chain stands at ``key`` and ``length`` after
+        ``parent`` (None: the chain's start)."""
         if not ids:
             self.counts["missing_tokens"] += 1
             self._warn_once("chain_tokens", "stored blocks without token ids get no chain keys")
@@ -334,11 +347,13 @@ class ConversationLedger:
             return None
         if parent is not None and parent.tier != "gpu":
             tier = "storage"
-        if len(partial) + len(data) < self.chunk_bytes:
-            node = ChainNode(key, partial + data, length + len(data), tier, after)
+        node: ChainNode | None
+        if length % self.chunk_bytes + len(data) < self.chunk_bytes:
+            node = ChainNode(key, data, length + len(data), tier, after)
         else:
-            state = ChainState(ChainKey(key), partial, length)
-            node = self._completing(state, data, ids, at_start, tier, start_tokens)
+            node = self._completing(parent, key, length, data, ids, at_start, tier, start_tokens)
+            if node is None:
+                return None
             node.at_start = after
         self.live += 1
         if parent is not None:
@@ -348,21 +363,24 @@ class ConversationLedger:
 
     def _completing(
         self,
-        state: ChainState | ChainNode,
+        parent: ChainNode | None,
+        key: bytes,
+        length: int,
         data: bytes,
         ids: Sequence[int],
         at_start: bool,
         tier: str,
         start_tokens: int,
-    ) -> ChainNode:
+    ) -> ChainNode | None:
         """The node (not linked) of a block that completes one chunk or more, with its
-        keys counted."""
-        if isinstance(state, ChainNode):
-            assert state.partial is not None
-            state = ChainState(ChainKey(state.key), state.partial, state.length)
+        keys counted; None when the partial chunk in front of it is lost."""
+        partial = b"" if parent is None else parent.partial(self.chunk_bytes)
+        if partial is None:
+            return None
+        state = ChainState(ChainKey(key), partial, length)
         new, keys = extend(state, data, self.chunk_bytes)
         node = ChainNode(new.key, new.partial, new.length, tier, False)
-        node.keys = self._refs(keys, state.length, ids, at_start, start_tokens)
+        node.keys = self._refs(keys, length, ids, at_start, start_tokens)
         self._count(node, 1)
         return node
 
@@ -389,19 +407,24 @@ class ConversationLedger:
         return tuple(out)
 
     def _hold(self, node: ChainNode) -> None:
-        assert node.partial is not None
-        self._holders[node] = None
-        self.retained += len(node.partial)
+        assert node.data is not None
+        self._holders.append(node)
+        self.retained += len(node.data)
         if self.retained > self.max_retained_bytes:
             self._enforce()
 
     def _enforce(self) -> None:
         holders = self._holders
         while self.retained > self.max_retained_bytes and holders:
-            victim, _ = holders.popitem(last=False)
-            assert victim.partial is not None
-            self.retained -= len(victim.partial)
-            victim.partial = None
+            victim = holders.popleft()
+            if victim.data is None:
+                continue  # withdrawn since
+            if victim.used:  # extended since it was queued: a second chance
+                victim.used = False
+                holders.append(victim)
+                continue
+            self.retained -= len(victim.data)
+            victim.data = None
             self.counts["bytes_pruned"] += 1
 
     def _count(self, node: ChainNode, sign: int) -> None:
@@ -453,7 +476,6 @@ class ConversationLedger:
                 if copy.tier != "gpu" and c.tier == "gpu":
                     self._demote(c)
                 c = nxt
-        holders = self._holders
         stack = [node]
         while stack:
             n = stack.pop()
@@ -464,13 +486,14 @@ class ConversationLedger:
             if n.keys:
                 self._count(n, -1)
                 n.keys = _NO_KEYS
-            if n.partial is not None:
-                self.retained -= len(n.partial)
-                n.partial = None
-                holders.pop(n, None)
+            if n.data is not None:
+                self.retained -= len(n.data)
+                n.data = None
             n.live = False
             n.parent = n.child = n.next = n.prev = None
             self.live -= 1
+        if len(self._holders) > 2 * self.live + 64:  # mostly entries of lost data
+            self._holders = deque(n for n in self._holders if n.data is not None)
 
     def _demote(self, top: ChainNode) -> None:
         """``top`` now has a non-GPU ancestor: it and its GPU descendants count as storage."""
@@ -548,8 +571,8 @@ class ConversationLedger:
         for n in nodes.values():
             if n is None or not n.live:
                 if n is not None:
-                    assert n.partial is None and not n.keys and n.parent is None
-                    assert n.child is None and n not in self._holders
+                    assert n.data is None and not n.keys and n.parent is None
+                    assert n.child is None
                 continue
             live += 1
             if n.parent is not None:
@@ -557,16 +580,18 @@ class ConversationLedger:
             for c in n.children():
                 assert c.parent is n and c.live
                 assert n.tier == "gpu" or c.tier != "gpu"
-            if n.partial is not None:
-                assert len(n.partial) < self.chunk_bytes
-                assert n.length % self.chunk_bytes == len(n.partial)
-                retained += len(n.partial)
+            if n.data is not None:
+                assert len(n.data) <= n.length % self.chunk_bytes < self.chunk_bytes or (
+                    not n.data and n.length % self.chunk_bytes == 0
+                )
+                retained += len(n.data)
                 holders.add(n)
             for r in n.keys:
                 assert self.refs.get(r.key) is r
                 refs.setdefault(r.key, [0, 0])[n.tier != "gpu"] += 1
         assert live == self.live and retained == self.retained
-        assert holders == set(self._holders)
+        assert holders == {n for n in self._holders if n.data is not None}
+        assert len(set(self._holders)) == len(self._holders) <= 2 * live + 64
         bound = min(self.max_retained_bytes, max_nodes * (self.chunk_bytes - 1))
         assert retained <= bound
         for key, r in self.refs.items():

@@ -40,10 +40,10 @@ BS = 4
 C = 32
 MODEL = "m"
 SPECIAL = {256: b"<|im_start|>", 257: b"<|im_end|>"}
+_PIECES: list[bytes | None] = [bytes((i,)) for i in range(256)]
 TABLE = TokenBytes(
-    "test", "byte_level", [bytes((i,)) for i in range(256)] + list(SPECIAL.values()),
-    bytes(258), "never", None,
-)  # fmt: skip
+    "test", "byte_level", _PIECES + list(SPECIAL.values()), bytes(258), "never", None
+)
 
 
 class Router:
@@ -378,7 +378,7 @@ def test_trtllm_partial_last_block() -> None:
 
 def test_byte_bound_takes_the_least_recently_extended_state() -> None:
     tracker, router = make(max_retained_bytes=100)
-    chains = [stored(bytes([65 + i]) * 28) for i in range(6)]  # 28 bytes kept by each leaf
+    chains = [stored(bytes([65 + i]) * 28) for i in range(6)]  # 28 bytes kept by each chain
     for ev in chains:
         tracker.apply(batch(ev))
         check(tracker, router)
@@ -451,9 +451,8 @@ class Engine:
         out: dict[str, str | None] = {}
         for h in self.media:
             text = self.path(h)
-            keys: list[str | None] = [None]
-            keys += expected(text, chunk=self.chunk) if text is not None else []
-            out.update(zip(keys[1:], keys, strict=False))
+            keys = list(expected(text, chunk=self.chunk)) if text is not None else []
+            out.update(zip(keys, [None, *keys], strict=False))
         return out
 
     def apply(self, ev: EngineEvent) -> None:

@@ -37,7 +37,7 @@ from listener.token_bytes import (
 )
 
 QWEN = bundled_qwen2_json()
-TEXT = st.text(st.characters(blacklist_categories=("Cs",)), max_size=80)
+TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=80)
 
 
 @cache
@@ -84,7 +84,8 @@ def test_qwen_normalizer_is_nfc_and_the_table_covers_the_vocabulary() -> None:
     tok, table = qwen()
     assert table.kind == "byte_level" and table.normalizer == "NFC" and table.stateless
     assert len(table) == tok.get_vocab_size(with_added_tokens=True)
-    assert table.table[tok.token_to_id("<|im_start|>")] == b"<|im_start|>"
+    start = tok.token_to_id("<|im_start|>")
+    assert start is not None and table.table[start] == b"<|im_start|>"
     assert all(piece is not None for piece in table.table)
     assert load_token_bytes(QWEN) is table  # built once per file
 
@@ -187,7 +188,7 @@ def sentencepiece(scheme: str) -> tuple[Tokenizer, dict[str, Any]]:
 
 
 SP_TEXT = st.text(
-    st.characters(blacklist_categories=("Cs",), blacklist_characters="\u2581"), max_size=60
+    st.characters(exclude_categories=["Cs"], exclude_characters="\u2581"), max_size=60
 )
 
 
