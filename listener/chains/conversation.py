@@ -52,8 +52,9 @@ any other block costs its own bytes and one node, never a copy of the partial ch
 
 **Memory.** Nodes exist only for tracked blocks (``max_tracked_blocks`` bounds them). Each
 node keeps fewer than ``chunk_bytes`` bytes of ``data``; those count against
-``max_retained_bytes``, and beyond it the least recently extended node loses them (it
-keeps its keys; nothing that needs them derives from it or below it within the chunk).
+``max_retained_bytes``, and beyond it nodes lose them, oldest first with a second chance
+for those extended since (a clock): such a node keeps its keys, but nothing that needs the
+bytes derives from it or from below it within the chunk.
 Hence at all times, per source::
 
     retained chain bytes <= min(max_retained_bytes, max_tracked_blocks * (chunk_bytes - 1))
