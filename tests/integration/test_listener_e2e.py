@@ -420,8 +420,7 @@ async def test_conversation_keys_are_the_routers_over_the_rendered_prompt(stack)
     from tokenizers import Tokenizer
 
     from bus.prompt_chain import chain_keys, chain_root
-    from harness.sim.prompt import render_chatml
-    from harness.sim.tokenizer import bundled_qwen2_json
+    from harness.sim.tokenizer import Qwen2Tokenizer, bundled_qwen2_json
 
     fleet, tmp = stack["fleet"], stack["tmp"]
     zmq_port, replay_port = stack["zmq_port"], stack["replay_port"]
@@ -457,7 +456,7 @@ async def test_conversation_keys_are_the_routers_over_the_rendered_prompt(stack)
             {"role": "system", "content": long_system("conv") + " Réponds en français. 東京 😀"},
             {"role": "user", "content": LONG_QUESTION + " e\u0301t\u00e9"},
         ]
-        text = render_chatml(messages)
+        text = Qwen2Tokenizer().render_chat(messages)  # what the engine renders
         enc = Tokenizer.from_file(str(bundled_qwen2_json())).encode(text, add_special_tokens=False)
         full = len(enc.ids) // 16 * 16  # the engine publishes full blocks only
         normalized = unicodedata.normalize("NFC", text)

@@ -21,7 +21,6 @@ from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers,
 
 from bus.events import KvEvent
 from bus.prompt_chain import chain_keys, chain_root
-from harness.sim.prompt import render_chatml
 from harness.sim.tokenizer import bundled_qwen2_json
 from listener.chains import ChainTracker
 from listener.chains.conversation import ConversationSettings
@@ -43,6 +42,19 @@ TEXT = st.text(st.characters(exclude_categories=["Cs"]), max_size=80)
 @cache
 def qwen() -> tuple[Tokenizer, TokenBytes]:
     return Tokenizer.from_file(str(QWEN)), load_token_bytes(QWEN)
+
+
+def render_chatml(messages: list[dict[str, Any]], tools: Any = None) -> str:
+    """ChatML as Qwen2.5's template lays it out (a tools block in the system turn), enough
+    for the table's test: what matters is special tokens between multi-byte text."""
+    out = []
+    if tools:
+        out.append("<|im_start|>system\n# Tools\n\n<tools>\n")
+        out += [json.dumps(t, ensure_ascii=False) + "\n" for t in tools]
+        out.append("</tools><|im_end|>\n")
+    for m in messages:
+        out.append(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n")
+    return "".join(out) + "<|im_start|>assistant\n"
 
 
 def ids_of(tok: Tokenizer, text: str) -> list[int]:
