@@ -9,7 +9,14 @@ them against ``msgpack.unpackb`` of the same frames (the bare loop's decode) in 
 * ``decode``  ``listener.decode.decode_batch``;
 * ``full``    decode, ``ChainTracker.apply`` (salt MAC per chain, every block keyed, pruning
   at ``max_tracked_blocks``), flushes as the listener does them (once per run of
-  ``--drain`` batches), ``EventHub.publish`` and one subscriber drained.
+  ``--drain`` batches), ``EventHub.publish`` and one subscriber drained;
+* ``conv``    the same in conversation mode (``conversation.enabled``, 1 KiB chunks):
+  every block's tokens also go through Qwen2's token byte table and extend its chain's
+  key chain, and the chain keys are announced too. The burst's token ids are Qwen2
+  vocabulary ids (``Qwen2Tokenizer.sample_ids``, for every stage), so every block maps.
+
+Target: ``conv`` costs <= 1.5x ``full`` per engine event (the ``conv/full`` column, same
+run).
 
 For figures that other jobs cannot disturb, count instructions instead of seconds; the
 difference from a run that only generates the frames (``--once none``) is the stage's cost::
@@ -38,24 +45,34 @@ from bus.events import KvEvent
 from harness.publisher import DEFAULT_SALT_SECRET as SALT_SECRET
 from harness.publisher import salted_publisher
 from harness.sim.kv_events import CapturePublisher
+from harness.sim.tokenizer import Qwen2Tokenizer, bundled_qwen2_json
 from listener.chains import ChainTracker
+from listener.chains.conversation import ConversationSettings
 from listener.decode import decode_batch
 from listener.recovery import Attributor
 from listener.stream import EventHub
 from listener.templates import CHATML
+from listener.token_bytes import load_token_bytes
 
 FORMATS = {"M": "vllm-0.33", "A": "vllm-0.23.0"}
+STAGES = ("unpack", "decode", "full", "conv")
+TARGET_CONV = 1.5
 
 
 def make_frames(fmt: str, batches: int, prefixes: int) -> list[bytes]:
-    """The salted burst of ``ingest_bench`` (8 events per batch, chains of 64 blocks)."""
+    """The salted burst of ``ingest_bench`` (8 events per batch, chains of 64 blocks), with
+    Qwen2 vocabulary ids."""
     cap = CapturePublisher()
-    hub = salted_publisher(cap, fmt, (SALT_SECRET, "sim", prefixes))
+    ids = Qwen2Tokenizer().sample_ids
+    hub = salted_publisher(cap, fmt, (SALT_SECRET, "sim", prefixes), sample_ids=ids)
     asyncio.run(hub.burst(batches, 8))
     # As the listener does at start (listener.cli): what exists now is out of the cyclic
-    # GC's reach, so the generator's objects do not weigh on the stages measured.
+    # GC's reach, so the generator's objects do not weigh on the stages measured, and the
+    # young generation is collected every 20,000 allocations, not 700.
     gc.collect()
     gc.freeze()
+    _, g1, g2 = gc.get_threshold()
+    gc.set_threshold(20_000, g1, g2)
     return cap.payloads
 
 
@@ -76,6 +93,10 @@ def _stage(
 
         return decode
 
+    conversation = None
+    if name == "conv":
+        conversation = ConversationSettings(load_token_bytes(bundled_qwen2_json()), "sim")
+
     def full() -> int:
         attributor = Attributor(model="", template=CHATML, backend="sim", salt_secret=SALT_SECRET)
         hub = EventHub(history_size=10_000, queue_size=1_000_000)
@@ -88,6 +109,7 @@ def _stage(
             emit,
             attributor,
             max_tracked_blocks=max_tracked_blocks,
+            conversation=conversation,
         )
         hub.add_backend("sim", tracker.snapshot)
         sub = hub.subscribe("sim", None)
@@ -121,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--once",
-        choices=["none", "unpack", "decode", "full"],
+        choices=["none", *STAGES],
         help="one run of one stage, no table (none: only generate the frames)",
     )
     args = p.parse_args(argv)
@@ -133,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     rows: list[list[Any]] = []
+    verdicts: list[str] = []
     for fmt in args.formats:
         print(f"generating {args.batches} salted batches ({FORMATS[fmt]})...", file=sys.stderr)
         frames = make_frames(FORMATS[fmt], args.batches, args.prefixes)
-        times: dict[str, list[float]] = {"unpack": [], "decode": [], "full": []}
+        times: dict[str, list[float]] = {name: [] for name in STAGES}
         events = 0
         for r in range(args.repeats):
             for name in times:  # interleaved: a slow moment hits every stage alike
@@ -146,9 +169,20 @@ def main(argv: list[str] | None = None) -> int:
                 times[name].append(time.process_time() - t0)
             print(f"  round {r + 1}/{args.repeats}", file=sys.stderr)
         base = statistics.median(times["unpack"]) / events * 1e6
+        prefix_only = statistics.median(times["full"]) / events * 1e6
         for name, ts in times.items():
             us = statistics.median(ts) / events * 1e6
-            rows.append([FORMATS[fmt], name, f"{us:.2f}", f"{us / base:.2f}x", f"{1e6 / us:,.0f}"])
+            ratio = f"{us / prefix_only:.2f}x" if name == "conv" else ""
+            rows.append(
+                [FORMATS[fmt], name, f"{us:.2f}", f"{us / base:.2f}x", ratio, f"{1e6 / us:,.0f}"]
+            )
+        conv = statistics.median(
+            c / f for c, f in zip(times["conv"], times["full"], strict=True)
+        )  # paired per round
+        verdicts.append(
+            f"{FORMATS[fmt]}: conv/full {conv:.2f}x (paired per round; target <= "
+            f"{TARGET_CONV}x): {'PASS' if conv <= TARGET_CONV else 'FAIL'}"
+        )
     print(
         f"\ningestion pipeline in one process: {args.batches} batches x 8 block events, salted "
         f"chains of 64 blocks, flush every {args.drain} batches; CPU time, medians of "
@@ -156,9 +190,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         render_table(
-            ["format", "stage", "us/event", "vs unpack", "events/s (one core)"], rows, left=2
+            ["format", "stage", "us/event", "vs unpack", "conv/full", "events/s (one core)"],
+            rows,
+            left=2,
         )
     )
+    print()
+    for line in verdicts:
+        print(line)
     return 0
 
 

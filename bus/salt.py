@@ -28,7 +28,15 @@ from pathlib import Path
 
 from .errors import BusError
 
-__all__ = ["SALT_PREFIX", "SaltError", "SaltInfo", "encode_salt", "load_secret", "verify_salt"]
+__all__ = [
+    "SALT_PREFIX",
+    "SaltError",
+    "SaltInfo",
+    "caller_salt",
+    "encode_salt",
+    "load_secret",
+    "verify_salt",
+]
 
 SALT_PREFIX = "ctm1."
 _DOMAIN = b"continuum-salt-v1"
@@ -100,3 +108,16 @@ def verify_salt(secret: bytes, backend: str, salt: str) -> SaltInfo | None:
     if not hmac.compare_digest(mac, _mac(secret, backend, prefix_key, caller_salt)):
         raise SaltError("cache salt MAC does not verify for this backend")
     return SaltInfo(prefix_key, caller_salt)
+
+
+def caller_salt(salt: str | None) -> str | None:
+    """The caller's own salt: the part a router-issued salt carries after its MAC (None when
+    it carries none), or ``salt`` itself when it is not a router salt.
+
+    Structural only, no MAC check: it names the tenant a conversation key is rooted at (the
+    salt the client sent the router), which the engine's own block hashes already isolate.
+    """
+    if not salt or not salt.startswith(SALT_PREFIX):
+        return salt or None
+    _, _, rest = salt[len(SALT_PREFIX) :].partition(".")
+    return rest.partition(".")[2] or None

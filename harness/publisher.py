@@ -35,7 +35,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -112,16 +112,21 @@ class SaltingEncoder:
 
 
 def salted_publisher(
-    publisher: Any, fmt: str, salt: tuple[bytes, str, int] | None
+    publisher: Any,
+    fmt: str,
+    salt: tuple[bytes, str, int] | None,
+    sample_ids: Callable[[int], list[int]] | None = None,
 ) -> KvEventPublisher:
     """The simulator's KV event publisher sending through ``publisher`` (a ``ZmqPublisher``,
     or a ``CapturePublisher`` to get the batches as bytes). ``salt`` = (secret, backend,
-    prefixes) salts every chain's first block (:class:`SaltingEncoder`); None: unsalted."""
+    prefixes) salts every chain's first block (:class:`SaltingEncoder`); None: unsalted.
+    ``sample_ids`` makes the token ids (the simple tokenizer's by default; a real
+    tokenizer's for listeners that map ids to bytes)."""
     events = KvEventPublisher(
         block_size=16,
         fmt=get_format(fmt),
         publisher=publisher,
-        sample_ids=SimpleTokenizer().sample_ids,
+        sample_ids=sample_ids or SimpleTokenizer().sample_ids,
     )
     if salt is not None:
         secret, backend, prefixes = salt

@@ -1,10 +1,14 @@
 """The listener process: sources -> decode -> chain tracker -> event hub -> SSE and gRPC.
 
 One ``SourceRuntime`` per configured backend owns its tracker and its transports (one
-ZMQ source per DP rank, or one trtllm poller). Everything runs on one asyncio loop; the
-ingestion path (``_on_batch``) is synchronous from the decoded batch to the hub, so an
-event is published in the same step its engine event is applied and a snapshot taken
-by a new subscriber is always consistent with the live stream that follows.
+ZMQ source per DP rank, or one trtllm poller). With ``conversation.enabled`` each tracker
+also gets its source's token byte table (``listener.token_bytes``, one per tokenizer file,
+shared by the sources that name it) and announces conversation keys.
+
+Everything runs on one asyncio loop; the ingestion path (``_on_batch``) is synchronous
+from the decoded batch to the hub, so an event is published in the same step its engine
+event is applied and a snapshot taken by a new subscriber is always consistent with the
+live stream that follows.
 
 Stop order (SIGTERM/SIGINT): sources, gRPC, SSE, then the hub, so subscribers see the
 end of their stream rather than a reset connection.
@@ -26,6 +30,7 @@ from bus.salt import load_secret
 from bus.tasks import cancel_and_wait
 
 from .chains import ChainTracker
+from .chains.conversation import ConversationSettings
 from .config import ListenerConfig, SourceConfig
 from .decode import decode_batch
 from .engine_events import EventBatch
@@ -38,6 +43,7 @@ from .saecache.pruning import SaePruningPolicy
 from .sse_server import SseServer
 from .stream import EventHub
 from .templates import CHATML, LLAMA3, ChatTemplate, get_template, marker_template
+from .token_bytes import load_token_bytes
 from .trtllm_source import TrtllmPoller, TrtllmPollerConfig
 from .zmq_source import ZmqSource, ZmqSourceConfig
 
@@ -84,6 +90,15 @@ class SourceRuntime:
             max_prefix_length=cfg.max_prefix_length,
             salt_secret=secret,
         )
+        conversation = None
+        if cfg.conversation.enabled:
+            assert src.tokenizer is not None  # the loader requires it
+            conversation = ConversationSettings(
+                load_token_bytes(src.tokenizer),
+                src.model,
+                cfg.conversation.chunk_bytes,
+                cfg.conversation.max_retained_bytes,
+            )
         self.tracker = ChainTracker(
             self.name,
             self._emit,
@@ -93,6 +108,7 @@ class SourceRuntime:
             max_tracked_blocks=src.max_tracked_blocks,
             max_retained_tokens=src.max_retained_tokens,
             policy=SaePruningPolicy() if src.pruning_policy == "saecache" else None,
+            conversation=conversation,
         )
         hub.add_backend(self.name, self.tracker.snapshot)
         self.transports: list[ZmqSource | TrtllmPoller] = []

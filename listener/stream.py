@@ -22,7 +22,8 @@ Resumption (``subscribe``), given the consumer's last event id:
 * no id, an id of another epoch, one older than the ring, one from the future or one
   that does not parse: a **resync block**, then live. The block is a ``resync`` record
   followed by the backend's snapshot as ``cache_created`` records (an offloaded prefix
-  keeps its ``tier``). A consumer without
+  keeps its ``tier``), then its conversation keys as ``chain_created`` records (likewise).
+  A consumer without
   an id gets a resync block too, so its index is complete from the first record and not
   only from "now".
 
@@ -88,7 +89,8 @@ log = logging.getLogger("continuum.listener.stream")
 
 
 SnapshotProvider = Callable[[], Iterable[KvEvent]]
-"""Returns the backend's current prefixes as ``cache_created`` events. Synchronous."""
+"""Returns the backend's current prefixes and chain keys as ``cache_created`` /
+``chain_created`` events (or their ``*_offloaded`` forms). Synchronous."""
 
 
 class StatsProvider(Protocol):
@@ -141,20 +143,30 @@ def _record(data: bytes, event: str, id: str) -> HubRecord:
     return HubRecord(id, event, data, encode_record(data, event=event, id=id))
 
 
-def _snapshot_events(backend: str, events: Iterable[KvEvent]) -> list[KvEvent]:
-    """A provider's snapshot as ``cache_created`` events of ``backend``.
+_AS_CREATED = {
+    "cache_created": "cache_created",
+    "cache_offloaded": "cache_created",
+    "chain_created": "chain_created",
+    "chain_offloaded": "chain_created",
+}
+"""Snapshot kinds: a state record, and the ``*_created`` kind it is sent as."""
 
-    ``cache_offloaded`` becomes ``cache_created`` with its tier (``storage`` if unset), so
-    the block is exactly "resync, then cache_created"; events of another backend or of
-    another kind cannot describe state and are left out (logged).
+
+def _snapshot_events(backend: str, events: Iterable[KvEvent]) -> list[KvEvent]:
+    """A provider's snapshot as ``cache_created`` / ``chain_created`` events of ``backend``.
+
+    ``*_offloaded`` becomes ``*_created`` with its tier (``storage`` if unset), so the block
+    is exactly "resync, then created records"; events of another backend or of another
+    kind cannot describe state and are left out (logged).
     """
     out: list[KvEvent] = []
     for ev in events:
-        if ev.backend != backend or ev.event not in ("cache_created", "cache_offloaded"):
+        kind = _AS_CREATED.get(ev.event)
+        if ev.backend != backend or kind is None:
             log.warning("snapshot of %s: left out %s event of %s", backend, ev.event, ev.backend)
             continue
-        if ev.event == "cache_offloaded":
-            ev = dataclasses.replace(ev, event="cache_created", tier=ev.tier or "storage")
+        if kind != ev.event:
+            ev = dataclasses.replace(ev, event=kind, tier=ev.tier or "storage")  # type: ignore[arg-type]
         out.append(ev)
     return out
 

@@ -16,6 +16,10 @@ The tracker turns one into the other:
 * ``prefixes``     per-prefix counts of keyed blocks, diffed against what was last
                    announced into ``cache_created`` / ``cache_offloaded`` /
                    ``cache_evicted``; ``snapshot`` replays the announced state;
+* ``conversation`` (conversation mode) every block's node in its prompt's key chain
+                   (``bus.prompt_chain``), from its tokens' bytes (``listener.token_bytes``);
+                   per-key counts announced as ``chain_created`` / ``chain_offloaded`` /
+                   ``chain_evicted``, withdrawn with the block's subtree;
 * ``tracker``      ``ChainTracker``, the facade: ``apply`` (synchronous, O(blocks in the
                    event), never waits for I/O), ``flush``, ``reset``, ``snapshot``,
                    ``stats``, ``idle``, ``aclose``, ``check_invariants``.
@@ -27,16 +31,24 @@ all times, per source::
 
     retained token IDs <= min(max_retained_tokens, max_tracked_blocks * max_chain_tokens)
 
+In conversation mode each block's node also keeps the bytes it adds after its chain's last
+chunk boundary (fewer than ``chunk_bytes``), beyond ``max_retained_bytes`` the oldest lose
+them, so likewise::
+
+    retained chain bytes <= min(max_retained_bytes, max_tracked_blocks * (chunk_bytes - 1))
+
 Never a whole backend is dropped; a prefix goes (``cache_evicted``) only when its last
 block goes.
 
-**Events.** After every engine batch (or attribution) the tracker emits, per prefix, the
-difference from what it last announced, and ``cache_cleared`` when the engine cleared
-everything; ``reset`` forgets everything without events (the source resyncs).
+**Events.** After every engine batch (or attribution) the tracker emits, per prefix (and
+per chain key), the difference from what it last announced, and ``cache_cleared`` when the
+engine cleared everything; ``reset`` forgets everything without events (the source
+resyncs).
 """
 
 from .attribution import ChainAttributor
 from .blocks import LruPolicy, PruningPolicy, TrackedBlock
+from .conversation import ConversationSettings
 from .states import (
     KEYED,
     PENDING,
@@ -57,6 +69,7 @@ __all__ = [
     "Cause",
     "ChainAttributor",
     "ChainTracker",
+    "ConversationSettings",
     "IllegalTransition",
     "LruPolicy",
     "PruningPolicy",

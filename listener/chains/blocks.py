@@ -19,6 +19,10 @@ only when its last block goes. Hence at all times, per source::
 
     retained token IDs <= min(max_retained_tokens, max_tracked_blocks * max_chain_tokens)
 
+With conversation mode on, a block also has a ``chain`` node (``conversation``), which
+keeps at most one partial chunk of bytes, bounded by that module's ``max_retained_bytes``;
+dropping a block withdraws its node there.
+
 ``BlockStore`` owns the entries and these mechanics: adding a block, removing one (its
 pending subtree loses the text above it), moving a pending subtree out of PENDING
 (``settle``), and the per-state counts ``stats`` reports.
@@ -28,10 +32,12 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Protocol
 
 from listener.engine_events import BlockHash
 
+from .conversation import ChainNode, ConversationLedger
 from .prefixes import Prefix, PrefixLedger
 from .states import KEYED, PENDING, TRANSITIONS, UNATTRIBUTED, BlockState, Cause, IllegalTransition
 
@@ -49,6 +55,7 @@ class TrackedBlock:
 
     __slots__ = (
         "alive",
+        "chain",
         "children",
         "depth",
         "dirty",
@@ -83,6 +90,8 @@ class TrackedBlock:
         self.frontier: TrackedBlock | None = None
         self.insufficient = False
         self.dirty: dict[TrackedBlock, None] | None = None
+        self.chain: ChainNode | None = None
+        """Its place in the conversation key chain (conversation mode only)."""
 
     def transition(self, cause: Cause, prefix: Prefix | None = None) -> BlockState:
         """Change state for ``cause`` as ``TRANSITIONS`` says; returns the new state.
@@ -196,6 +205,10 @@ class BlockStore:
         self.unattributed_chains = 0
         """Chains given up since start: one per ``unattribute``, and one per block born
         UNATTRIBUTED that does not extend an unattributed chain."""
+        self.chains: ConversationLedger | None = None
+        """Conversation keys (when on): a dropped block's node is withdrawn there."""
+        self.chain_copy: Callable[[BlockKey], ChainNode | None] = lambda key: None
+        """The live chain node of a copy of the block ``key`` in another medium."""
 
     def add(self, b: TrackedBlock) -> None:
         """Track the new block ``b`` (its state, links and tokens set), then the bounds."""
@@ -228,6 +241,8 @@ class BlockStore:
         del self.nodes[b.key]
         b.alive = False
         self.policy.removed(b)
+        if b.chain is not None:
+            self.chains.drop(b.chain, self.chain_copy(b.key))  # type: ignore[union-attr]
         state = b.state
         self.counts[state] -= 1
         if state == KEYED:  # no tokens, parent or children (see settle): only the counts
@@ -305,6 +320,8 @@ class BlockStore:
             b.alive = False
         self.nodes.clear()
         self.policy.clear()
+        if self.chains is not None:
+            self.chains.clear()
         self.counts[:] = (0, 0, 0)
         self.retained = 0
 
@@ -343,3 +360,9 @@ class BlockStore:
         bound = min(self.max_retained_tokens, self.max_tracked_blocks * self.max_chain_tokens)
         assert retained <= bound and len(self.nodes) <= self.max_tracked_blocks
         self._ledger.check_invariants(refs)
+        if self.chains is not None:
+            self.chains.check_invariants(
+                {k: b.chain for k, b in self.nodes.items()}, self.max_tracked_blocks
+            )
+        else:
+            assert all(b.chain is None for b in self.nodes.values())

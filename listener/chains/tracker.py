@@ -17,6 +17,12 @@ Anything else is a mismatch: tracked as length only, counted per event, warned o
 
 **Salts.** A root whose first block carries a router salt is keyed at once (``from_salt``);
 a bad MAC discards the chain (and its later blocks are orphans).
+
+**Conversation keys** (``conversation``, when ``conversation`` settings are given): every
+new block also gets its chain node from its parent's, on the same pass (the fast path
+included), and every flush announces the chain keys that changed after the prefixes. A
+chain with neither a salt nor a detokenizer is then tracked (for its chain keys) instead
+of discarded.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from listener.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, 
 
 from .attribution import AttributionJobs, ChainAttributor
 from .blocks import BlockKey, BlockStore, LruPolicy, PruningPolicy, TrackedBlock
+from .conversation import ChainNode, ConversationLedger, ConversationSettings
 from .prefixes import PrefixLedger
 from .states import KEYED, PENDING, UNATTRIBUTED
 
@@ -59,6 +66,7 @@ class ChainTracker:
         concurrency: attribution worker tasks.
         backoff: delay strategy after detokenize failures.
         probe_fanout, max_probe_rounds: search for the block that decides the anchor.
+        conversation: compute and announce conversation keys (None: prefix keys only).
     """
 
     def __init__(
@@ -76,6 +84,7 @@ class ChainTracker:
         backoff: Backoff | None = None,
         probe_fanout: int = 4,
         max_probe_rounds: int = 4,
+        conversation: ConversationSettings | None = None,
     ) -> None:
         if min(max_chain_tokens, max_tracked_blocks, max_retained_tokens, concurrency) < 1:
             raise ValueError("limits and concurrency must be positive")
@@ -119,6 +128,11 @@ class ChainTracker:
         """Some (dp rank, group) has blocks in more than one medium (twins possible)."""
         self._warned: set[str] = set()
         self.mismatches = self.salt_failures = self.orphans = self.discarded = 0
+        self._conv: ConversationLedger | None = None
+        if conversation is not None:
+            self._conv = ConversationLedger(backend, emit, conversation, self._warn_once)
+            self._blocks.chains = self._conv
+            self._blocks.chain_copy = self._chain_twin
 
     # Counters kept by the parts, readable here as before the split.
 
@@ -156,17 +170,19 @@ class ChainTracker:
                     if b is not None:
                         self._blocks.drop(b)
             elif kind is AllBlocksCleared:
-                self._ledger.flush()
+                self.flush()
                 self.reset()
                 self._emit(KvEvent("cache_cleared", self.backend))
         # Once per batch, not per event: a batch is one scheduler step, and subscribers
         # need its outcome, not every intermediate state (the final state is the same).
         if flush:
-            self._ledger.flush()
+            self.flush()
 
     def flush(self) -> None:
         """Announce what changed since the last announcement (see ``apply``)."""
         self._ledger.flush()
+        if self._conv is not None:
+            self._conv.flush()
 
     def reset(self) -> None:
         """Forget everything without per-prefix events (the source sends ``resync``)."""
@@ -253,6 +269,11 @@ class ChainTracker:
                 if depth > p.storage_hw:
                     p.storage_hw = depth
             self._touched[p] = None
+        conv = self._conv
+        if conv is not None:
+            pc = prev.chain
+            if pc is not None:
+                b.chain = conv.child(pc, ev.token_ids, tier, start)
         if len(nodes) > self.max_tracked_blocks:
             blocks = self._blocks
             victim = self._policy.victim()  # one in, one out
@@ -290,7 +311,7 @@ class ChainTracker:
                     self.salt_failures += 1
                     self._warn_once("salt", "cache salt MAC does not verify; chain discarded")
                     return
-            if salt_key is None and not self._attributor.can_detokenize:
+            if salt_key is None and not self._attributor.can_detokenize and self._conv is None:
                 self.discarded += 1
                 return
         lengths, exact = self._segments(ev)
@@ -308,6 +329,7 @@ class ChainTracker:
         last: TrackedBlock | None = None
         for i, h in enumerate(hashes):
             seg = None if tokens is None else tokens[offset : offset + lengths[i]]
+            begin = offset
             offset += lengths[i]
             if prev is not None and not prev.alive:
                 prev = None
@@ -321,11 +343,54 @@ class ChainTracker:
             if twin is None and prev is None and not (root_event and i == 0):
                 self.orphans += len(hashes) - i
                 break
+            parent = prev
             prev = last = self._new_block(
                 key, prev, lengths[i], seg, tier, salt_key if i == 0 else None, twin
             )
+            if self._conv is not None and last.alive:
+                ids = ev.token_ids[begin:offset] if exact else None
+                last.chain = self._chain_of(last, parent, ev, ids, root_event and i == 0)
         if last is not None and last.alive and last.state == PENDING:
             self._jobs.mark_dirty(last)
+
+    def _chain_of(
+        self,
+        b: TrackedBlock,
+        parent: TrackedBlock | None,
+        ev: BlockStored,
+        ids: list[int] | None,
+        first: bool,
+    ) -> ChainNode | None:
+        """The chain node of the new block ``b`` (see ``conversation``), or None."""
+        conv = self._conv
+        assert conv is not None
+        if ids is None:
+            if ev.token_ids:
+                conv.mismatch()
+                return None
+            twin = self._chain_twin(b.key)  # no tokens: a copy of a block we know?
+            if twin is not None:
+                return conv.copy(twin, b.tier)
+        if ids and min(ids) < 0:  # the ZMQ decoders refuse these; trtllm's JSON may not
+            conv.unmapped()
+            return None
+        if parent is not None:
+            pc = parent.chain
+            return None if pc is None else conv.child(pc, ids, b.tier, b.start)
+        if first:
+            return conv.start(ids, b.tier, ev.cache_salt, ev.lora_name, ev.lora_id)
+        twin = self._chain_twin(b.key)
+        return None if twin is None else conv.copy(twin, b.tier)
+
+    def _chain_twin(self, key: BlockKey) -> ChainNode | None:
+        """The live chain node of the same block in another medium."""
+        dp, group, medium, h = key
+        for m in self._media.get((dp, group), ()):
+            if m != medium:
+                t = self._nodes.get((dp, group, m, h))
+                if t is not None and t.chain is not None and t.chain.live:
+                    return t.chain
+        return None
 
     def _twin(self, key: BlockKey) -> TrackedBlock | None:
         """A keyed copy of the same block in another medium (its key is this one's)."""
@@ -393,8 +458,11 @@ class ChainTracker:
     # -- what the listener reads ---------------------------------------------------------
 
     def snapshot(self) -> list[KvEvent]:
-        """The announced state of every live prefix, as created/offloaded events."""
-        return self._ledger.snapshot()
+        """The announced state of every live prefix (and chain key), as created/offloaded
+        events."""
+        if self._conv is None:
+            return self._ledger.snapshot()
+        return self._ledger.snapshot() + self._conv.snapshot()
 
     def stats(self) -> dict[str, int]:
         """Gauges (tracked/pending/... now) and counters (since start)."""
@@ -414,7 +482,7 @@ class ChainTracker:
             "orphan_blocks": self.orphans,
             "discarded_chains": self.discarded,
             "queued_roots": self._jobs.queued,
-        }
+        } | ({} if self._conv is None else self._conv.stats())
 
     def _warn_once(self, kind: str, message: str) -> None:
         if kind not in self._warned:

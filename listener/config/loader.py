@@ -12,6 +12,10 @@ cross-field rules that field types cannot express (``check_listener_config``):
   neither gets a warning (its events can never be published); ``engine: trtllm``
   *requires* a salt secret, because trtllm-serve has no public ``/detokenize``.
 * The host of ``trtllm_endpoint`` must be listed in ``allowed_publishers``.
+* ``conversation.enabled`` requires every source's ``tokenizer``, a file of a kind whose
+  tokens spell the text (``listener.token_bytes``: loaded here, so ``--check`` refuses what
+  the process would); a source without ``model`` then gets a warning (its chains have no
+  root), and a ``tokenizer`` with conversation mode off gets one too (unused).
 * ``backend_name`` is unique; ZMQ endpoints the listener binds are unique after the
   ``dp_ranks`` expansion (``tcp://h:5557`` -> ``tcp://h:5557+rank``).
 * ``event_bus`` (push mode, ``listener.push.config``): https URL, a credential from a file
@@ -42,6 +46,7 @@ from bus.config import (
 )
 from bus.config import log_warnings as _log_warnings
 from listener.endpoints import offset_endpoint
+from listener.token_bytes import TokenizerFileError, load_token_bytes
 
 from .models import (
     _TRTLLM_ONLY,
@@ -159,6 +164,27 @@ def _check_source(cfg: ListenerConfig, i: int, s: SourceConfig) -> list[ConfigIs
             )
     if s.detokenize_endpoint is not None and s.model is None:
         err("model", f"{p}.detokenize_endpoint requires {p}.model (it is part of the prefix key)")
+    if cfg.conversation.enabled:
+        if s.tokenizer is None:
+            err("tokenizer", f"conversation.enabled requires {p}.tokenizer (a tokenizer.json)")
+        else:
+            try:
+                load_token_bytes(s.tokenizer)
+            except TokenizerFileError as exc:
+                err("tokenizer", str(exc))
+        if s.model is None:
+            issues.append(
+                ConfigIssue(
+                    "warning",
+                    f"{p}.model",
+                    "conversation keys are rooted at the served model name: without "
+                    f"{p}.model this source announces none",
+                )
+            )
+    elif s.tokenizer is not None:
+        issues.append(
+            ConfigIssue("warning", f"{p}.tokenizer", "unused: conversation.enabled is false")
+        )
     if s.max_chain_tokens > s.max_retained_tokens:
         issues.append(
             ConfigIssue(

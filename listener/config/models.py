@@ -22,6 +22,7 @@ __all__ = [
     "BACKEND_NAME_RE",
     "ENGINES",
     "ChatTemplateMarkers",
+    "ConversationConfig",
     "GrpcTlsConfig",
     "ListenerConfig",
     "SourceConfig",
@@ -103,6 +104,23 @@ class ChatTemplateMarkers(_Section):
         return v
 
 
+class ConversationConfig(_Section):
+    """Conversation keys: besides the prefix keys, announce for every stored chain the keys of
+    its whole prompt text, one per ``chunk_bytes`` (``chain_created`` / ``chain_offloaded`` /
+    ``chain_evicted``), so the router knows how much of each conversation a backend holds.
+    Each source needs its model's ``tokenizer`` (token ids back to the prompt's bytes)."""
+
+    enabled: bool = False
+    """Compute and announce conversation keys (default off: prefix keys only)."""
+    chunk_bytes: Annotated[int, Field(ge=64, le=65_536)] = 1024
+    """Bytes of prompt text per key: must equal the router's
+    ``kv_cache_index.conversation.chunk_bytes`` or the two sides compute different keys."""
+    max_retained_bytes: Annotated[int, Field(ge=1024, le=1 << 34)] = 64 << 20
+    """Prompt bytes kept per source to extend chains (each block keeps the text after its
+    last full chunk, fewer than ``chunk_bytes``); past it the least recently extended block
+    loses them, and nothing stored under it gets keys. Default 64 MiB."""
+
+
 class ZmqEndpoint(BaseModel):
     """One ZMQ publisher of a source after the ``dp_ranks`` expansion (not a YAML section)."""
 
@@ -155,6 +173,11 @@ class SourceConfig(_Section):
     default_system_prompt: str | None = None
     """The system prompt the engine's template inserts when a request has none; a recovered
     system prompt equal to it is treated as absent (the key uses the first message)."""
+    tokenizer: str | None = None
+    """The model's ``tokenizer.json`` (Hugging Face format): the bytes of every token id, for
+    conversation keys (required with ``conversation.enabled``). Byte-level BPE (Qwen, Llama
+    3, GPT-2) and SentencePiece-style BPE (Llama 2, Mistral, Gemma) files are accepted;
+    sources naming one file share one table."""
 
     allowed_publishers: list[str] = Field(default_factory=list)
     """IPs, CIDRs or hostnames allowed to publish to this source (ZMQ peers, the trtllm URL
@@ -294,6 +317,8 @@ class ListenerConfig(_Section):
     eviction_advisor_max_blocks: Annotated[int, Field(ge=1, le=100_000_000)] = 1_000_000
     """Blocks the eviction advisor keeps per backend; past it the lowest-ranked are
     forgotten."""
+    conversation: ConversationConfig = Field(default_factory=ConversationConfig)
+    """Conversation keys for the router's conversation-depth index (off by default)."""
     session_predictor: str | None = None
     """Model file of the SAECache session predictor (``python -m listener.saecache.train``;
     needs torch). The eviction advisor then classifies a new session whose first

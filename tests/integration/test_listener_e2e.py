@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import unicodedata
 from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -155,7 +156,13 @@ async def stack(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[dict[
 
         await wait_until(connected, within=15, interval=0.1, what="the engine's first frame")
         try:
-            yield {"fleet": fleet, "listener": listener, "tmp": tmp}
+            yield {
+                "fleet": fleet,
+                "listener": listener,
+                "tmp": tmp,
+                "zmq_port": zmq_port,
+                "replay_port": replay_port,
+            }
         finally:
             assert await listener.stop() == 0, listener.log()
 
@@ -404,3 +411,70 @@ async def test_trtllm_source_takes_keys_from_router_salts(tmp_path: Path) -> Non
         # Salts never appear in the listener's logs.
         assert listener.log_path is not None  # beside its config: Service's default
         assert salt not in listener.log_path.read_text()
+
+
+async def test_conversation_keys_are_the_routers_over_the_rendered_prompt(stack) -> None:
+    """A second listener on the same engine, in conversation mode with the model's
+    tokenizer.json: its chain keys are the router's keys over the rendered prompt (the
+    chunks that full blocks cover), with no /detokenize call."""
+    from tokenizers import Tokenizer
+
+    from bus.prompt_chain import chain_keys, chain_root
+    from harness.sim.tokenizer import Qwen2Tokenizer, bundled_qwen2_json
+
+    fleet, tmp = stack["fleet"], stack["tmp"]
+    zmq_port, replay_port = stack["zmq_port"], stack["replay_port"]
+    chunk = 256
+    config = {
+        "listen": "127.0.0.1:0",
+        "conversation": {"enabled": True, "chunk_bytes": chunk},
+        "sources": [
+            {
+                "backend_name": "engine-1",
+                "engine": "vllm",
+                "zmq_endpoint": f"tcp://127.0.0.1:{zmq_port}",
+                "replay_endpoint": f"tcp://127.0.0.1:{replay_port}",
+                "allowed_publishers": ["127.0.0.1"],
+                "model": MODEL,
+                "tokenizer": str(bundled_qwen2_json()),
+            }
+        ],
+    }
+    listener = await ListenerProc(config, tmp / "conversation.yaml").start()
+    try:
+        n = 0
+
+        async def connected() -> bool:
+            nonlocal n
+            n += 1
+            body = {"model": MODEL, "messages": [{"role": "user", "content": long_system(f"c{n}")}]}
+            await post(fleet.urls[0] + "/v1/chat/completions", body)
+            return (await listener.stats())["sources"]["engine-1"]["frames"] > 0
+
+        await wait_until(connected, within=15, interval=0.1, what="the engine's first frame")
+        messages = [
+            {"role": "system", "content": long_system("conv") + " Réponds en français. 東京 😀"},
+            {"role": "user", "content": LONG_QUESTION + " e\u0301t\u00e9"},
+        ]
+        text = Qwen2Tokenizer().render_chat(messages)  # what the engine renders
+        enc = Tokenizer.from_file(str(bundled_qwen2_json())).encode(text, add_special_tokens=False)
+        full = len(enc.ids) // 16 * 16  # the engine publishes full blocks only
+        normalized = unicodedata.normalize("NFC", text)
+        covered = len(unicodedata.normalize("NFC", text[: enc.offsets[full - 1][1]]).encode())
+        want = [k.hex() for k in chain_keys(normalized.encode(), chain_root(MODEL), chunk)]
+        want = want[: covered // chunk]
+        assert len(want) >= 3
+        async with SseClient(f"{listener.url}/events/engine-1") as sse:
+            await post(
+                fleet.urls[0] + "/v1/chat/completions", {"model": MODEL, "messages": messages}
+            )
+
+            async def all_seen() -> bool:
+                seen = {e.chain_key for e in sse.events() if e.event == "chain_created"}
+                return set(want) <= seen
+
+            await wait_until(all_seen, within=20, what="chain_created for every covered chunk")
+        stats = (await listener.stats())["sources"]["engine-1"]
+        assert stats["chain_unmapped_tokens"] == stats["chain_mismatched_tokens"] == 0
+    finally:
+        assert await listener.stop() == 0, listener.log()

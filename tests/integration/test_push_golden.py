@@ -1,15 +1,17 @@
 """Transport equivalence: the golden stream is byte-equal on both transports.
 
 ``tests/fixtures/push_stream_golden.sse`` is what a listener hub with a fixed epoch sends
-a fresh subscriber of ``vllm-1``: a resync block (resync + a snapshot of two prefixes),
-then live created / evicted / offloaded / updated events. The same bytes must come out of
+a fresh subscriber of ``vllm-1``: a resync block (resync + a snapshot of two prefixes and
+two conversation keys), then live created / evicted / offloaded / updated events of both
+kinds (prefixes and chain keys). The same bytes must come out of
 
 * ``GET /events/vllm-1`` (the listener's SSE server), and
 * the event bus: the listener's push client streams them over TLS to the router's
   EventBus server, and the router-side opener yields them to the consumer;
 
 and a real router process consuming the fixture over pull (SSE) and over push
-(StreamData, in deliberately odd chunk sizes) must end with the same index.
+(StreamData, in deliberately odd chunk sizes) must end with the same index. (Chain records
+do not change the prefix index.)
 """
 
 from __future__ import annotations
@@ -45,17 +47,25 @@ GOLDEN = ROOT / "tests" / "fixtures" / "push_stream_golden.sse"
 B = "vllm-1"
 EPOCH = "c0ffee00"
 P = {i: f"{i:02x}" * 32 for i in range(1, 7)}
+K = {i: f"{0xA0 + i:02x}" * 16 for i in range(1, 6)}
 SNAPSHOT = [
     KvEvent("cache_created", B, P[1], 1024, "gpu"),
     KvEvent("cache_offloaded", B, P[2], 2048, "storage"),
+    KvEvent("chain_created", B, token_count=250, tier="gpu", chain_key=K[1]),
+    KvEvent("chain_offloaded", B, token_count=510, tier="storage", chain_key=K[2]),
 ]
 LIVE = [
     KvEvent("cache_created", B, P[3], 512, "gpu"),
+    KvEvent("chain_created", B, token_count=240, tier="gpu", chain_key=K[3]),
     KvEvent("cache_created", B, P[4], 256, "gpu"),
+    KvEvent("chain_created", B, token_count=498, tier="gpu", chain_key=K[4]),
     KvEvent("cache_evicted", B, P[3]),
+    KvEvent("chain_evicted", B, chain_key=K[4]),
     KvEvent("cache_offloaded", B, P[4], 256, "storage"),
+    KvEvent("chain_offloaded", B, token_count=240, tier="storage", chain_key=K[3]),
     KvEvent("cache_created", B, P[5], 768, "gpu"),
     KvEvent("cache_created", B, P[6], 4096, "gpu"),
+    KvEvent("chain_created", B, token_count=255, tier="gpu", chain_key=K[5]),
     KvEvent("cache_created", B, P[6], 8192, "gpu"),
 ]
 FINAL = {P[1]: 1024, P[5]: 768, P[6]: 8192}

@@ -282,7 +282,8 @@ async def _apply_through_bus(cuts: list[int]) -> list[tuple[str, str | None, int
         for lo, hi in itertools.pairwise(bounds):
             await slot.channel.put(data[lo:hi])
         await asyncio.wait_for(done.wait(), 2)
-        assert consumer.stats.last_event_id == "c0ffee00-7"
+        last_id = data.rsplit(b"\nid: ", 1)[1].split(b"\n", 1)[0].decode()
+        assert consumer.stats.last_event_id == last_id == "c0ffee00-12"
     finally:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -295,4 +296,5 @@ async def _apply_through_bus(cuts: list[int]) -> list[tuple[str, str | None, int
 def test_chunk_boundaries_carry_no_meaning(cuts: list[int]) -> None:
     whole = asyncio.run(_apply_through_bus([]))
     assert asyncio.run(_apply_through_bus(cuts)) == whole
-    assert whole[0] == ("resync", None, None) and len(whole) == 10
+    assert whole[0] == ("resync", None, None) and len(whole) == 17
+    assert {kind for kind, _, _ in whole} >= {"chain_created", "chain_evicted", "chain_offloaded"}

@@ -95,18 +95,24 @@ def test_example_file_documents_every_option() -> None:
     def names(model: type[Any]) -> set[str]:
         return set(model.model_fields)
 
-    from listener.config import GrpcTlsConfig, SourceConfig
+    from listener.config import ConversationConfig, GrpcTlsConfig, SourceConfig
 
     documented = names(ListenerConfig) | names(SourceConfig) | names(GrpcTlsConfig)
-    documented |= names(ChatTemplateMarkers)
+    documented |= names(ChatTemplateMarkers) | names(ConversationConfig)
     missing = sorted(n for n in documented if f"{n}:" not in text)
     assert missing == []
 
 
 def test_every_field_has_a_docstring() -> None:
-    from listener.config import GrpcTlsConfig, SourceConfig
+    from listener.config import ConversationConfig, GrpcTlsConfig, SourceConfig
 
-    for model in (ListenerConfig, SourceConfig, GrpcTlsConfig, ChatTemplateMarkers):
+    for model in (
+        ListenerConfig,
+        SourceConfig,
+        GrpcTlsConfig,
+        ChatTemplateMarkers,
+        ConversationConfig,
+    ):
         undocumented = [n for n, f in model.model_fields.items() if not f.description]
         assert undocumented == [], model.__name__
 
@@ -420,3 +426,44 @@ def test_cli_requires_config(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main([])
     assert info.value.code == 2
+
+
+# -- conversation keys ----------------------------------------------------------------------
+
+
+def test_conversation_defaults_and_ranges() -> None:
+    cfg, _ = parse_listener_config({"sources": [vllm()]})
+    conv = cfg.conversation
+    assert (conv.enabled, conv.chunk_bytes, conv.max_retained_bytes) == (False, 1024, 64 << 20)
+    assert cfg.sources[0].tokenizer is None
+    for bad in (63, 65_537):
+        e = errors({"conversation": {"chunk_bytes": bad}, "sources": [vllm()]})
+        assert list(e) == ["conversation.chunk_bytes"]
+    e = errors({"conversation": {"max_retained_bytes": 10}, "sources": [vllm()]})
+    assert list(e) == ["conversation.max_retained_bytes"]
+
+
+def test_conversation_requires_a_loadable_tokenizer_per_source(tmp_path: Path) -> None:
+    from harness.sim.tokenizer import bundled_qwen2_json
+
+    qwen = str(bundled_qwen2_json())
+    on = {"enabled": True}
+    e = errors({"conversation": on, "sources": [vllm(), vllm(backend_name="b2", tokenizer=qwen)]})
+    assert (
+        list(e) == ["sources[0].tokenizer"]
+        and "requires sources[0].tokenizer" in e["sources[0].tokenizer"]
+    )
+    missing = str(tmp_path / "nope.json")
+    e = errors({"conversation": on, "sources": [vllm(tokenizer=missing)]})
+    assert e["sources[0].tokenizer"].startswith(f"tokenizer {missing}: cannot read it")
+    wordpiece = tmp_path / "wp.json"
+    wordpiece.write_text('{"model": {"type": "WordPiece", "vocab": {}}}')
+    e = errors({"conversation": on, "sources": [vllm(tokenizer=str(wordpiece))]})
+    assert str(wordpiece) in e["sources[0].tokenizer"] and "WordPiece" in e["sources[0].tokenizer"]
+    cfg, issues = parse_listener_config({"conversation": on, "sources": [vllm(tokenizer=qwen)]})
+    assert issues == [] and cfg.conversation.enabled
+    no_model = vllm(tokenizer=qwen, model=None, detokenize_endpoint=None)
+    w = warnings({"conversation": on, "salt_secret_env": "X", "sources": [no_model]})
+    assert "without sources[0].model" in w["sources[0].model"]
+    w = warnings({"sources": [vllm(tokenizer=qwen)]})
+    assert "unused" in w["sources[0].tokenizer"]

@@ -418,3 +418,21 @@ async def test_snapshot_is_normalised_to_cache_created_of_the_backend() -> None:
         "tier": "storage",
     }
     assert recs[-1].id == f"{EPOCH}-0"
+
+
+async def test_snapshot_carries_chain_keys_as_chain_created() -> None:
+    h = hub()
+    key = "ab" * 16
+    gpu = KvEvent("chain_created", B, token_count=300, tier="gpu", chain_key=key)
+    off = KvEvent("chain_offloaded", B, token_count=600, tier="storage", chain_key="cd" * 16)
+    stray = [KvEvent("chain_evicted", B, chain_key=key)]
+    recs = resumed(h, None, [created(1), gpu, off, *stray]).ready()
+    assert [r.event for r in recs] == ["resync", "cache_created", "chain_created", "chain_created"]
+    assert payload(recs[3]) == {
+        "event": "chain_created",
+        "backend": B,
+        "chain_key": "cd" * 16,
+        "token_count": 600,
+        "tier": "storage",
+    }
+    assert KvEvent.from_json(recs[2].data) == gpu
