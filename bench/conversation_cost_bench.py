@@ -13,8 +13,8 @@ source):
 For each conversation size (multi-turn chats of about 2k, 8k and 32k prompt tokens, 64
 distinct conversations, 4 bytes a token; a question and its answer are 1,800 bytes by
 default, ``--turn-bytes``: rendering costs per message) and each row: req/s and router
-CPU per request (utime + stime of the router process over the measured run / requests), the rows of a
-size interleaved per round and the table's ratio paired per round. Targets (issue 16):
+CPU per request (utime + stime of the router process over the measured run / requests),
+the rows of a size interleaved per round and the table's ratio paired per round. Targets (issue 16):
 ``conversation / prefix`` CPU per request <= 1.3 at every size, and the conversation path
 <= 400 us per request at 8k tokens.
 
