@@ -131,10 +131,11 @@ async def test_events_decisions_and_accounting_reach_admin_and_metrics() -> None
         cands, _ = pool.candidates("m", "chat")
         req = Chain([C(i) for i in range(6)], 6 * 1024)
         view = await kv.conversation.assess(req, cands)
-        assert kv.conversation.decide(view, cands) is pool.get("a")
-        await kv.conversation.routed(view, pool.get("a"))
-        kv.accuracy.record("a", kv.conversation.predicted_cached_tokens(view, pool.get("a")), 800)
-        ticket = kv.prefill_load.started("a", kv.conversation.prefill_tokens(view, pool.get("a")))
+        a = pool.get("a")
+        assert a is not None and kv.conversation.decide(view, cands) is a
+        await kv.conversation.routed(view, a)
+        kv.accuracy.record("a", kv.conversation.predicted_cached_tokens(view, a), 800)
+        ticket = kv.prefill_load.started("a", kv.conversation.prefill_tokens(view, a))
         assert ticket.tokens == 1536 - 768
         await kv.sweep()  # refreshes both indexes' last_stats for the scrape
 

@@ -941,7 +941,7 @@ async def test_instrumented_counts_routing_queries_and_hits_only() -> None:
 
 async def test_instrumented_does_not_count_a_failed_query() -> None:
     class Down(InMemoryKvIndex):
-        async def query_backends(self, prefix_hash: str) -> tuple[()]:
+        async def query_backends(self, prefix_hash: str | bytes) -> tuple[()]:
             raise RuntimeError("down")
 
     idx = InstrumentedKvIndex(Down())

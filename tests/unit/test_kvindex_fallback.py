@@ -201,7 +201,7 @@ class FlakyPrimary(InMemoryKvIndex):
             else:
                 self.put(prefix_hash, backend, token_count, tier)
 
-    async def query_backends(self, prefix_hash: str) -> Sequence[IndexEntry]:
+    async def query_backends(self, prefix_hash: str | bytes) -> Sequence[IndexEntry]:
         self._check("query")
         return self.lookup(prefix_hash)
 
@@ -229,7 +229,7 @@ class FlakyPrimary(InMemoryKvIndex):
         self._check("write_many")
         await super().write_many(changes, ttl)
 
-    async def remove(self, prefix_hash: str, backend: str) -> bool:
+    async def remove(self, prefix_hash: str | bytes, backend: str) -> bool:
         self._check("remove")
         return self.drop(prefix_hash, backend)
 
