@@ -234,6 +234,7 @@ async def run_row(
     tmp: Path,
     why_not: str | None,
     sample_every: float,
+    scoring: dict[str, float] | None = None,
 ) -> Result:
     wl = setup.workload
     res = Result(wl.name, row.label)
@@ -246,6 +247,8 @@ async def run_row(
     cfg = router_config(
         base, fleet, row.strategy, 0, listener.url if row.index else None, None, row.index == "conv"
     )
+    if row.index == "conv" and scoring:
+        cfg["kv_cache_index"]["conversation"]["scoring"] = scoring
     log = tmp / f"router-{row.label}.log"
     t0 = time.perf_counter()
     try:
@@ -475,6 +478,7 @@ async def measure_workload(
                     tmp=tmp,
                     why_not=why_not,
                     sample_every=args.sample_ms / 1000,
+                    scoring=args.scoring,
                 )
             )
     return results
@@ -520,6 +524,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--workloads",
         default="abc",
         help="which of a (shared-prompt chat), b (agent loops), c (own prompts)",
+    )
+    p.add_argument(
+        "--scoring",
+        type=lambda v: {k: float(x) for k, x in (kv.split("=") for kv in v.split(",") if kv)},
+        default={},
+        help="the conversation row's kv_cache_index.conversation.scoring, as k=v,k=v "
+        "(e.g. prefill_load_weight=0.1,active_request_weight=32)",
     )
     p.add_argument(
         "--rows",

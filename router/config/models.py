@@ -318,18 +318,28 @@ class ConversationScoringConfig(_Section):
     ``cost(b) = prompt_tokens - credit(tier) * held_tokens(b)
                + prefill_load_weight * in_flight_prefill_tokens(b)
                + active_request_weight * in_flight_requests(b)``
+
+    among the backends under the bounded-load cap (``load_factor_epsilon``). The defaults
+    favour what a backend holds (the load terms break near-ties) and leave the balance to
+    the cap: measured with ``bench/fleet_bench.py``, heavier load weights move
+    conversations off the engine that holds them (lower hit rate), lighter ones without
+    the cap pile a shared tool suite's sessions onto one engine (max/mean load over 2).
     """
 
     gpu_credit: Annotated[float, Field(ge=0.0, le=1.0)] = 1.0
     """Share of the held tokens a backend need not prefill when they are in GPU memory."""
     storage_credit: Annotated[float, Field(ge=0.0, le=1.0)] = 0.5
     """The same for tokens held only in a slower tier (they must be loaded back)."""
-    prefill_load_weight: Annotated[float, Field(ge=0.0, le=100.0)] = 1.0
+    prefill_load_weight: Annotated[float, Field(ge=0.0, le=100.0)] = 0.1
     """Cost of one prompt token the backend is still prefilling for requests in flight."""
-    active_request_weight: Annotated[float, Field(ge=0.0, le=1_000_000.0)] = 256.0
+    active_request_weight: Annotated[float, Field(ge=0.0, le=1_000_000.0)] = 32.0
     """Cost, in tokens, of each request the backend has in flight (decode contention)."""
     bytes_per_token: Annotated[float, Field(ge=0.5, le=64.0)] = 4.0
     """Estimate of a prompt's tokens from its rendered bytes before any event tells."""
+    load_factor_epsilon: Annotated[float | None, Field(ge=0.0, le=10.0)] = 0.25
+    """Bounded load, as PrefixAwareHash's ring: a backend already at
+    ``ceil((1 + epsilon) * (in-flight requests + 1) / candidates)`` is not chosen while
+    another is below it, however much it holds (None: no bound, the cost alone)."""
 
 
 class ChatTemplateConfig(_Section):

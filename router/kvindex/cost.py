@@ -16,7 +16,10 @@ The cost of sending the request to backend ``b``, in prompt tokens
 * ``in_flight_prefill_tokens(b)``: the :class:`~router.kvindex.prefill.PrefillLoad`
   ledger the forwarder keeps; ``in_flight_requests(b)``: the pool's in-flight count.
 
-The lowest cost wins. When no candidate holds anything, or the lowest cost is shared
+The lowest cost wins among the candidates under the bounded-load cap
+(``load_factor_epsilon``: PrefixAwareHash's ``ceil((1 + epsilon) * (in flight + 1) / n)``),
+so a conversation stays where it is held until that engine is overloaded, and a shared
+prompt's new sessions spread. When no candidate holds anything, or the lowest cost is shared
 exactly, :meth:`ConversationScorer.choose` returns None and the configured strategy
 decides; ``on_decision(outcome, tier)`` reports each decision (``chosen``, ``tie``,
 ``none_held``; the winner's tier or ``none``).
@@ -46,6 +49,7 @@ The request path, as the forwarder drives it::
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -209,13 +213,14 @@ class ConversationScorer:
     # ---- deciding -------------------------------------------------------------------
 
     def pick(self, view: ChainView, candidates: Sequence[Backend]) -> tuple[Backend | None, str]:
-        """The lowest-cost candidate and the outcome, without reporting it."""
+        """The lowest-cost candidate under the load cap, and the outcome, without
+        reporting it."""
         if not view.held or not candidates:
             return None, "none_held"
         best: Backend | None = None
         best_cost = 0.0
         tied = False
-        for b in candidates:
+        for b in self._admissible(candidates):
             c = self.cost(view, b)
             if best is None or c < best_cost:
                 best, best_cost, tied = b, c, False
@@ -224,6 +229,17 @@ class ConversationScorer:
         if tied:
             return None, "tie"
         return best, "chosen"
+
+    def _admissible(self, candidates: Sequence[Backend]) -> Sequence[Backend]:
+        """The candidates below the bounded-load cap (PrefixAwareHash's formula), or all
+        of them when the bound is off or every one is at the cap."""
+        eps = self.scoring.load_factor_epsilon
+        if eps is None or len(candidates) < 2:
+            return candidates
+        total = sum(b.in_flight for b in candidates)
+        cap = math.ceil((1.0 + eps) * (total + 1) / len(candidates))
+        below = [b for b in candidates if b.in_flight < cap]
+        return below or candidates
 
     def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None:
         """The lowest-cost candidate; None (the strategy decides) when nobody holds any

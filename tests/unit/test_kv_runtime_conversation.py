@@ -153,7 +153,7 @@ async def test_events_decisions_and_accounting_reach_admin_and_metrics() -> None
         }
         conv = doc["conversation"]
         assert conv["config"]["chunk_bytes"] == 1024 and conv["config"]["max_entries"] == 2000
-        assert conv["config"]["scoring"]["active_request_weight"] == 256
+        assert conv["config"]["scoring"]["active_request_weight"] == 32
         assert conv["index"]["key_count"] == 6  # 0..2 real (a), 0 (b), 3..5 predicted (a)
         assert conv["index"]["entry_count"] == 7 and conv["index"]["queries"] == 1
         assert conv["routing_decisions"] == {"chosen": 1, "tie": 0, "none_held": 0, "total": 1}

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.config import parse_config
-from router.config.models import ConversationConfig
+from router.config.models import ConversationConfig, ConversationScoringConfig
 from router.kvindex import (
     EMPTY,
     Change,
@@ -86,11 +86,18 @@ class Rig:
         self.inner.write([(C(first + i), backend, per_key * (i + 1), tier) for i in range(depth)])
 
 
+FORMULA = ConversationScoringConfig(
+    prefill_load_weight=1.0, active_request_weight=256.0, load_factor_epsilon=None
+)
+"""The weights the hand-worked costs below use (not the defaults): whole tokens, no cap."""
+
+
 def rig(names: Sequence[str] = ("a", "b", "c"), entry_ttl: float = 600, **conv: Any) -> Rig:
     clock = FakeClock(1000.0)
     inner = InMemoryKvIndex(10_000, entry_ttl, clock=clock)
     index = InstrumentedKvIndex(inner)
     load = PrefillLoad()
+    conv.setdefault("scoring", FORMULA)
     config = ConversationConfig(enabled=True, chunk_bytes=CHUNK, **conv)
     decisions: list[tuple[str, str]] = []
     scorer = ConversationScorer(
@@ -463,3 +470,50 @@ def test_accuracy_sums_per_backend_and_reports_to_metrics() -> None:
     total = acc.total()
     assert (total.requests, total.predicted_tokens, total.reported_tokens) == (5, 2500, 2200)
     assert total.accuracy == a.accuracy  # b's records were exact and empty
+
+
+# ---- the defaults and the bounded-load cap ---------------------------------------------
+
+
+def test_the_documented_defaults() -> None:
+    sc = ConversationScoringConfig()
+    assert (sc.prefill_load_weight, sc.active_request_weight, sc.load_factor_epsilon) == (
+        0.1,
+        32.0,
+        0.25,
+    )
+    assert (sc.gpu_credit, sc.storage_credit, sc.bytes_per_token) == (1.0, 0.5, 4.0)
+
+
+async def test_a_holder_at_the_load_cap_is_passed_over() -> None:
+    """With the defaults a conversation stays where it is held until that engine reaches
+    PrefixAwareHash's cap; then the cheapest backend under the cap takes it."""
+    r = rig(("a", "b", "c"), scoring=ConversationScoringConfig())
+    r.hold("a", 4)  # the whole conversation
+    r.hold("b", 1)  # the shared system prompt
+    view = await r.scorer.assess(chain(4), r.cands)
+    r.by("a").in_flight = 3  # cap = ceil(1.25 * (3 + 0 + 0 + 1) / 3) = 2: a is at it
+    assert r.scorer.decide(view, r.cands) is r.by("b")
+    r.by("a").in_flight = 1  # cap = ceil(1.25 * 2 / 3) = 1: a is still at it
+    assert r.scorer.decide(view, r.cands) is r.by("b")
+    r.by("b").in_flight = r.by("c").in_flight = 1  # cap 2: nobody at it, a holds most
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+
+
+async def test_equal_load_leaves_the_choice_to_what_is_held() -> None:
+    """Even with no slack (epsilon 0) the cap never excludes everyone: with equal load
+    both are below it and the holder wins."""
+    r = rig(("a", "b"), scoring=ConversationScoringConfig(load_factor_epsilon=0.0))
+    r.hold("a", 4)
+    view = await r.scorer.assess(chain(4), r.cands)
+    for n in (0, 1, 2, 7):
+        r.by("a").in_flight = r.by("b").in_flight = n  # cap = ceil((2n + 1) / 2) = n + 1
+        assert r.scorer.decide(view, r.cands) is r.by("a")
+
+
+async def test_no_bound_lets_the_cost_pile_on_the_holder() -> None:
+    r = rig(("a", "b"), scoring=ConversationScoringConfig(load_factor_epsilon=None))
+    r.hold("a", 4)
+    r.by("a").in_flight = 5  # 5 x 32 = 160 tokens of load against 1024 held
+    view = await r.scorer.assess(chain(4), r.cands)
+    assert r.scorer.decide(view, r.cands) is r.by("a")
