@@ -120,7 +120,10 @@ async def measure(args: argparse.Namespace) -> list[Result]:
         rows = (
             ("PrefixAwareHash", router_config(base, fleet, "PrefixAwareHash", 0)),
             # Tier 4 on without any event source: only what the router predicts on route.
-            ("Conversation", router_config(base, fleet, "PrefixAwareHash", 0, conversation=True)),
+            (
+                "Conversation",
+                router_config(base, fleet, args.strategy, 0, conversation=True),
+            ),
         )
         for label, cfg in rows:
             print(f"  {label:<16} ", end="", flush=True)
@@ -188,6 +191,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--requests", type=int, default=1600)
     p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument(
+        "--strategy",
+        default="PrefixAwareHash",
+        help="the conversation row's selection_strategy (what places a prompt nobody holds)",
+    )
     p.add_argument("--seed", type=int, default=1)
     return p.parse_args(argv)
 

@@ -19,9 +19,12 @@ The cost of sending the request to backend ``b``, in prompt tokens
 The lowest cost wins among the candidates under the bounded-load cap
 (``load_factor_epsilon``: PrefixAwareHash's ``ceil((1 + epsilon) * (in flight + 1) / n)``),
 so a conversation stays where it is held until that engine is overloaded, and a shared
-prompt's new sessions spread. When no candidate holds anything, or the lowest cost is shared
-exactly, :meth:`ConversationScorer.choose` returns None and the configured strategy
-decides; ``on_decision(outcome, tier)`` reports each decision (``chosen``, ``tie``,
+prompt's new sessions spread. Costs within one chunk's tokens of the lowest are a tie (the
+index knows holdings only to a chunk); among tied candidates the prompt's own preference
+decides (rendezvous hashing of its first key), so a prompt two engines hold keeps going to
+one of them instead of alternating by load. When no candidate holds anything,
+:meth:`ConversationScorer.choose` returns None and the configured strategy places the
+request. ``on_decision(outcome, tier)`` reports each decision (``chosen``, ``tie``,
 ``none_held``; the winner's tier or ``none``).
 
 Predict on route (:meth:`ConversationScorer.routed`): once a backend is chosen, by the
@@ -54,6 +57,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+import xxhash
 
 from ..config.models import ConversationConfig
 from ..pool import Backend
@@ -214,21 +219,27 @@ class ConversationScorer:
 
     def pick(self, view: ChainView, candidates: Sequence[Backend]) -> tuple[Backend | None, str]:
         """The lowest-cost candidate under the load cap, and the outcome, without
-        reporting it."""
+        reporting it. Candidates within one chunk's tokens of the lowest cost are a tie:
+        the index knows what a backend holds only to a chunk, so a smaller difference
+        says nothing; among tied ones a per-prompt preference decides."""
         if not view.held or not candidates:
             return None, "none_held"
-        best: Backend | None = None
-        best_cost = 0.0
-        tied = False
-        for b in self._admissible(candidates):
-            c = self.cost(view, b)
-            if best is None or c < best_cost:
-                best, best_cost, tied = b, c, False
-            elif c == best_cost:
-                tied = True
-        if tied:
-            return None, "tie"
-        return best, "chosen"
+        costs = [(self.cost(view, b), b) for b in self._admissible(candidates)]
+        best_cost = min(c for c, _ in costs)
+        band = self.chunk_bytes * view.tokens_per_byte
+        tied = [b for c, b in costs if c < best_cost + band]
+        if len(tied) > 1:
+            return self._preferred(view, tied), "tie"
+        return tied[0], "chosen"
+
+    @staticmethod
+    def _preferred(view: ChainView, tied: Sequence[Backend]) -> Backend:
+        """One of equally good backends, the same one for every request of a prompt
+        (rendezvous hashing of its first key and the backend's name): a prompt two engines
+        hold keeps going to one of them, instead of alternating with load or a round
+        robin, which would spread it over both for good."""
+        first = bytes(view.keys[0]) if view.keys else b""
+        return max(tied, key=lambda b: xxhash.xxh3_64_intdigest(first + b.name.encode()))
 
     def _admissible(self, candidates: Sequence[Backend]) -> Sequence[Backend]:
         """The candidates below the bounded-load cap (PrefixAwareHash's formula), or all
@@ -242,8 +253,9 @@ class ConversationScorer:
         return below or candidates
 
     def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None:
-        """The lowest-cost candidate; None (the strategy decides) when nobody holds any
-        key of the chain or the lowest cost is shared. Reported to ``on_decision``."""
+        """The lowest-cost candidate (among tied ones the prompt's preferred); None (the
+        strategy decides) when nobody holds any key of the chain. Reported to
+        ``on_decision``."""
         best, outcome = self.pick(view, candidates)
         self.decisions[outcome] += 1
         if self._on_decision is not None:

@@ -149,7 +149,7 @@ class Selector:
         ctx: SelectionContext,
     ) -> Backend:
         """The lowest-cost backend for the chain; the strategy when nobody holds any of it
-        or the cost is tied (not the prefix scorer: the chain knows more than the prefix).
+        (not the prefix scorer: the chain knows more than the prefix).
         Either way the chosen backend is recorded as holding the chain (predict on route),
         so the next request of the conversation follows it before its events arrive."""
         assert ctx.chain is not None

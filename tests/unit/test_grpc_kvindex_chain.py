@@ -121,7 +121,9 @@ async def test_a_request_is_scored_by_prefix_and_by_conversation_depth(rig: Rig)
         ("b", 1000, 4, 221.0),
         ("a", 500, 2, 721.0),
     ]
-    # Load shows in the costs: b busy with 2 requests and 300 prefill tokens.
+    # Load shows in the costs (the default weights: 0.1 a prefill token, 32 a request): b
+    # busy with 2 requests and 300 prefill tokens; at the load cap (ceil(1.25 * 3 / 2) =
+    # 2), so a is chosen however much b holds.
     b = rig.pool.get("b")
     assert b is not None
     b.in_flight = 2
@@ -129,7 +131,7 @@ async def test_a_request_is_scored_by_prefix_and_by_conversation_depth(rig: Rig)
     conv = (await score(rig, BODY)).conversation
     by = {s.backend: s for s in conv.scores}
     assert (by["b"].in_flight_requests, by["b"].in_flight_prefill_tokens) == (2, 300)
-    assert by["b"].cost == 221 + 300 + 2 * 256
+    assert by["b"].cost == 221 + 0.1 * 300 + 2 * 32
     assert conv.selected_backend == "a"
     rig.kv.prefill_load.finished(ticket)
     b.in_flight = 0

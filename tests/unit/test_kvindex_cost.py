@@ -240,21 +240,46 @@ async def test_the_weights_come_from_the_config() -> None:
     assert r.scorer.cost(view, r.by("c")) == 1024 - 512
 
 
-async def test_nobody_holding_anything_and_ties_go_to_the_strategy() -> None:
+async def test_nobody_holding_anything_goes_to_the_strategy_and_a_tie_to_one_holder() -> None:
     r = rig()
     r.hold("z", 8)  # a backend that is not a candidate
     view = await r.scorer.assess(chain(8), r.cands)
     assert view.held == {} and view.prompt_tokens == 8 * 256  # z's ratio still informs
     assert r.scorer.decide(view, r.cands) is None
     r.hold("a", 3)
-    r.hold("b", 3)  # a and b hold the same, all idle: an exact tie
+    r.hold("b", 3)  # a and b hold the same, all idle: a tie
     view = await r.scorer.assess(chain(8), r.cands)
-    assert r.scorer.decide(view, r.cands) is None
-    r.by("b").in_flight = 1  # the tie broken by load
-    assert r.scorer.decide(view, r.cands) is r.by("a")
-    assert r.decisions == [("none_held", "none"), ("tie", "none"), ("chosen", "gpu_hot")]
-    assert r.scorer.decisions == {"chosen": 1, "tie": 1, "none_held": 1}
+    tied = r.scorer.decide(view, r.cands)
+    assert tied is not None and tied.name in ("a", "b")
+    # The same prompt always prefers the same holder (no alternation between them).
+    assert all(r.scorer.decide(view, r.cands) is tied for _ in range(5))
+    other = r.by("b") if tied is r.by("a") else r.by("a")
+    tied.in_flight = 1  # +256: a whole chunk's tokens of load, no longer a tie
+    assert r.scorer.decide(view, r.cands) is other
+    assert r.decisions[:2] == [("none_held", "none"), ("tie", "gpu_hot")]
+    assert r.decisions[-1] == ("chosen", "gpu_hot")
+    assert r.scorer.decisions == {"chosen": 1, "tie": 6, "none_held": 1}
     assert r.scorer.decide(view, ()) is None
+
+
+async def test_costs_within_a_chunk_tie_and_prompts_spread_over_the_holders() -> None:
+    """A difference smaller than one chunk's tokens says nothing the index can know; the
+    preferred holder differs from prompt to prompt, so shared prompts spread."""
+    r = rig(("a", "b"))
+    preferred = set()
+    for p in range(16):
+        r.hold("a", 2, first=100 * p)
+        r.hold("b", 2, first=100 * p)
+        view = await r.scorer.assess(chain(4, first=100 * p), r.cands)
+        chosen = r.scorer.decide(view, r.cands)
+        assert chosen is not None
+        preferred.add(chosen.name)
+    assert preferred == {"a", "b"}
+    # One more chunk held is a whole chunk's tokens: no longer a tie.
+    r.hold("a", 3, first=0)
+    view = await r.scorer.assess(chain(4), r.cands)
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+    assert r.decisions[-1] == ("chosen", "gpu_hot")
 
 
 async def test_an_empty_holder_can_win_on_load() -> None:
