@@ -14,17 +14,34 @@ The cost of sending the request to backend ``b``, in prompt tokens
   a tokens-per-byte ratio: the deepest held key's own (its ``token_count`` over the bytes
   its chunks cover) when any backend holds one, else ``1 / bytes_per_token``.
 * ``in_flight_prefill_tokens(b)``: the :class:`~router.kvindex.prefill.PrefillLoad`
-  ledger the forwarder keeps; ``in_flight_requests(b)``: the pool's in-flight count.
+  ledger the forwarder keeps; ``in_flight_requests(b)``: the pool's in-flight count,
+  averaged over ``load_window_seconds`` (``router.kvindex.load_average``: instantaneous
+  counts split a prompt two engines hold, each flip of the load sending it to the other).
 
 The lowest cost wins among the candidates under the bounded-load cap
-(``load_factor_epsilon``: PrefixAwareHash's ``ceil((1 + epsilon) * (in flight + 1) / n)``),
-so a conversation stays where it is held until that engine is overloaded, and a shared
-prompt's new sessions spread. Costs within one chunk's tokens of the lowest are a tie (the
-index knows holdings only to a chunk); among tied candidates the prompt's own preference
-decides (rendezvous hashing of its first key), so a prompt two engines hold keeps going to
-one of them instead of alternating by load. When no candidate holds anything,
-:meth:`ConversationScorer.choose` returns None and the configured strategy places the
-request. ``on_decision(outcome, tier)`` reports each decision (``chosen``, ``tie``,
+(``load_factor_epsilon``: PrefixAwareHash's ``ceil((1 + epsilon) * (in flight + 1) / n)``).
+A backend is at the cap when it is over it now *and* on average over
+``load_window_seconds``: against the count now alone, a shared prompt's engine hits the
+cap whenever a few of its sessions arrive together, and every request sent past it
+prefills the whole prompt on an engine that does not hold it (``make run``'s demo: 61 %
+token hit rate against 83-87 % with the average). So a conversation stays where it is
+held until its engine is overloaded for longer than a burst, and a shared prompt's new
+sessions spread.
+
+Costs within one chunk's tokens of the lowest are a tie (the index knows holdings only to
+a chunk). Among tied candidates the one holding the most wins, so load jitter never
+copies a prompt to an engine that holds none of it; then the prompt's *home*: the backend
+this router first sent it to (and again wherever it went once its home held none of it),
+else rendezvous hashing of its first key. A prompt two engines hold keeps going to one of
+them instead of alternating with load, and a request sent past a loaded home does not
+move the prompt.
+
+When no candidate holds anything, ``new_prompts`` decides: ``least_loaded`` (default)
+places the prompt on the candidate under the cap with the fewest prompts placed over the
+last window, then the fewest requests in flight (a burst of new prompts splits evenly:
+PrefixAwareHash's ring put 5 of 8 on one of two backends in ``bench/affinity_bench.py``);
+``strategy`` leaves it to the configured strategy (:meth:`ConversationScorer.choose`
+returns None). ``on_decision(outcome, tier)`` reports each decision (``chosen``, ``tie``,
 ``none_held``; the winner's tier or ``none``).
 
 Predict on route (:meth:`ConversationScorer.routed`): once a backend is chosen, by the
@@ -35,8 +52,8 @@ prediction never shortens or overwrites a live entry that outlives it (the index
 ``ttl`` writes), so a real entry is only ever extended. A key the backend holds with more
 than half the prediction TTL left is not rewritten, so a burst of siblings costs one
 write per key per half TTL. Without any listener this is the approximate
-conversation-aware mode: a new prefix goes where the strategy (or the cheapest backend)
-sends it, and the requests after it follow.
+conversation-aware mode: a new prefix goes to the least loaded backend (or where the
+strategy sends it), and the requests after it follow.
 
 The request path, as the forwarder drives it::
 
@@ -64,6 +81,7 @@ from ..config.models import ConversationConfig
 from ..pool import Backend
 from .base import Change, IndexEntry, KvIndex, StorageTier
 from .chains import Held, deepest_held
+from .load_average import LoadAverage, RecentCount
 from .prefill import PrefillLoad
 
 __all__ = [
@@ -81,6 +99,7 @@ DECISIONS: tuple[str, ...] = ("chosen", "tie", "none_held")
 anything of the chain (the last two leave the choice to the strategy)."""
 
 _GPU = StorageTier.GPU_HOT
+_MAX_HOMES = 1 << 16
 _ERROR_LOG_EVERY_S = 60.0
 
 
@@ -124,6 +143,7 @@ class CostComponents:
     """``credit(tier) * held_tokens``."""
     in_flight_prefill_tokens: int
     in_flight_requests: int
+    """The backend's count now (the cost reads its average over ``load_window_seconds``)."""
     cost: float
 
 
@@ -138,6 +158,7 @@ class ConversationScorer:
         *,
         entry_ttl_seconds: float,
         on_decision: Callable[[str, str], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """
         Args:
@@ -146,6 +167,7 @@ class ConversationScorer:
             load: the in-flight prefill ledger the forwarder keeps.
             entry_ttl_seconds: the index's TTL; predictions never live longer.
             on_decision: ``(outcome, tier)`` of every :meth:`decide` (metrics).
+            clock: the load averages' clock (seconds).
         """
         self.index = index
         self.config = config
@@ -161,6 +183,13 @@ class ConversationScorer:
         self.prediction_errors = 0
         """Prediction writes that failed (the index was unavailable)."""
         self._error_logged = -_ERROR_LOG_EVERY_S
+        self._homes: dict[bytes, str] = {}
+        """A prompt's first key -> the backend this router first sent it to (insertion
+        order: the oldest goes first past ``_MAX_HOMES``)."""
+        self.load_average = LoadAverage(config.scoring.load_window_seconds, clock)
+        self._placed = RecentCount(config.scoring.load_window_seconds, clock)
+        """Prompts placed per backend lately (``new_prompts: least_loaded``)."""
+        """The in-flight averages the bounded-load cap compares."""
 
     # ---- reading the index ----------------------------------------------------------
 
@@ -197,7 +226,7 @@ class ConversationScorer:
             view.prompt_tokens
             - self._credited(view, view.held.get(name))
             + sc.prefill_load_weight * self.load.tokens(name)
-            + sc.active_request_weight * backend.in_flight
+            + sc.active_request_weight * self.load_average.value(backend)
         )
 
     def components(self, view: ChainView, backend: Backend) -> CostComponents:
@@ -221,41 +250,92 @@ class ConversationScorer:
         """The lowest-cost candidate under the load cap, and the outcome, without
         reporting it. Candidates within one chunk's tokens of the lowest cost are a tie:
         the index knows what a backend holds only to a chunk, so a smaller difference
-        says nothing; among tied ones a per-prompt preference decides."""
-        if not view.held or not candidates:
+        says nothing. Among tied ones the one holding the most wins (a backend that holds
+        nothing of the prompt takes it only when it is cheaper by a whole chunk, so load
+        jitter never copies a prompt to a second engine), then a per-prompt preference."""
+        if not candidates:
             return None, "none_held"
-        costs = [(self.cost(view, b), b) for b in self._admissible(candidates)]
+        if not view.held:
+            if self.scoring.new_prompts == "strategy" or not view.keys:
+                return None, "none_held"  # (a prompt under one chunk has nothing to place)
+            return self._least_loaded(view, self._admissible(candidates)), "none_held"
+        admissible = self._admissible(candidates)  # samples the load averages
+        costs = [(self.cost(view, b), b) for b in admissible]
         best_cost = min(c for c, _ in costs)
         band = self.chunk_bytes * view.tokens_per_byte
         tied = [b for c, b in costs if c < best_cost + band]
         if len(tied) > 1:
+            deepest = max(self._credited(view, view.held.get(b.name)) for b in tied)
+            tied = [b for b in tied if self._credited(view, view.held.get(b.name)) == deepest]
+        if len(tied) > 1:
             return self._preferred(view, tied), "tie"
         return tied[0], "chosen"
 
-    @staticmethod
-    def _preferred(view: ChainView, tied: Sequence[Backend]) -> Backend:
-        """One of equally good backends, the same one for every request of a prompt
-        (rendezvous hashing of its first key and the backend's name): a prompt two engines
-        hold keeps going to one of them, instead of alternating with load or a round
-        robin, which would spread it over both for good."""
+    def _least_loaded(self, view: ChainView, candidates: Sequence[Backend]) -> Backend:
+        """Where a prompt nobody holds goes (``new_prompts: least_loaded``), among the
+        candidates under the load cap: the fewest prompts placed over the last
+        ``load_window_seconds`` (what a burst of new prompts will bring, before their
+        load shows), then the fewest requests in flight now, then the fewest prefill
+        tokens in flight, then the prompt's own hash."""
         first = bytes(view.keys[0]) if view.keys else b""
+        tokens = self.load.tokens
+        placed = self._placed.value
+        return min(
+            candidates,
+            key=lambda b: (
+                round(placed(b.name), 1),
+                b.in_flight,
+                tokens(b.name),
+                -xxhash.xxh3_64_intdigest(first + b.name.encode()),
+            ),
+        )
+
+    def _preferred(self, view: ChainView, tied: Sequence[Backend]) -> Backend:
+        """One of equally good backends, the same one for every request of a prompt: its
+        home (:meth:`routed`) while that is among them, else rendezvous hashing of its
+        first key and the backend's name. Read-only (gRPC ``Score`` calls it). A prompt
+        two engines hold keeps going to one of them, instead of alternating with load or
+        a round robin, which would spread it over both for good; and a request sent past
+        a loaded home (the cap) does not move the prompt to the engine that took it."""
+        first = bytes(view.keys[0]) if view.keys else b""
+        home = self._homes.get(first)
+        for b in tied:
+            if b.name == home:
+                return b
         return max(tied, key=lambda b: xxhash.xxh3_64_intdigest(first + b.name.encode()))
+
+    def _set_home(self, first: bytes, name: str) -> None:
+        homes = self._homes
+        homes.pop(first, None)
+        homes[first] = name
+        if len(homes) > _MAX_HOMES:
+            del homes[next(iter(homes))]
 
     def _admissible(self, candidates: Sequence[Backend]) -> Sequence[Backend]:
         """The candidates below the bounded-load cap (PrefixAwareHash's formula), or all
-        of them when the bound is off or every one is at the cap."""
+        of them when the bound is off or every one is at the cap. A backend is at the
+        cap when it is over it both now and on average over ``load_window_seconds``
+        (``router.kvindex.load_average``): moving a conversation prefills all it holds
+        elsewhere, worth it for a lasting overload, not for a burst; and the count now
+        makes the cap let go as soon as the overload ends."""
         eps = self.scoring.load_factor_epsilon
-        if eps is None or len(candidates) < 2:
+        n = len(candidates)
+        loads = self.load_average.sample(candidates)
+        if eps is None or n < 2:
             return candidates
-        total = sum(b.in_flight for b in candidates)
-        cap = math.ceil((1.0 + eps) * (total + 1) / len(candidates))
-        below = [b for b in candidates if b.in_flight < cap]
+        cap_now = math.ceil((1.0 + eps) * (sum(b.in_flight for b in candidates) + 1) / n)
+        cap_avg = math.ceil((1.0 + eps) * (sum(loads) + 1) / n)
+        below = [
+            b
+            for b, load in zip(candidates, loads, strict=True)
+            if load < cap_avg or b.in_flight < cap_now
+        ]
         return below or candidates
 
     def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None:
-        """The lowest-cost candidate (among tied ones the prompt's preferred); None (the
-        strategy decides) when nobody holds any key of the chain. Reported to
-        ``on_decision``."""
+        """The lowest-cost candidate (among tied ones the prompt's preferred). When nobody
+        holds any key of the chain: the least loaded, or None (the strategy decides) with
+        ``new_prompts: strategy``. Reported to ``on_decision``."""
         best, outcome = self.pick(view, candidates)
         self.decisions[outcome] += 1
         if self._on_decision is not None:
@@ -308,6 +388,18 @@ class ConversationScorer:
         """Write ``view``'s keys as held by ``backend`` for ``predict_ttl_seconds``; returns
         how many were written. Never raises (a failed write is counted and logged at most
         once a minute): routing must not fail for a prediction."""
+        if view.keys:
+            # The prompt's home: where it went first, and again wherever it goes once
+            # its home holds none of it any more.
+            first = bytes(view.keys[0])
+            home = self._homes.get(first)
+            if home is None:
+                self._set_home(first, backend.name)
+                if not view.held:
+                    self._placed.add(backend.name)
+            elif view.held and home not in view.held and home != backend.name:
+                self._set_home(first, backend.name)
+            # (nothing held but a home known: a sibling routed at once placed it first)
         changes = self.predictions(view, backend)
         if not changes:
             return 0

@@ -76,7 +76,11 @@ async def rig() -> AsyncIterator[Rig]:
                 {"name": n, "url": f"http://h:{i + 1}", "type": "vllm", "models": [MODEL]}
                 for i, n in enumerate(("a", "b"))
             ],
-            "kv_cache_index": {"enabled": True, "conversation": {"enabled": True}},
+            # Instantaneous in-flight counts (no averaging window): hand-worked costs.
+            "kv_cache_index": {
+                "enabled": True,
+                "conversation": {"enabled": True, "scoring": {"load_window_seconds": 0}},
+            },
         }
     )
     pool = BackendPool(cfg.backends, cfg.health_check)

@@ -10,6 +10,8 @@ active_request_weight 256, bytes_per_token 4.0, chunk_bytes 1024).
 
 from __future__ import annotations
 
+import collections
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from router.kvindex import (
 from router.kvindex.accuracy import PredictionAccuracy
 from router.kvindex.chains import deepest_held
 from router.kvindex.cost import ConversationScorer
+from router.kvindex.load_average import LoadAverage, RecentCount
 from router.kvindex.prefill import PrefillLoad
 from router.pool import Backend, BackendPool
 from tests.unit.kvindex_support import GPU, WARM, C, FakeClock, state
@@ -106,6 +109,7 @@ def rig(names: Sequence[str] = ("a", "b", "c"), entry_ttl: float = 600, **conv: 
         load,
         entry_ttl_seconds=entry_ttl,
         on_decision=lambda outcome, tier: decisions.append((outcome, tier)),
+        clock=clock,
     )
     return Rig(clock, inner, index, load, scorer, backends(*names), decisions)
 
@@ -241,7 +245,7 @@ async def test_the_weights_come_from_the_config() -> None:
 
 
 async def test_nobody_holding_anything_goes_to_the_strategy_and_a_tie_to_one_holder() -> None:
-    r = rig()
+    r = rig(scoring=FORMULA.model_copy(update={"new_prompts": "strategy"}))
     r.hold("z", 8)  # a backend that is not a candidate
     view = await r.scorer.assess(chain(8), r.cands)
     assert view.held == {} and view.prompt_tokens == 8 * 256  # z's ratio still informs
@@ -280,6 +284,21 @@ async def test_costs_within_a_chunk_tie_and_prompts_spread_over_the_holders() ->
     view = await r.scorer.assess(chain(4), r.cands)
     assert r.scorer.decide(view, r.cands) is r.by("a")
     assert r.decisions[-1] == ("chosen", "gpu_hot")
+
+
+async def test_load_jitter_does_not_copy_a_prompt_to_a_second_engine() -> None:
+    """An idle backend holding nothing is within a chunk of the busier holder's cost: the
+    holder keeps the prompt (the one holding the most wins a tie), whatever the prompt's
+    own preference. Breaking that tie by preference would put the prompt on the other
+    engine too, and from then on it would follow the load there and back."""
+    r = rig(("a", "b"))
+    r.by("a").in_flight = 1
+    r.load.started("a", 200)  # cost(a) = 1024 - 512 + 256 + 200 = 968, cost(b) = 1024
+    for p in range(16):
+        r.hold("a", 2, first=100 * p)  # 512 tokens held of 1024
+        view = await r.scorer.assess(chain(4, first=100 * p), r.cands)
+        assert r.scorer.cost(view, r.by("b")) - r.scorer.cost(view, r.by("a")) == 56
+        assert r.scorer.decide(view, r.cands) is r.by("a")
 
 
 async def test_an_empty_holder_can_win_on_load() -> None:
@@ -502,18 +521,20 @@ def test_accuracy_sums_per_backend_and_reports_to_metrics() -> None:
 
 def test_the_documented_defaults() -> None:
     sc = ConversationScoringConfig()
-    assert (sc.prefill_load_weight, sc.active_request_weight, sc.load_factor_epsilon) == (
-        0.1,
-        32.0,
-        0.25,
-    )
+    assert (
+        sc.prefill_load_weight,
+        sc.active_request_weight,
+        sc.load_factor_epsilon,
+        sc.load_window_seconds,
+    ) == (0.1, 32.0, 0.25, 2.0)
     assert (sc.gpu_credit, sc.storage_credit, sc.bytes_per_token) == (1.0, 0.5, 4.0)
 
 
 async def test_a_holder_at_the_load_cap_is_passed_over() -> None:
     """With the defaults a conversation stays where it is held until that engine reaches
-    PrefixAwareHash's cap; then the cheapest backend under the cap takes it."""
-    r = rig(("a", "b", "c"), scoring=ConversationScoringConfig())
+    PrefixAwareHash's cap; then the cheapest backend under the cap takes it (instantaneous
+    counts here: the averaged cap is below)."""
+    r = rig(("a", "b", "c"), scoring=ConversationScoringConfig(load_window_seconds=0))
     r.hold("a", 4)  # the whole conversation
     r.hold("b", 1)  # the shared system prompt
     view = await r.scorer.assess(chain(4), r.cands)
@@ -528,7 +549,8 @@ async def test_a_holder_at_the_load_cap_is_passed_over() -> None:
 async def test_equal_load_leaves_the_choice_to_what_is_held() -> None:
     """Even with no slack (epsilon 0) the cap never excludes everyone: with equal load
     both are below it and the holder wins."""
-    r = rig(("a", "b"), scoring=ConversationScoringConfig(load_factor_epsilon=0.0))
+    instant = ConversationScoringConfig(load_factor_epsilon=0.0, load_window_seconds=0)
+    r = rig(("a", "b"), scoring=instant)
     r.hold("a", 4)
     view = await r.scorer.assess(chain(4), r.cands)
     for n in (0, 1, 2, 7):
@@ -542,3 +564,149 @@ async def test_no_bound_lets_the_cost_pile_on_the_holder() -> None:
     r.by("a").in_flight = 5  # 5 x 32 = 160 tokens of load against 1024 held
     view = await r.scorer.assess(chain(4), r.cands)
     assert r.scorer.decide(view, r.cands) is r.by("a")
+
+
+async def test_a_burst_at_the_holder_does_not_send_its_conversation_away() -> None:
+    """A backend is at the cap only when it is over it now and on average over
+    ``load_window_seconds``: sessions of one prompt arriving together leave their
+    conversation where it is held."""
+    r = rig(("a", "b", "c"), scoring=ConversationScoringConfig())
+    r.hold("a", 4)
+    r.hold("b", 1)
+    view = await r.scorer.assess(chain(4), r.cands)
+    for _ in range(10):  # 10 s of all idle: the averages cover whole windows
+        assert r.scorer.decide(view, r.cands) is r.by("a")
+        r.clock.advance(1.0)
+    for burst in range(1, 6):  # five arrivals within 50 ms
+        r.clock.advance(0.01)
+        r.by("a").in_flight = burst  # the instantaneous cap would pass a over from 2 on
+        assert r.scorer.decide(view, r.cands) is r.by("a")
+
+
+async def test_a_lasting_imbalance_moves_work_off_the_holder() -> None:
+    """Held at 3 in flight for several windows, the holder's average reaches the cap
+    (ceil(1.25 * 4 / 3) = 2) and the cheapest backend under it takes the request; once the
+    holder drains, its average falls and it takes its conversation back."""
+    r = rig(("a", "b", "c"), scoring=ConversationScoringConfig())
+    r.hold("a", 4)
+    r.hold("b", 1)
+    view = await r.scorer.assess(chain(4), r.cands)
+    for _ in range(10):
+        assert r.scorer.decide(view, r.cands) is r.by("a")
+        r.clock.advance(1.0)
+    r.by("a").in_flight = 3
+    chosen = []
+    for _ in range(40):  # 4 s of a steady 3 in flight, sampled every 100 ms
+        r.clock.advance(0.1)
+        chosen.append(r.scorer.decide(view, r.cands))
+    assert chosen[0] is r.by("a") and chosen[-1] is r.by("b")
+    averages = r.scorer.load_average.snapshot()
+    assert averages["a"] > 2.0 and averages["b"] == averages["c"] == 0.0
+    r.by("a").in_flight = 0  # below the cap now: a takes its conversation back at once
+    r.clock.advance(0.1)
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+
+
+async def test_a_router_starting_into_a_burst_caps_it_on_the_counts_now() -> None:
+    """Until a window has passed since a backend's first sample its average covers only
+    part of one; the count now stands in for the rest, so the sessions of a burst that
+    meets a fresh router spread as under an instantaneous cap."""
+    r = rig(("a", "b", "c"), scoring=ConversationScoringConfig())
+    r.hold("a", 4)
+    r.hold("b", 1)
+    view = await r.scorer.assess(chain(4), r.cands)
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+    r.by("a").in_flight = 3  # cap = ceil(1.25 * 4 / 3) = 2: a is over it
+    r.clock.advance(0.01)
+    assert r.scorer.decide(view, r.cands) is r.by("b")
+
+
+def test_load_average_follows_the_exponential_window() -> None:
+    """After warming up at 0, one window after a step from 0 to 10 the average is
+    10 * (1 - 1/e); before a whole window has passed since the first sample, the count
+    now fills the rest of it. A count weighs from the sample that saw it on."""
+    clock = FakeClock(0.0)
+    avg = LoadAverage(2.0, clock)
+    b = backends("x")[0]
+    b.in_flight = 4
+    assert avg.sample([b]) == [4.0]  # first sample: the count itself
+    b.in_flight = 0
+    clock.advance(2.0)  # the 4 held until now; a window since the first sample
+    w = 1 - math.exp(-1)
+    assert avg.sample([b])[0] == pytest.approx(w * 4 + (1 - w) * 0)
+    clock.advance(100.0)
+    assert avg.sample([b])[0] == pytest.approx(0.0, abs=1e-9)  # warmed up, idle
+    b.in_flight = 10
+    assert avg.sample([b])[0] == pytest.approx(0.0, abs=1e-9)  # no time: no weight yet
+    clock.advance(2.0)
+    assert avg.sample([b])[0] == pytest.approx(10 * w)
+    assert LoadAverage(0.0, clock).sample([b]) == [10.0]  # window 0: the count itself
+
+
+def test_recent_placements_decay_over_the_window() -> None:
+    clock = FakeClock(0.0)
+    placed = RecentCount(2.0, clock)
+    assert placed.value("a") == 0.0
+    placed.add("a")
+    placed.add("a")
+    assert placed.value("a") == 2.0
+    clock.advance(2.0)
+    assert placed.value("a") == pytest.approx(2 * math.exp(-1))
+
+
+async def test_new_prompts_go_to_the_least_loaded_and_a_burst_of_them_splits_evenly() -> None:
+    """``new_prompts: least_loaded``: a prompt nobody holds goes to the backend with the
+    fewest prompts placed lately, then the fewest requests in flight; each one's later
+    requests follow it (its keys are predicted there)."""
+    r = rig(("a", "b"))
+    r.by("a").in_flight = 3
+    view = await r.scorer.assess(chain(4, first=0), r.cands)
+    first = r.scorer.decide(view, r.cands)
+    assert first is r.by("b") and r.decisions[-1] == ("none_held", "none")
+    await r.scorer.routed(view, first)
+    homes = collections.Counter[str]()
+    homes[first.name] += 1
+    for p in range(1, 8):  # seven more new prompts, no load showing yet
+        view = await r.scorer.assess(chain(4, first=100 * p), r.cands)
+        chosen = r.scorer.decide(view, r.cands)
+        assert chosen is not None
+        await r.scorer.routed(view, chosen)
+        homes[chosen.name] += 1
+    assert homes == {"a": 4, "b": 4}
+    view = await r.scorer.assess(chain(4, first=0), r.cands)
+    assert view.held["b"].depth == 4 and r.scorer.decide(view, r.cands) is r.by("b")
+
+
+async def test_a_request_sent_past_its_loaded_home_does_not_move_the_prompt() -> None:
+    """Once a second engine holds a prompt (it took a request past the cap), the two tie
+    and the prompt's home keeps it, whatever the rendezvous hash would say."""
+    for p in range(8):
+        r = rig(("a", "b"))
+        view = await r.scorer.assess(chain(4, first=100 * p), r.cands)
+        home = r.scorer.decide(view, r.cands)
+        assert home is not None
+        await r.scorer.routed(view, home)
+        other = r.by("b") if home is r.by("a") else r.by("a")
+        await r.scorer.routed(view, other)  # the overflow: predicted on the other too
+        view = await r.scorer.assess(chain(4, first=100 * p), r.cands)
+        assert set(view.held) == {"a", "b"}
+        assert r.scorer.decide(view, r.cands) is home
+        assert r.decisions[-1] == ("tie", "gpu_hot")
+
+
+async def test_a_prompt_whose_home_lost_it_gets_the_engine_it_went_to_as_home() -> None:
+    r = rig(("a", "b"))
+    for home_first in ("a", "b"):
+        r = rig(("a", "b"))
+        r.hold(home_first, 4)
+        view = await r.scorer.assess(chain(4), r.cands)
+        await r.scorer.routed(view, r.by(home_first))  # its home
+        other = "b" if home_first == "a" else "a"
+        await r.index.remove_backend(home_first)  # the home's engine evicted it
+        r.hold(other, 4)
+        view = await r.scorer.assess(chain(4), r.cands)
+        assert r.scorer.decide(view, r.cands) is r.by(other)
+        await r.scorer.routed(view, r.by(other))
+        r.hold(home_first, 4)  # both hold it again: the new home keeps it
+        view = await r.scorer.assess(chain(4), r.cands)
+        assert r.scorer.decide(view, r.cands) is r.by(other)
