@@ -121,6 +121,7 @@ class Forwarder:
             finally:
                 if feedback is not None:
                     feedback.answered(ticket)
+            self._pool.connect_succeeded(backend)
             backend.record_latency(time.perf_counter() - t0)
             if spec.stream and up.status == 200:
                 return self._relay(spec, fmt, backend, up, started, feedback)

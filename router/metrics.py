@@ -23,7 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .pool import BackendPool
+from .pool import BACKEND_STATES, BackendPool
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
@@ -96,22 +96,32 @@ class _PoolCollector(Collector):
         )
         healthy = GaugeMetricFamily(
             "continuum_backend_healthy",
-            "1 when the backend passes health checks.",
+            "1 when the backend passes health checks (state healthy).",
             labels=["backend"],
+        )
+        state = GaugeMetricFamily(
+            "continuum_backend_state",
+            "1 for the backend's current state: healthy, unhealthy (probe failing), ejected "
+            "(consecutive connect failures), half_open (on trial after the cool-down).",
+            labels=["backend", "state"],
         )
         success = GaugeMetricFamily(
             "continuum_backend_success_rate",
             "Share of the last 100 requests answered without a 5xx or transport error.",
             labels=["backend"],
         )
+        pool.refresh()
         for b in pool.backends:
             dist.add_metric([b.name], b.in_flight)
             in_flight.add_metric([b.name], b.in_flight)
-            healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
+            healthy.add_metric([b.name], 1.0 if b.state == "healthy" else 0.0)
+            for s in BACKEND_STATES:
+                state.add_metric([b.name, s], 1.0 if b.state == s else 0.0)
             success.add_metric([b.name], b.success_rate)
         yield dist
         yield in_flight
         yield healthy
+        yield state
         yield success
 
 

@@ -161,6 +161,11 @@ class HealthCheckConfig(_Section):
     """Consecutive failures (probes or connect errors) that mark a backend unhealthy."""
     healthy_threshold: Annotated[int, Field(ge=1, le=100)] = 1
     """Consecutive successful probes that bring it back."""
+    ejection_cooldown_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 30_000
+    """How long a backend ejected by connect failures and without an active probe
+    (``anthropic``, ``gemini``, or any backend while probes are off) stays out before a
+    half-open retry: it gets traffic again, a connect success brings it back, one more
+    failure ejects it for another cool-down."""
 
 
 class PrefixRoutingConfig(_Section):
