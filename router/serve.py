@@ -55,7 +55,8 @@ async def _start_grpc(router: Router, config: RouterConfig) -> tuple[object, int
             )
         ],
         credentials=(
-            server_credentials(srv.grpc_tls_cert, srv.grpc_tls_key)  # start-up: blocking is fine
+            # start-up: blocking is fine
+            server_credentials(srv.grpc_tls_cert, srv.grpc_tls_key, srv.grpc_tls_client_ca)
             if srv.grpc_tls_cert and srv.grpc_tls_key
             else None
         ),
