@@ -78,6 +78,9 @@ _LATENCY_BUCKETS = (
 )
 
 
+_REJECT_REASONS = ("body_timeout", "overloaded", "too_large")
+
+
 class _PoolCollector(Collector):
     def __init__(self, pool_ref: Callable[[], BackendPool]) -> None:
         self._pool_ref = pool_ref
@@ -259,6 +262,19 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.http_rejected = Counter(
+            "continuum_http_rejected",
+            "Requests answered by the HTTP server itself: body_timeout (408), overloaded "
+            "(503, over server.max_concurrent_requests), too_large (413).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._rejected = {r: self.http_rejected.labels(r) for r in _REJECT_REASONS}
+        self.http_in_flight = Gauge(
+            "continuum_http_requests_in_flight",
+            "Requests the HTTP server is handling, reading their bodies included.",
+            registry=self.registry,
+        )
         self.upstream_retries = Counter(
             "continuum_upstream_retries",
             "Requests retried on another backend after a connect failure.",
@@ -422,6 +438,13 @@ class RouterMetrics:
 
     def attach_kv(self, source: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_KvCollector(source))
+
+    def rejected(self, reason: str) -> None:
+        self._rejected[reason].inc()
+
+    def attach_http(self, in_flight: Callable[[], int]) -> None:
+        """The HTTP server's in-flight count, read at scrape time."""
+        self.http_in_flight.set_function(in_flight)
 
     def retry(self, backend: str) -> None:
         self.upstream_retries.labels(self._backend_label(backend)).inc()

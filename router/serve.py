@@ -87,7 +87,15 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
     await router.start()
     host, port = parse_hostport(config.server.listen)
     port = _resolve_port(host, port)
-    app = RSGIApp(router.handle, config.server.max_body_bytes)
+    srv = config.server
+    app = RSGIApp(
+        router.handle,
+        srv.max_body_bytes,
+        body_read_timeout_s=srv.body_read_timeout_ms / 1000,
+        max_concurrent=srv.max_concurrent_requests,
+        on_reject=router.metrics.rejected,
+    )
+    router.metrics.attach_http(lambda: app.in_flight)
     http = EmbeddedServer(app, host, port)
     await http.start()
     grpc_server = None

@@ -93,6 +93,13 @@ class ServerConfig(_Section):
     trusted network (validation warns)."""
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 10 * 1024 * 1024
     """Largest request body accepted (bytes); larger gets 413 before it is read whole."""
+    body_read_timeout_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 30_000
+    """Whole-body deadline from the request's headers to its last body byte; a client
+    slower than this gets 408 and its connection closed, so trickling clients cannot hold
+    request slots. (Headers have granian's own 30 s deadline.)"""
+    max_concurrent_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 1_000
+    """Requests handled at once, streams included; one more gets 503 with ``Retry-After``
+    at once instead of waiting behind the others."""
     connect_timeout_ms: Annotated[int, Field(ge=10, le=600_000)] = 5_000
     """TCP/TLS connect timeout to a backend; a connect failure retries the next candidate."""
     request_timeout_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 300_000
