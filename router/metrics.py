@@ -275,6 +275,17 @@ class RouterMetrics:
             "Requests the HTTP server is handling, reading their bodies included.",
             registry=self.registry,
         )
+        self.config_reloads = Counter(
+            "continuum_config_reloads",
+            "Hot reloads (SIGHUP or file change): applied, or rejected (the running config "
+            "kept: invalid file, unreadable or not UTF-8, or a failure applying it).",
+            ["result"],
+            registry=self.registry,
+        )
+        self._reload_results = {
+            True: self.config_reloads.labels("applied"),
+            False: self.config_reloads.labels("rejected"),
+        }
         self.upstream_retries = Counter(
             "continuum_upstream_retries",
             "Requests retried on another backend after a connect failure.",
@@ -438,6 +449,9 @@ class RouterMetrics:
 
     def attach_kv(self, source: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_KvCollector(source))
+
+    def config_reload(self, applied: bool) -> None:
+        self._reload_results[applied].inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected[reason].inc()

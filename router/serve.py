@@ -116,7 +116,9 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
         sessions = bus_server.sessions
         announce += f" bus={parse_hostport(config.dynamo.event_bus.listen)[0]}:{bus_server.port}"
         hooks.append(lambda new: sessions.update_brokers(new.dynamo.event_bus.brokers))
-    reloader = ConfigReloader(config_path, router, on_apply=hooks)
+    reloader = ConfigReloader(
+        config_path, router, on_apply=hooks, on_outcome=router.metrics.config_reload
+    )
     watcher = asyncio.get_running_loop().create_task(reloader.watch())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
