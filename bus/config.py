@@ -181,6 +181,10 @@ def read_yaml(path: str | Path) -> Any:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError([ConfigIssue("error", "(file)", f"cannot read {path}: {exc}")]) from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            [ConfigIssue("error", "(file)", f"{path}: not UTF-8 text (byte {exc.start})")]
+        ) from None
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:

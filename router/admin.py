@@ -91,6 +91,7 @@ class AdminApi:
 
     def routes(self) -> dict[tuple[str, str], Route]:
         return {
+            ("GET", "/admin/backends"): self.backends,
             ("GET", "/admin/prefix-routing/stats"): self.prefix_routing_stats,
             ("GET", "/admin/kv-index/stats"): self.kv_stats,
             ("GET", "/admin/kv-index/backends"): self.kv_backends,
@@ -111,6 +112,37 @@ class AdminApi:
             "authentication_error",
             "unauthorized",
             headers=[("www-authenticate", "Bearer")],
+        )
+
+    # -- backends ------------------------------------------------------------------
+
+    async def backends(self, req: Request) -> Response:
+        """Every configured backend's health state, for an operator asking why one gets
+        no traffic; ``retry_in_ms`` counts down an ejection's cool-down (null otherwise)."""
+        pool = self._pool
+        pool.refresh()
+        now = pool.now()
+        return _json(
+            {
+                "backends": [
+                    {
+                        "name": b.name,
+                        "type": b.type,
+                        "enabled": b.config.enabled,
+                        "state": b.state,
+                        "consecutive_failures": b.consecutive_failures,
+                        "retry_in_ms": (
+                            max(0, round((b.retry_at - now) * 1000))
+                            if b.retry_at is not None
+                            else None
+                        ),
+                        "active_probe": pool.has_probe(b),
+                        "in_flight_requests": b.in_flight,
+                        "success_rate": f"{b.success_rate:.4f}",
+                    }
+                    for b in pool.backends
+                ]
+            }
         )
 
     # -- Tier 1 --------------------------------------------------------------------

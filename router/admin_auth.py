@@ -1,17 +1,18 @@
-"""The admin bearer token: who may call ``/admin/*`` and the gRPC KvIndex ``Clear``.
+"""The admin bearer token: who may call ``/admin/*`` and every gRPC KvIndex method.
 
-``server.admin_token_file`` (stripped) or ``server.admin_token_env``; with neither, or an
-empty one, there is no token and admin calls are not authenticated. Compared in constant
-time. Read once at start (``server`` is restart-only).
+``server.admin_token_file`` (stripped) or ``server.admin_token_env``. With neither there is
+no token and admin calls are not authenticated, which validation allows only on loopback
+listeners or with ``server.allow_unauthenticated`` (``router.config.loader``); a source
+that yields an empty token is a config error. Compared in constant time. Read once at
+start (``server`` is restart-only).
 """
 
 from __future__ import annotations
 
 import hmac
-import os
-from pathlib import Path
 
 from .config import ServerConfig
+from .config.admin_token import read_admin_token
 
 __all__ = ["AdminToken"]
 
@@ -24,13 +25,12 @@ class AdminToken:
 
     @classmethod
     def from_config(cls, server: ServerConfig) -> AdminToken:
-        """Start-up only, before serving: a blocking file read is fine here."""
-        token = ""
-        if server.admin_token_file:
-            token = Path(server.admin_token_file).read_text(encoding="utf-8").strip()
-        elif server.admin_token_env:
-            token = os.environ.get(server.admin_token_env, "").strip()
-        return cls(token.encode() if token else None)
+        """Start-up only, before serving: a blocking file read is fine here.
+
+        Raises:
+            ConfigError: a configured token source yields no token.
+        """
+        return cls(read_admin_token(server))
 
     @property
     def required(self) -> bool:

@@ -136,6 +136,7 @@ class Router:
             lambda: self.config.prefix_routing.max_prefix_length,
             self.admin_token,
             chain_of=self.conversation.chain if self.conversation is not None else None,
+            mtls=config.server.grpc_tls_client_ca is not None,
         )
         """``continuum.kvindex.v1.KvIndex``, served by ``router.serve`` on ``grpc_listen``."""
         self._routes: dict[tuple[str, str], Handler] = {

@@ -18,7 +18,15 @@ from .http.types import Response
 from .pool import Backend, Endpoint
 from .selection import SelectionContext
 
-__all__ = ["CacheWrite", "ErrorFactory", "ForwardSpec", "RoutingFeedback", "UpstreamFormat"]
+__all__ = [
+    "ACCOUNT_HEADERS",
+    "CacheWrite",
+    "ErrorFactory",
+    "ForwardSpec",
+    "RoutingFeedback",
+    "UpstreamFormat",
+    "headers_for",
+]
 
 ErrorFactory = Callable[[int, str, str | None], Response]
 """``(status, message, code)`` -> an error response in the client's API shape."""
@@ -56,6 +64,24 @@ class UpstreamFormat(Protocol):
         ...
 
 
+ACCOUNT_HEADERS: frozenset[str] = frozenset(
+    ("openai-organization", "openai-project", "anthropic-beta", "x-goog-user-project")
+)
+"""Client headers that choose an account, project or billed feature at the provider.
+
+With the operator's key (``api_key_env``) they would scope or bill the operator's account
+as the caller chose, so they are dropped for a backend the router authenticates to; a
+backend it sends no key to gets them as the caller sent them."""
+
+
+def headers_for(backend: Backend, forwarded: Mapping[str, str]) -> Mapping[str, str]:
+    """``forwarded`` as it may reach ``backend``: without ``ACCOUNT_HEADERS`` when the router
+    sends the backend its own key."""
+    if not backend.api_key:
+        return forwarded
+    return {k: v for k, v in forwarded.items() if k not in ACCOUNT_HEADERS}
+
+
 CacheWrite = Callable[[bytes, bool], None]
 """The response cache's write-back of one request (``ResponseCacheService.writer_for``):
 ``(complete 200 body, stream)``."""
@@ -74,7 +100,8 @@ class ForwardSpec:
     stream: bool
     ctx: SelectionContext
     forwarded: Mapping[str, str]
-    """The client's end-to-end headers (hop-by-hop and credentials already dropped)."""
+    """The client's end-to-end headers (hop-by-hop and credentials already dropped; the
+    forwarder drops ``ACCOUNT_HEADERS`` too for a backend with the operator's key)."""
     format: UpstreamFormat
     """The dialect: how the request goes to a backend that speaks the client's API."""
     error: ErrorFactory

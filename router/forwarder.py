@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from .forward_spec import CacheWrite, ForwardSpec, RoutingFeedback, UpstreamFormat
+from .forward_spec import CacheWrite, ForwardSpec, RoutingFeedback, UpstreamFormat, headers_for
 from .http.types import Response, StreamResponse
 from .metrics import RouterMetrics
 from .pool import Backend, BackendPool
@@ -92,7 +92,7 @@ class Forwarder:
                     backend.name,
                     "POST",
                     backend.url + fmt.path(backend),
-                    fmt.headers(backend, spec.forwarded),
+                    fmt.headers(backend, headers_for(backend, spec.forwarded)),
                     body,
                 )
             except UpstreamConnectError as exc:
@@ -121,6 +121,7 @@ class Forwarder:
             finally:
                 if feedback is not None:
                     feedback.answered(ticket)
+            self._pool.connect_succeeded(backend)
             backend.record_latency(time.perf_counter() - t0)
             if spec.stream and up.status == 200:
                 return self._relay(spec, fmt, backend, up, started, feedback)

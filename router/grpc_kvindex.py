@@ -3,8 +3,13 @@
 Runs on the router's own gRPC server (``server.grpc_listen``) beside health and
 reflection, so ``grpcurl`` can list and call it. Read RPCs never change the index, its
 LRU order or the routing counters (Score computes what the router *would* decide).
-``Clear`` changes state, so it needs the admin token as call credentials
-(``authorization: Bearer <token>`` metadata) when one is configured.
+
+Every method, reads included (they disclose which backend holds which prompt prefix), is
+behind the admin token as call credentials (``authorization: Bearer <token>`` metadata)
+when one is configured, or behind mTLS (``server.grpc_tls_client_ca``: the handshake
+already verified the client's certificate, so a call is authenticated as it arrives).
+Without either the port is open, which validation allows only on loopback or with
+``server.allow_unauthenticated``. Health and reflection stay open, for probes.
 
 Collaborators, each what it reads: Tier 4 (``KvRuntime``, None when the index is off:
 every call then answers FAILED_PRECONDITION), the backend pool (Score's candidates), the
@@ -83,12 +88,27 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         max_prefix_length: Callable[[], int],
         token: AdminToken,
         chain_of: ChainOf | None = None,
+        *,
+        mtls: bool = False,
     ) -> None:
         self._kv = kv
         self._pool = pool
         self._max_prefix_length = max_prefix_length
         self._token = token
         self._chain_of = chain_of
+        self._mtls = mtls
+        """Clients present a verified certificate: that is the authentication."""
+
+    async def _authorize(self, context: grpc.aio.ServicerContext) -> None:
+        if self._mtls or not self._token.required:
+            return
+        meta = dict(context.invocation_metadata() or ())
+        if not self._token.allows(str(meta.get("authorization", ""))):
+            await abort(
+                context,
+                grpc.StatusCode.UNAUTHENTICATED,
+                "KvIndex needs the admin token: metadata 'authorization: Bearer <token>'",
+            )
 
     async def _require_kv(self, context: grpc.aio.ServicerContext) -> KvRuntime:
         kv = self._kv
@@ -147,6 +167,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         ]
 
     async def Query(self, request: pb.QueryRequest, context: Any) -> pb.QueryResponse:
+        await self._authorize(context)
         kv = await self._require_kv(context)
         if request.chain_key:
             if request.prefix_hash:
@@ -165,6 +186,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         return pb.QueryResponse(prefix_hash=prefix, entries=self._entries(entries))
 
     async def Score(self, request: pb.ScoreRequest, context: Any) -> pb.ScoreResponse:
+        await self._authorize(context)
         kv = await self._require_kv(context)
         which = request.WhichOneof("key")
         model: str | None = None
@@ -292,6 +314,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         )
 
     async def Backends(self, request: pb.BackendsRequest, context: Any) -> pb.BackendsResponse:
+        await self._authorize(context)
         kv = await self._require_kv(context)
         out = []
         transports = {s.backend_name: s.transport for s in kv.config.event_sources}
@@ -319,6 +342,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         return pb.BackendsResponse(backends=out)
 
     async def Stats(self, request: pb.StatsRequest, context: Any) -> pb.StatsResponse:
+        await self._authorize(context)
         kv = await self._require_kv(context)
         st = await kv.index.stats()
         counts = await kv.index.backend_counts()
@@ -356,14 +380,7 @@ class KvIndexServicer(pb_grpc.KvIndexServicer):
         return reply
 
     async def Clear(self, request: pb.ClearRequest, context: Any) -> pb.ClearResponse:
-        if self._token.required:
-            meta = dict(context.invocation_metadata() or ())
-            if not self._token.allows(str(meta.get("authorization", ""))):
-                await abort(
-                    context,
-                    grpc.StatusCode.UNAUTHENTICATED,
-                    "Clear needs the admin token: metadata 'authorization: Bearer <token>'",
-                )
+        await self._authorize(context)
         kv = await self._require_kv(context)
         chains = kv.chain_index
         chain_removed = 0

@@ -23,7 +23,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from .pool import BackendPool
+from .pool import BACKEND_STATES, BackendPool
 
 __all__ = ["CONTENT_TYPE", "RouterMetrics"]
 
@@ -78,6 +78,9 @@ _LATENCY_BUCKETS = (
 )
 
 
+_REJECT_REASONS = ("body_timeout", "overloaded", "too_large")
+
+
 class _PoolCollector(Collector):
     def __init__(self, pool_ref: Callable[[], BackendPool]) -> None:
         self._pool_ref = pool_ref
@@ -96,22 +99,32 @@ class _PoolCollector(Collector):
         )
         healthy = GaugeMetricFamily(
             "continuum_backend_healthy",
-            "1 when the backend passes health checks.",
+            "1 when the backend passes health checks (state healthy).",
             labels=["backend"],
+        )
+        state = GaugeMetricFamily(
+            "continuum_backend_state",
+            "1 for the backend's current state: healthy, unhealthy (probe failing), ejected "
+            "(consecutive connect failures), half_open (on trial after the cool-down).",
+            labels=["backend", "state"],
         )
         success = GaugeMetricFamily(
             "continuum_backend_success_rate",
             "Share of the last 100 requests answered without a 5xx or transport error.",
             labels=["backend"],
         )
+        pool.refresh()
         for b in pool.backends:
             dist.add_metric([b.name], b.in_flight)
             in_flight.add_metric([b.name], b.in_flight)
-            healthy.add_metric([b.name], 1.0 if b.healthy else 0.0)
+            healthy.add_metric([b.name], 1.0 if b.state == "healthy" else 0.0)
+            for s in BACKEND_STATES:
+                state.add_metric([b.name, s], 1.0 if b.state == s else 0.0)
             success.add_metric([b.name], b.success_rate)
         yield dist
         yield in_flight
         yield healthy
+        yield state
         yield success
 
 
@@ -249,6 +262,30 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=self.registry,
         )
+        self.http_rejected = Counter(
+            "continuum_http_rejected",
+            "Requests answered by the HTTP server itself: body_timeout (408), overloaded "
+            "(503, over server.max_concurrent_requests), too_large (413).",
+            ["reason"],
+            registry=self.registry,
+        )
+        self._rejected = {r: self.http_rejected.labels(r) for r in _REJECT_REASONS}
+        self.http_in_flight = Gauge(
+            "continuum_http_requests_in_flight",
+            "Requests the HTTP server is handling, reading their bodies included.",
+            registry=self.registry,
+        )
+        self.config_reloads = Counter(
+            "continuum_config_reloads",
+            "Hot reloads (SIGHUP or file change): applied, or rejected (the running config "
+            "kept: invalid file, unreadable or not UTF-8, or a failure applying it).",
+            ["result"],
+            registry=self.registry,
+        )
+        self._reload_results = {
+            True: self.config_reloads.labels("applied"),
+            False: self.config_reloads.labels("rejected"),
+        }
         self.upstream_retries = Counter(
             "continuum_upstream_retries",
             "Requests retried on another backend after a connect failure.",
@@ -412,6 +449,16 @@ class RouterMetrics:
 
     def attach_kv(self, source: Callable[[], dict[str, Any]]) -> None:
         self.registry.register(_KvCollector(source))
+
+    def config_reload(self, applied: bool) -> None:
+        self._reload_results[applied].inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected[reason].inc()
+
+    def attach_http(self, in_flight: Callable[[], int]) -> None:
+        """The HTTP server's in-flight count, read at scrape time."""
+        self.http_in_flight.set_function(in_flight)
 
     def retry(self, backend: str) -> None:
         self.upstream_retries.labels(self._backend_label(backend)).inc()

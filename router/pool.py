@@ -2,7 +2,22 @@
 
 The in-flight gauge is the single load signal of the router: CHWBL bounds on it and the
 KV scorer (Tier 4) reads it, so both see the same number. Health is decided by active
-probes plus consecutive connect failures seen by the proxy.
+probes plus consecutive connect failures seen by the proxy (a connect success resets the
+count).
+
+A backend's state is one of:
+
+* ``healthy``: a candidate;
+* ``unhealthy``: its active probe failed; the probe brings it back;
+* ``ejected``: ``unhealthy_threshold`` consecutive connect failures took it out. With an
+  active probe the probe brings it back. Without one (``anthropic`` and ``gemini`` have no
+  probe, and no backend has one while health checks are off) nothing would ever look at it
+  again, so after ``ejection_cooldown_ms`` it turns
+* ``half_open``: a candidate again, on trial: the next connect success makes it healthy,
+  the next failure ejects it for another cool-down.
+
+Cool-downs are checked lazily where candidates are computed (one comparison while some
+backend waits, none otherwise), against an injectable clock, so no timer task exists.
 """
 
 from __future__ import annotations
@@ -10,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import time
 from collections.abc import Callable, Iterable
 from typing import Literal
 
@@ -20,11 +36,13 @@ from bus.tasks import cancel_and_wait
 from .config import BackendConfig, HealthCheckConfig
 from .upstream import UpstreamClient, UpstreamError
 
-__all__ = ["ENDPOINT_TYPES", "Backend", "BackendPool", "Endpoint"]
+__all__ = ["BACKEND_STATES", "ENDPOINT_TYPES", "Backend", "BackendPool", "BackendState", "Endpoint"]
 
 log = logging.getLogger("continuum.pool")
 
 Endpoint = Literal["chat", "anthropic", "embeddings"]
+BackendState = Literal["healthy", "unhealthy", "ejected", "half_open"]
+BACKEND_STATES: tuple[BackendState, ...] = ("healthy", "unhealthy", "ejected", "half_open")
 
 ENDPOINT_TYPES: dict[str, frozenset[str]] = {
     "chat": frozenset(("openai", "vllm", "sglang", "trtllm", "gemini")),
@@ -61,6 +79,8 @@ class Backend:
         "latency_ewma",
         "latency_samples",
         "name",
+        "retry_at",
+        "state",
         "type",
         "url",
     )
@@ -71,6 +91,10 @@ class Backend:
         """Stable small integer: bit position in candidate masks, ring owner id."""
         self.in_flight = 0
         self.healthy = True
+        """A candidate: ``state`` is healthy or half_open."""
+        self.state: BackendState = "healthy"
+        self.retry_at: float | None = None
+        """When an ejected backend without a probe turns half-open (pool clock)."""
         self.latency_ewma = 0.0
         self.latency_samples = 0
         self.consecutive_failures = 0
@@ -120,7 +144,15 @@ class Backend:
 class BackendPool:
     """All configured backends, candidate lookup, and the health-check loop."""
 
-    def __init__(self, backends: Iterable[BackendConfig], health: HealthCheckConfig) -> None:
+    def __init__(
+        self,
+        backends: Iterable[BackendConfig],
+        health: HealthCheckConfig,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._clock = clock
+        self._retry_due: float | None = None
+        """The earliest ``retry_at`` of any backend; None when none waits."""
         self._by_name: dict[str, Backend] = {}
         self.backends: list[Backend] = []
         self.health = health
@@ -147,6 +179,17 @@ class BackendPool:
             keep[cfg.name] = b
         self._by_name = keep
         self.backends = list(keep.values())
+        # Health checks may have been switched on or off: a backend out of rotation either
+        # waits for its probe or for a cool-down, never for nothing.
+        now = self._clock()
+        for b in self.backends:
+            if b.healthy:
+                continue
+            if self.has_probe(b):
+                b.retry_at = None
+            elif b.retry_at is None:
+                b.retry_at = now + self.health.ejection_cooldown_ms / 1000
+        self._schedule()
         self._changed()
 
     def on_change(self, callback: Callable[[], None]) -> None:
@@ -173,6 +216,8 @@ class BackendPool:
         Returns the tuple and its bit mask over ``Backend.index``. Cached until the next
         membership or health change, so the hot path does no filtering.
         """
+        if self._retry_due is not None:
+            self.refresh()
         key = (model, endpoint)
         hit = self._candidates.get(key)
         if hit is not None:
@@ -205,6 +250,7 @@ class BackendPool:
 
     def models(self) -> list[tuple[str, str]]:
         """(model, owned_by backend type) of healthy public backends, deduplicated."""
+        self.refresh()
         seen: dict[str, str] = {}
         for b in self.backends:
             if b.healthy and b.config.enabled and not b.config.internal:
@@ -217,12 +263,70 @@ class BackendPool:
     def connect_failed(self, b: Backend) -> None:
         b.consecutive_successes = 0
         b.consecutive_failures += 1
-        if b.healthy and b.consecutive_failures >= self.health.unhealthy_threshold:
+        if b.state == "half_open":
+            log.warning("backend %s failed its half-open retry: ejected again", b.name)
+            self._take_out(b, "ejected")
+        elif b.healthy and b.consecutive_failures >= self.health.unhealthy_threshold:
             log.warning(
-                "backend %s marked unhealthy after %d failures", b.name, b.consecutive_failures
+                "backend %s ejected after %d consecutive connect failures",
+                b.name,
+                b.consecutive_failures,
             )
-            b.healthy = False
-            self._changed()
+            self._take_out(b, "ejected")
+
+    def connect_succeeded(self, b: Backend) -> None:
+        """The backend answered (any status): the failure count starts again."""
+        b.consecutive_failures = 0
+        if b.state == "half_open":
+            log.info("backend %s passed its half-open retry: healthy again", b.name)
+            self._put_back(b)
+
+    def has_probe(self, b: Backend) -> bool:
+        """Whether the health-check loop probes ``b`` (and so decides when it is back)."""
+        return self.health.enabled and self._probe_path(b) is not None
+
+    def now(self) -> float:
+        """The pool clock ``retry_at`` is measured on."""
+        return self._clock()
+
+    def refresh(self) -> None:
+        """Turn ejected backends whose cool-down is over half-open."""
+        due = self._retry_due
+        if due is None:
+            return
+        now = self._clock()
+        if now < due:
+            return
+        for b in self.backends:
+            if b.retry_at is not None and b.retry_at <= now:
+                log.info("backend %s cool-down over: half-open retry", b.name)
+                b.retry_at = None
+                b.state = "half_open"
+                b.healthy = True
+        self._schedule()
+        self._changed()
+
+    def _take_out(self, b: Backend, state: BackendState) -> None:
+        b.state = state
+        b.healthy = False
+        if self.has_probe(b):
+            b.retry_at = None
+        else:
+            b.retry_at = self._clock() + self.health.ejection_cooldown_ms / 1000
+        self._schedule()
+        self._changed()
+
+    def _put_back(self, b: Backend) -> None:
+        b.state = "healthy"
+        b.healthy = True
+        b.retry_at = None
+        self._schedule()
+        self._changed()
+
+    def _schedule(self) -> None:
+        self._retry_due = min(
+            (b.retry_at for b in self.backends if b.retry_at is not None), default=None
+        )
 
     # -- active health -------------------------------------------------------------
 
@@ -287,15 +391,13 @@ class BackendPool:
             b.consecutive_successes += 1
             if not b.healthy and b.consecutive_successes >= self.health.healthy_threshold:
                 log.info("backend %s is healthy again", b.name)
-                b.healthy = True
-                self._changed()
+                self._put_back(b)
         else:
             b.consecutive_successes = 0
             b.consecutive_failures += 1
             if b.healthy and (initial or b.consecutive_failures >= self.health.unhealthy_threshold):
                 log.warning("backend %s marked unhealthy (probe %s failed)", b.name, path)
-                b.healthy = False
-                self._changed()
+                self._take_out(b, "unhealthy")
 
     def _discover(self, b: Backend, body: bytes) -> None:
         try:

@@ -4,6 +4,11 @@ A new file is loaded and validated whole before anything is applied: an invalid 
 is rejected with its errors logged and the running config keeps serving. Restart-only
 sections (``server``) are never half-applied: their running values are kept and each
 changed path is logged as needing a restart.
+
+A reload never raises: it runs in the file watcher's task and in the SIGHUP handler, and
+an exception escaping either would end the watcher for good (or the loop, and with it
+the drain at SIGTERM). Whatever goes wrong, even a bug while applying, is logged and
+counted as a rejected reload (``on_outcome``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class ConfigReloader:
         poll_interval_s: float = 1.0,
         *,
         on_apply: Sequence[Callable[[RouterConfig], None]] = (),
+        on_outcome: Callable[[bool], None] | None = None,
     ) -> None:
         self.path = Path(path)
         self.router = router
@@ -46,6 +52,8 @@ class ConfigReloader:
         self.on_apply = list(on_apply)
         """Called with each applied config, after the router (e.g. the event bus's
         credentials, which live beside the router rather than in it)."""
+        self.on_outcome = on_outcome or (lambda applied: None)
+        """Told whether each reload applied (the reload counter)."""
         self._digest = self._file_digest()
 
     def _file_digest(self) -> bytes | None:
@@ -56,6 +64,16 @@ class ConfigReloader:
 
     def reload(self, reason: str) -> bool:
         """Load, validate and apply the file; returns whether a new config is serving."""
+        try:
+            applied = self._reload(reason)
+        except Exception:
+            log.exception("reload (%s) failed", reason)
+            log.error("reload (%s) rejected: keeping the running config", reason)
+            applied = False
+        self.on_outcome(applied)
+        return applied
+
+    def _reload(self, reason: str) -> bool:
         self._digest = self._file_digest()
         try:
             new, issues = load_config(self.path)

@@ -55,7 +55,8 @@ async def _start_grpc(router: Router, config: RouterConfig) -> tuple[object, int
             )
         ],
         credentials=(
-            server_credentials(srv.grpc_tls_cert, srv.grpc_tls_key)  # start-up: blocking is fine
+            # start-up: blocking is fine
+            server_credentials(srv.grpc_tls_cert, srv.grpc_tls_key, srv.grpc_tls_client_ca)
             if srv.grpc_tls_cert and srv.grpc_tls_key
             else None
         ),
@@ -86,7 +87,15 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
     await router.start()
     host, port = parse_hostport(config.server.listen)
     port = _resolve_port(host, port)
-    app = RSGIApp(router.handle, config.server.max_body_bytes)
+    srv = config.server
+    app = RSGIApp(
+        router.handle,
+        srv.max_body_bytes,
+        body_read_timeout_s=srv.body_read_timeout_ms / 1000,
+        max_concurrent=srv.max_concurrent_requests,
+        on_reject=router.metrics.rejected,
+    )
+    router.metrics.attach_http(lambda: app.in_flight)
     http = EmbeddedServer(app, host, port)
     await http.start()
     grpc_server = None
@@ -107,7 +116,9 @@ async def serve(config_path: Path, config: RouterConfig, warnings: list[ConfigIs
         sessions = bus_server.sessions
         announce += f" bus={parse_hostport(config.dynamo.event_bus.listen)[0]}:{bus_server.port}"
         hooks.append(lambda new: sessions.update_brokers(new.dynamo.event_bus.brokers))
-    reloader = ConfigReloader(config_path, router, on_apply=hooks)
+    reloader = ConfigReloader(
+        config_path, router, on_apply=hooks, on_outcome=router.metrics.config_reload
+    )
     watcher = asyncio.get_running_loop().create_task(reloader.watch())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

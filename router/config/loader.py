@@ -6,6 +6,7 @@ three always agree on what a file means.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 from collections.abc import Iterable
 from pathlib import Path
@@ -15,7 +16,8 @@ from bus.config import ConfigError, ConfigIssue, duplicate_names, parse_validate
 from bus.config import log_warnings as _log_warnings
 
 from ..conversation import TemplateLoadError, load_chat_template
-from .models import RouterConfig
+from .admin_token import read_admin_token
+from .models import RouterConfig, ServerConfig, parse_hostport
 
 __all__ = [
     "RESTART_ONLY",
@@ -49,25 +51,7 @@ RESTART_ONLY: tuple[str, ...] = (
 def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
     """Cross-field rules: errors the field types cannot express, and warnings."""
     issues = duplicate_names([b.name for b in cfg.backends], "backends", "name", "backend name")
-    if cfg.server.admin_token_file and not Path(cfg.server.admin_token_file).is_file():
-        issues.append(
-            ConfigIssue(
-                "error",
-                "server.admin_token_file",
-                f"file {cfg.server.admin_token_file!r} does not exist",
-            )
-        )
-    srv = cfg.server
-    if bool(srv.grpc_tls_cert) != bool(srv.grpc_tls_key):
-        issues.append(
-            ConfigIssue(
-                "error", "server.grpc_tls_key", "grpc_tls_cert and grpc_tls_key go together"
-            )
-        )
-    for field in ("grpc_tls_cert", "grpc_tls_key"):
-        value = getattr(srv, field)
-        if value and not Path(value).is_file():
-            issues.append(ConfigIssue("error", f"server.{field}", f"file {value!r} does not exist"))
+    issues.extend(_server_issues(cfg.server))
     if cfg.selection_strategy == "PrefixAwareHash" and not cfg.prefix_routing.enabled:
         issues.append(
             ConfigIssue(
@@ -191,6 +175,87 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
 
 
 _EMBEDDING_TYPES = ("openai", "vllm", "sglang", "gemini")
+
+
+def _is_loopback(listen: str) -> bool:
+    host = parse_hostport(listen)[0].strip("[]")
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
+
+
+def _server_issues(srv: ServerConfig) -> list[ConfigIssue]:
+    """TLS files, the token source, and who can reach the admin surface without a token."""
+    issues: list[ConfigIssue] = []
+    if bool(srv.grpc_tls_cert) != bool(srv.grpc_tls_key):
+        issues.append(
+            ConfigIssue(
+                "error", "server.grpc_tls_key", "grpc_tls_cert and grpc_tls_key go together"
+            )
+        )
+    if srv.grpc_tls_client_ca and not (srv.grpc_tls_cert and srv.grpc_tls_key):
+        issues.append(
+            ConfigIssue(
+                "error",
+                "server.grpc_tls_client_ca",
+                "client certificates (mTLS) need grpc_tls_cert and grpc_tls_key",
+            )
+        )
+    for field in ("grpc_tls_cert", "grpc_tls_key", "grpc_tls_client_ca"):
+        value = getattr(srv, field)
+        if value and not Path(value).is_file():
+            issues.append(ConfigIssue("error", f"server.{field}", f"file {value!r} does not exist"))
+    try:
+        token = read_admin_token(srv)
+    except ConfigError as exc:
+        return [*issues, *exc.issues]
+    if token is not None:
+        if srv.grpc_listen and not _is_loopback(srv.grpc_listen) and not srv.grpc_tls_cert:
+            issues.append(
+                ConfigIssue(
+                    "warning",
+                    "server.grpc_listen",
+                    f"{srv.grpc_listen} is not loopback and gRPC runs without TLS: the admin "
+                    "token travels in plaintext; set grpc_tls_cert and grpc_tls_key",
+                )
+            )
+        return issues
+    exposed: list[tuple[str, str, str]] = []
+    if not _is_loopback(srv.listen):
+        exposed.append(("listen", srv.listen, "/admin/*"))
+    if srv.grpc_listen and not _is_loopback(srv.grpc_listen) and not srv.grpc_tls_client_ca:
+        exposed.append(
+            ("grpc_listen", srv.grpc_listen, "KvIndex (Query, Score, Backends, Stats, Clear)")
+        )
+    if srv.allow_unauthenticated:
+        if exposed:
+            issues.append(
+                ConfigIssue(
+                    "warning",
+                    "server.allow_unauthenticated",
+                    "no admin token: "
+                    + " and ".join(f"{what} on {addr}" for _, addr, what in exposed)
+                    + " answer anyone who can connect; only for a trusted network",
+                )
+            )
+        return issues
+    for field, addr, what in exposed:
+        fix = "server.admin_token_file or server.admin_token_env"
+        if field == "grpc_listen":
+            fix += ", server.grpc_tls_client_ca (mTLS)"
+        issues.append(
+            ConfigIssue(
+                "error",
+                f"server.{field}",
+                f"{addr} is not a loopback address and no admin token is configured: {what} "
+                f"would be open to anyone who can connect; set {fix}, or "
+                "server.allow_unauthenticated: true on a trusted network",
+            )
+        )
+    return issues
 
 
 def _semantic_cache_issues(cfg: RouterConfig) -> list[ConfigIssue]:

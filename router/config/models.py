@@ -68,19 +68,38 @@ class _Section(BaseModel):
 class ServerConfig(_Section):
     """The router's listeners and request limits. Restart-only: a reload never rebinds."""
 
-    listen: str = "0.0.0.0:8080"
-    """HTTP API, admin and /metrics, as ``host:port`` (port 0 picks a free port)."""
+    listen: str = "127.0.0.1:8080"
+    """HTTP API, admin and /metrics, as ``host:port`` (port 0 picks a free port). Loopback
+    by default: a non-loopback address needs an admin token (or ``allow_unauthenticated``)."""
     grpc_listen: str | None = None
-    """gRPC services (KvIndex, health, reflection) as ``host:port``; unset = not started."""
+    """gRPC services (KvIndex, health, reflection) as ``host:port``; unset = not started. A
+    non-loopback address needs an admin token, mTLS (``grpc_tls_client_ca``) or
+    ``allow_unauthenticated``."""
     grpc_tls_cert: str | None = None
-    """PEM certificate chain for the gRPC services; with ``grpc_tls_key`` turns on TLS."""
+    """PEM certificate chain for the gRPC services; with ``grpc_tls_key`` turns on TLS
+    (TLS 1.2 at least)."""
     grpc_tls_key: str | None = None
+    grpc_tls_client_ca: str | None = None
+    """PEM CA bundle: with it every gRPC client must present a certificate it signed
+    (mTLS), which authenticates KvIndex calls without the token. Needs the cert and key."""
     admin_token_file: str | None = None
-    """File holding the bearer token required under /admin (whitespace stripped)."""
+    """File holding the bearer token required under /admin and by every KvIndex call
+    (whitespace stripped); an empty or unreadable file is a config error."""
     admin_token_env: str | None = None
-    """Environment variable holding that token; the file wins when both are set."""
+    """Environment variable holding that token (unset or empty is a config error); the
+    file wins when both are set."""
+    allow_unauthenticated: bool = False
+    """Serve /admin and KvIndex without a token on non-loopback addresses: only for a
+    trusted network (validation warns)."""
     max_body_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = 10 * 1024 * 1024
     """Largest request body accepted (bytes); larger gets 413 before it is read whole."""
+    body_read_timeout_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 30_000
+    """Whole-body deadline from the request's headers to its last body byte; a client
+    slower than this gets 408 and its connection closed, so trickling clients cannot hold
+    request slots. (Headers have granian's own 30 s deadline.)"""
+    max_concurrent_requests: Annotated[int, Field(ge=1, le=1_000_000)] = 1_000
+    """Requests handled at once, streams included; one more gets 503 with ``Retry-After``
+    at once instead of waiting behind the others."""
     connect_timeout_ms: Annotated[int, Field(ge=10, le=600_000)] = 5_000
     """TCP/TLS connect timeout to a backend; a connect failure retries the next candidate."""
     request_timeout_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 300_000
@@ -161,6 +180,11 @@ class HealthCheckConfig(_Section):
     """Consecutive failures (probes or connect errors) that mark a backend unhealthy."""
     healthy_threshold: Annotated[int, Field(ge=1, le=100)] = 1
     """Consecutive successful probes that bring it back."""
+    ejection_cooldown_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 30_000
+    """How long a backend ejected by connect failures and without an active probe
+    (``anthropic``, ``gemini``, or any backend while probes are off) stays out before a
+    half-open retry: it gets traffic again, a connect success brings it back, one more
+    failure ejects it for another cool-down."""
 
 
 class PrefixRoutingConfig(_Section):

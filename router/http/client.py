@@ -11,7 +11,8 @@ steps per request:
   connection is the one least likely to have been closed by the server); idle connections are
   dropped after ``idle_timeout`` seconds; no connection limit, but an idle one is always reused
   before a new one is opened;
-* ``http://`` and ``https://`` (``loop.create_connection(ssl=...)``, default verifying context);
+* ``http://`` and ``https://`` (``loop.create_connection(ssl=...)``, default verifying context,
+  TLS 1.2 at least even for a context handed in: ``router.http.tls``);
 * a request is one ``transport.write``: request line, headers and body together;
 * responses are parsed by httptools (llhttp) in the transport's callback: Content-Length,
   chunked (the decoded body is delivered) and read-until-close bodies; no decompression (the
@@ -47,6 +48,8 @@ from collections.abc import Mapping
 from typing import Any
 
 import httptools
+
+from .tls import client_context, enforce_minimum
 
 __all__ = [
     "ConnectError",
@@ -536,7 +539,7 @@ class HttpClient:
         self.connect_timeout = connect_timeout
         self.read_timeout = read_timeout
         self.idle_timeout = idle_timeout
-        self._ssl = ssl_context
+        self._ssl = enforce_minimum(ssl_context) if ssl_context is not None else None
         self._loop = asyncio.get_running_loop()
         self._origins: dict[tuple[str, str, int], _Origin] = {}
         self._targets: dict[str, tuple[_Origin, str, str]] = {}
@@ -620,8 +623,7 @@ class HttpClient:
             ctx = None
             if scheme == "https":
                 if self._ssl is None:
-                    self._ssl = ssl.create_default_context()
-                    self._ssl.set_alpn_protocols(["http/1.1"])
+                    self._ssl = client_context(alpn=("http/1.1",))
                 ctx = self._ssl
             origin = self._origins[key] = _Origin(host, port, ctx)
         if len(self._targets) >= _URL_CACHE_MAX:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from granian.constants import HTTPModes, Interfaces
@@ -29,11 +30,21 @@ _TOO_LARGE = (
     b'{"error":{"message":"request body exceeds the configured limit",'
     b'"type":"invalid_request_error","param":null,"code":"request_too_large"}}'
 )
+_BODY_TIMEOUT = (
+    b'{"error":{"message":"the request body did not arrive within the deadline",'
+    b'"type":"invalid_request_error","param":null,"code":"request_timeout"}}'
+)
+_OVERLOADED = (
+    b'{"error":{"message":"the router is handling its maximum of concurrent requests; '
+    b'retry shortly","type":"service_unavailable","param":null,"code":"overloaded"}}'
+)
 _SHUTTING_DOWN = (
     b'{"error":{"message":"the router is shutting down; retry on another instance",'
     b'"type":"service_unavailable","param":null,"code":"shutting_down"}}'
 )
 _JSON = [("content-type", "application/json")]
+_ALWAYS_ANSWERED = frozenset(("/health", "/metrics"))
+"""Cheap, bodiless, backend-free: probes and scrapes must see an overloaded router."""
 
 
 class _Headers:
@@ -64,6 +75,13 @@ class RSGIApp:
     """Adapts a ``Handler`` to RSGI: body limit, streaming, client-disconnect cancel, and
     a graceful stop (:meth:`close`, then :meth:`drain`).
 
+    Slow clients are bounded twice. The body has one deadline for the whole of it, not per
+    read, so a client sending a byte every second cannot stretch it (408, connection
+    closed). And at most ``max_concurrent`` requests are handled at once: one more is
+    answered 503 with ``Retry-After`` before its body is read, instead of queueing behind
+    them (granian's own limit, which queues silently, is set above this one); ``/health``
+    and ``/metrics`` are always answered.
+
     granian's embedded server does not wait for the handlers it started when it stops,
     and they run on this loop after it: a request still relaying when the router closes
     its backend connections would fail half-way. So the router stops taking requests
@@ -71,9 +89,20 @@ class RSGIApp:
     ones in flight, and only then stops the server and closes its clients.
     """
 
-    def __init__(self, handler: Handler, max_body_bytes: int) -> None:
+    def __init__(
+        self,
+        handler: Handler,
+        max_body_bytes: int,
+        *,
+        body_read_timeout_s: float = 30.0,
+        max_concurrent: int = 1_000,
+        on_reject: Callable[[str], None] | None = None,
+    ) -> None:
         self.handler = handler
         self.max_body_bytes = max_body_bytes
+        self.body_read_timeout_s = body_read_timeout_s
+        self.max_concurrent = max_concurrent
+        self._on_reject = on_reject or (lambda reason: None)
         self.closing = False
         self.in_flight = 0
         self._idle = asyncio.Event()
@@ -96,6 +125,10 @@ class RSGIApp:
         if self.closing:
             proto.response_bytes(503, [*_JSON, ("connection", "close")], _SHUTTING_DOWN)
             return
+        if self.in_flight >= self.max_concurrent and scope.path not in _ALWAYS_ANSWERED:
+            self._on_reject("overloaded")
+            proto.response_bytes(503, [*_JSON, ("retry-after", "1")], _OVERLOADED)
+            return
         self.in_flight += 1
         self._idle.clear()
         try:
@@ -107,28 +140,15 @@ class RSGIApp:
 
     async def _serve(self, scope: Any, proto: Any) -> None:
         headers = scope.headers
-        limit = self.max_body_bytes
-        clen = headers.get("content-length")
-        if clen is not None:
-            try:
-                too_large = int(clen) > limit
-            except ValueError:
-                too_large = False
-            if too_large:
-                proto.response_bytes(413, _JSON, _TOO_LARGE)
-                return
-            body = await proto()
-        else:
-            parts: list[bytes] = []
-            size = 0
-            async for chunk in proto:
-                size += len(chunk)
-                if size > limit:
-                    proto.response_bytes(413, _JSON, _TOO_LARGE)
-                    return
-                parts.append(chunk)
-            body = b"".join(parts)
-        if len(body) > limit:
+        try:
+            async with asyncio.timeout(self.body_read_timeout_s):
+                body = await self._body(headers, proto)
+        except TimeoutError:
+            self._on_reject("body_timeout")
+            proto.response_bytes(408, [*_JSON, ("connection", "close")], _BODY_TIMEOUT)
+            return
+        if body is None:
+            self._on_reject("too_large")
             proto.response_bytes(413, _JSON, _TOO_LARGE)
             return
         req = Request(
@@ -139,6 +159,29 @@ class RSGIApp:
             proto.response_bytes(resp.status, resp.headers, resp.body)
             return
         await self._stream(proto, resp)  # type: ignore[arg-type]
+
+    async def _body(self, headers: Any, proto: Any) -> bytes | None:
+        """The whole body, or None when it is over the limit."""
+        limit = self.max_body_bytes
+        clen = headers.get("content-length")
+        if clen is not None:
+            try:
+                too_large = int(clen) > limit
+            except ValueError:
+                too_large = False
+            if too_large:
+                return None
+            body: bytes = await proto()
+        else:
+            parts: list[bytes] = []
+            size = 0
+            async for chunk in proto:
+                size += len(chunk)
+                if size > limit:
+                    return None
+                parts.append(chunk)
+            body = b"".join(parts)
+        return None if len(body) > limit else body
 
     async def _stream(self, proto: Any, resp: StreamResponse) -> None:
         """Relay the body; a client disconnect cancels the relay (and so the upstream).
@@ -188,6 +231,9 @@ class EmbeddedServer:
             http=HTTPModes.http1,
             websockets=False,
             backlog=backlog,
+            # granian waits, unanswered, for a free slot beyond this: keep it above the
+            # app's own cap, so requests over the cap reach the app and get their 503.
+            backpressure=app.max_concurrent + max(64, app.max_concurrent // 4),
             log_enabled=False,
         )
         self._task: asyncio.Task[None] | None = None

@@ -20,6 +20,7 @@ import aiohttp
 from bus.backoff import Backoff
 
 from ..config.models import EventSourceConfig
+from ..http.tls import client_context
 from .consumer import (
     ApplyFn,
     ApplyManyFn,
@@ -39,7 +40,10 @@ log = logging.getLogger("continuum.kvindex.consumer")
 
 def _default_session() -> aiohttp.ClientSession:
     # No total timeout: streams are long-lived (each request sets its own read timeout).
-    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0))
+    return aiohttp.ClientSession(
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=10.0),
+        connector=aiohttp.TCPConnector(ssl=client_context()),  # https:// listeners: TLS 1.2+
+    )
 
 
 class KvEventConsumerManager:

@@ -10,7 +10,7 @@ Client settings, from :class:`~router.config.models.RedisConfig`:
   timeout) for a free connection instead of failing with "Too many connections", so a burst
   of concurrent queries queues rather than tripping the memory fallback;
 * ``socket_connect_timeout = connect_timeout_ms``, ``socket_timeout = command_timeout_ms``;
-* TLS for ``rediss://`` URLs, or for ``redis://`` ones when ``tls: true``;
+* TLS (1.2 at least) for ``rediss://`` URLs, or for ``redis://`` ones when ``tls: true``;
 * ``Retry(NoBackoff(), 1)``: one immediate retry on a connection error, which absorbs the
   stale pooled connections left by a Redis restart; a Redis that is really down fails fast
   (redis-py's default, three retries with jittered backoff up to 10 s, would stall the
@@ -31,6 +31,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 
 from router.config.models import RedisConfig
+from router.http.tls import MINIMUM_VERSION
 
 __all__ = ["UNAVAILABLE_ERRORS", "RedisPools", "build_redis", "effective_url", "glob_escape"]
 
@@ -48,8 +49,10 @@ def effective_url(config: RedisConfig) -> str:
 def build_redis(config: RedisConfig) -> Redis:
     """A new client with its own pool. Prefer :meth:`RedisPools.get`, which shares one."""
     connect_s = config.connect_timeout_ms / 1000.0
+    url = effective_url(config)
+    tls = {"ssl_min_version": MINIMUM_VERSION} if url.startswith("rediss://") else {}
     pool = BlockingConnectionPool.from_url(
-        effective_url(config),
+        url,
         max_connections=config.pool_size,
         timeout=connect_s,
         socket_connect_timeout=connect_s,
@@ -57,6 +60,7 @@ def build_redis(config: RedisConfig) -> Redis:
         retry=Retry(NoBackoff(), 1),
         decode_responses=False,
         client_name=_CLIENT_NAME,
+        **tls,
     )
     return Redis(connection_pool=pool)
 

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import grpc
 import orjson
 import pytest
 import pytest_asyncio
@@ -146,6 +147,28 @@ def metric_value(text: str, name: str, **labels: str) -> float:
         for lbl, v in metric_samples(text, name)
         if all(lbl.get(k) == want for k, want in labels.items())
     )
+
+
+# -- gRPC ----------------------------------------------------------------------------------
+
+
+class BearerToken(grpc.aio.UnaryUnaryClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every unary call that has none (the
+    router's KvIndex needs it on every method when a token is configured)."""
+
+    def __init__(self, token: str) -> None:
+        self._entry = ("authorization", f"Bearer {token}")
+
+    async def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        metadata = list(details.metadata or ())
+        if not any(k == "authorization" for k, _ in metadata):
+            details = details._replace(metadata=[*metadata, self._entry])
+        return await continuation(details, request)
+
+
+def authed_channel(target: str, token: str) -> grpc.aio.Channel:
+    """A plaintext channel whose calls carry the admin token."""
+    return grpc.aio.insecure_channel(target, interceptors=[BearerToken(token)])
 
 
 # -- sockets -------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ from bus.events import KvEvent
 from bus.prefix_key import extract_prefix_key
 from bus.sse import encode_record
 
-from .conftest import RouterLauncher, RouterProc, http, wait_until
+from .conftest import RouterLauncher, RouterProc, authed_channel, http, wait_until
 
 SERVICE = "continuum.kvindex.v1.KvIndex"
 MODEL = "demo-model"
@@ -151,7 +151,7 @@ async def rig(module_router_launcher: RouterLauncher) -> AsyncIterator[Rig]:
             env={TOKEN_ENV: TOKEN},
         )
         assert router.grpc_target is not None, "READY must announce the gRPC port"
-        async with grpc.aio.insecure_channel(router.grpc_target) as channel:
+        async with authed_channel(router.grpc_target, TOKEN) as channel:
             rig = Rig(router, sse, channel)
 
             async def indexed() -> bool:
@@ -394,10 +394,16 @@ async def test_reflection_lists_the_service_and_its_health_is_serving(rig: Rig) 
 
 
 async def test_clear_needs_the_admin_token(rig: Rig) -> None:
-    for metadata in (None, (("authorization", "Bearer wrong-token"),), (("authorization", TOKEN),)):
-        err = await rpc_error(rig.stub.Clear(pb.ClearRequest(), metadata=metadata, timeout=5))
-        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
-        assert "authorization" in (err.details() or ""), err.details()
+    async with grpc.aio.insecure_channel(rig.router.grpc_address) as bare:
+        stub = pb_grpc.KvIndexStub(bare)
+        for metadata in (
+            None,
+            (("authorization", "Bearer wrong-token"),),
+            (("authorization", TOKEN),),
+        ):
+            err = await rpc_error(stub.Clear(pb.ClearRequest(), metadata=metadata, timeout=5))
+            assert err.code() == grpc.StatusCode.UNAUTHENTICATED, err
+            assert "authorization" in (err.details() or ""), err.details()
     assert (await rig.stub.Stats(pb.StatsRequest(), timeout=5)).total_entries == ENTRIES
 
     one = await rig.stub.Clear(pb.ClearRequest(backend="b-2"), metadata=AUTH, timeout=5)

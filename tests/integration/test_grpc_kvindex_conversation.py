@@ -32,7 +32,7 @@ from bus.events import KvEvent
 from bus.prompt_chain import chain_keys, chain_root
 from bus.sse import encode_record
 
-from .conftest import RouterLauncher, RouterProc, http, wait_until
+from .conftest import RouterLauncher, RouterProc, authed_channel, http, wait_until
 
 MODEL = "demo-model"
 TOKEN_ENV = "CONTINUUM_TEST_KVCHAIN_ADMIN_TOKEN"
@@ -129,7 +129,7 @@ async def rig(module_router_launcher: RouterLauncher) -> AsyncIterator[Rig]:
             env={TOKEN_ENV: TOKEN},
         )
         assert router.grpc_target is not None
-        async with grpc.aio.insecure_channel(router.grpc_target) as channel:
+        async with authed_channel(router.grpc_target, TOKEN) as channel:
             rig = Rig(router, channel)
 
             async def indexed() -> bool:
