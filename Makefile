@@ -51,6 +51,11 @@ bench: $(VENV)/.installed-dev
 	$(PY) -m bench.cache_store_bench
 	$(PY) -m bench.semantic_cache_bench
 	$(PY) -m bench.proxy_bench
+	$(PY) -m bench.render_bench
+	$(PY) -m bench.conversation_cost_bench
+	$(PY) -m bench.affinity_bench
+	$(PY) -m bench.fleet_bench
+	$(PY) -m bench.ingest_pipeline_bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info
