@@ -54,8 +54,10 @@ it and uses :meth:`RedisKvIndex.ping` and :meth:`RedisKvIndex.restore` to come b
 Size: the module stays whole (about 680 lines) because the key layout, the Lua scripts
 that encode it and the commands reading it must change together.
 
-Clocks: expiries are Unix time (``clock``, default ``time.time``), shared by every
-instance; keep router clocks in sync (NTP). Redis Cluster is not supported (the two keys of a
+Clocks: expiries are Unix time on Redis's own clock by default
+(``router.kvindex.server_clock``: ``TIME`` read before every sweep, advanced by the
+monotonic clock in between), so a router whose wall clock steps forward never deletes the
+fleet's live entries. Redis Cluster is not supported (the two keys of a
 prefix are not hash-tagged into one slot).
 """
 
@@ -84,6 +86,7 @@ from .base import (
     StorageTier,
     check_ttl,
 )
+from .server_clock import ServerClock
 
 __all__ = ["DEFAULT_KEY_PREFIX", "RedisKvIndex", "Restore"]
 
@@ -209,7 +212,7 @@ class RedisKvIndex(KvIndex):
         ttl_seconds: float = 600.0,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         *,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] | None = None,
         sweep_keys: int = 10_000,
         stats_cache_s: float = 10.0,
         owns_redis: bool = False,
@@ -219,7 +222,9 @@ class RedisKvIndex(KvIndex):
             redis: a client whose pool may be shared (``RedisPools``); never closed here.
             ttl_seconds: an entry expires this long after its last event.
             key_prefix: namespace of this index's keys; everything under it is ours.
-            clock: Unix seconds; per-entry expiries are on this clock.
+            clock: Unix seconds; per-entry expiries are on this clock. Default: Redis's
+                own (:class:`~router.kvindex.server_clock.ServerClock`, synced before
+                every sweep), so no router's wall clock decides what the fleet deletes.
             sweep_keys: hashes examined per ``cleanup_expired`` call.
             stats_cache_s: how long ``stats()`` reuses its SCAN counts.
             owns_redis: ``close`` also closes ``redis`` (a client nobody else uses).
@@ -236,7 +241,10 @@ class RedisKvIndex(KvIndex):
         self._kp = key_prefix.encode()
         self._zset_match = glob_escape(self._kp) + b"*"
         self._hash_match = glob_escape(self._kp) + b"*:t"
-        self.clock = clock
+        if clock is None:
+            clock = ServerClock()
+        self._server_clock = clock if isinstance(clock, ServerClock) else None
+        self.clock: Callable[[], float] = clock
         self._sweep_keys = sweep_keys
         self._stats_cache_s = stats_cache_s
         self._set_tier_script = redis.register_script(_SET_TIER_LUA)
@@ -529,6 +537,8 @@ class RedisKvIndex(KvIndex):
 
     async def cleanup_expired(self) -> int:
         try:
+            if self._server_clock is not None:
+                await self._server_clock.sync(self._redis)
             return await self._redis_sweep()
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable("cleanup_expired", exc) from exc
@@ -559,6 +569,8 @@ class RedisKvIndex(KvIndex):
         """Raises :class:`KvIndexUnavailable` unless Redis answers."""
         try:
             await self._redis.ping()
+            if self._server_clock is not None and not self._server_clock.synced:
+                await self._server_clock.sync(self._redis)
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable("ping", exc) from exc
 

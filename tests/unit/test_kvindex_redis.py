@@ -25,6 +25,7 @@ from router.kvindex import (
     KvIndexUnavailable,
     RedisKvIndex,
 )
+from router.kvindex.server_clock import ServerClock
 from router.redis import build_redis
 from tests.unit.kvindex_support import GPU, WARM, FakeClock, P, delete_prefix, new_key_prefix, state
 
@@ -268,3 +269,39 @@ async def test_redis_query_many_of_more_keys_than_one_script_call(
     assert len(rows) == 1100
     assert [i for i, r in enumerate(rows) if r] == list(range(0, 1100, 3))
     assert all(r[0].token_count == i for i, r in enumerate(rows) if r)
+
+
+async def test_a_router_whose_clock_steps_forward_deletes_nothing_of_the_fleets(
+    redis_client: Redis, key_prefix: str, cleanup: None
+) -> None:
+    """Expiries are on Redis's clock: a router whose wall clock jumped an hour ahead sweeps
+    the shared index without deleting the live entries every router relies on (on its
+    own wall clock it would delete them all)."""
+    fleet = RedisKvIndex(redis_client, 600, key_prefix, stats_cache_s=0)
+    await fleet.ping()
+    await fleet.write_many([(P(i), "vllm-1", 100, GPU) for i in range(20)])
+    jumped = RedisKvIndex(
+        redis_client,
+        600,
+        key_prefix,
+        clock=ServerClock(wall=lambda: time.time() + 3600),
+        stats_cache_s=0,
+    )
+    assert await jumped.cleanup_expired() == 0
+    assert len(state(await fleet.query_backends(P(7)))) == 1
+    wall = RedisKvIndex(redis_client, 600, key_prefix, clock=lambda: time.time() + 3600)
+    assert await wall.cleanup_expired() == 20  # the same sweep on the jumped wall clock
+
+
+async def test_the_server_clock_follows_redis_time_and_the_monotonic_clock(
+    redis_client: Redis,
+) -> None:
+    mono = FakeClock(100.0)
+    clock = ServerClock(wall=lambda: 0.0, monotonic=mono)
+    assert clock() == 0.0 and not clock.synced
+    await clock.sync(redis_client)
+    seconds, micros = await redis_client.time()
+    assert clock.synced and abs(clock() - (seconds + micros / 1e6)) < 1.0
+    before = clock()
+    mono.advance(5.0)
+    assert clock() == pytest.approx(before + 5.0)
