@@ -20,7 +20,8 @@ Each row against a baseline measured in the same run (medians of interleaved rep
   forwarder's ``RoutingFeedback`` (``KvRuntime.sent``, ``answered``, ``delivered``) run it,
   for chains of 8, 33 and 130 keys (chats of about 2k, 8k and 32k tokens,
   ``conversation_cost_bench``'s sizes), 64 conversations over 3 backends, in the steady
-  state of those requests repeated (each chain held by the backend routed to).
+  state of those requests repeated (each chain held by the backend routed to), with the
+  router's metrics callbacks.
   Baseline: the prefix-key path's selection of the same requests (the overlap scorer's
   lookup, then PrefixAwareHash).
 * **Redis**: ``query_many`` of a 64-key chain (3 backends, 114 entries) against a bare
@@ -58,6 +59,7 @@ from router.kvindex import (
 from router.kvindex.chains import deepest_held
 from router.kvindex.cost import ConversationScorer
 from router.kvindex.prefill import PrefillLoad
+from router.metrics import RouterMetrics
 from router.pool import BackendPool
 from router.redis import build_redis
 from router.selection import SelectionContext, Selector
@@ -306,8 +308,14 @@ def route_rows(args: argparse.Namespace, rng: random.Random) -> list[dict[str, A
     results: list[dict[str, Any]] = []
     usage = {"prompt_tokens": 8000, "prompt_tokens_details": {"cached_tokens": 7900}}
     for n_keys in ROUTE_CHAINS:
-        kv = KvRuntime(cfg)
-        selector = Selector(pool, cfg)
+        metrics = RouterMetrics(lambda: pool)  # the router's callbacks, as app.py wires them
+        kv = KvRuntime(
+            cfg,
+            metrics.kv_decision,
+            on_conversation_decision=metrics.kv_conversation_decision,
+            on_prediction=metrics.kv_prediction,
+        )
+        selector = Selector(pool, cfg, lambda d, _b, m=metrics: m.prefix_decision(d))
         selector.scorer = kv.scorer
         selector.conversation = kv.conversation
         chains = [_Chain([rng.randbytes(16) for _ in range(n_keys)], n_keys * 1024 - 200)]
