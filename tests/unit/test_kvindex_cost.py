@@ -10,6 +10,7 @@ active_request_weight 256, bytes_per_token 4.0, chunk_bytes 1024).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -179,6 +180,87 @@ def test_deepest_held_is_the_deepest_key_present(
 
     held, _ = deepest_held(rows, names)
     assert {b: h.depth for b, h in held.items()} == {b: search(b) for b in names if search(b) > 0}
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from("abcdef"),
+        st.dictionaries(st.integers(0, 29), st.integers(1, 9), max_size=30),
+        max_size=6,
+    ),
+    st.sets(st.sampled_from("abcdefg")),
+    st.booleans(),
+)
+def test_deepest_held_counts_each_backends_keys_and_their_first_expiry(
+    holdings: dict[str, dict[int, int]], names: set[str], shared_names: bool
+) -> None:
+    """``keys_held`` and ``expires_first`` against brute force, whenever the scan read
+    every row; it must have whenever some candidate holds nothing. Backend names as the
+    memory index hands them (one string object per backend) or as Redis does (a new
+    string per entry)."""
+    n = 30
+
+    def name(b: str) -> str:
+        return b if shared_names else "".join([b])  # equal, not identical
+
+    rows: list[Sequence[IndexEntry]] = [
+        tuple(
+            IndexEntry(name(b), 10 * (i + 1), GPU, float(ix[i]))
+            for b, ix in sorted(holdings.items(), reverse=True)
+            if i in ix
+        )
+        or EMPTY
+        for i in range(n)
+    ]
+    held, _ = deepest_held(rows, names)
+    if any(b not in held for b in names):
+        assert all(h.keys_held is not None for h in held.values())
+    for b, h in held.items():
+        assert h.depth == max(holdings[b]) + 1
+        if h.keys_held is not None:
+            assert h.keys_held == len(holdings[b])
+            assert h.expires_first == min(holdings[b].values())
+
+
+def _predictions_by_rows(scorer: ConversationScorer, view: Any, backend: Backend) -> list[Change]:
+    """What predict on route writes, read row by row (the definition)."""
+    name = backend.name
+    renew_before = scorer.index.now() + scorer.predict_ttl / 2
+    per_chunk = scorer.chunk_bytes * view.tokens_per_byte
+    out: list[Change] = []
+    for i, (key, row) in enumerate(zip(view.keys, view.rows, strict=True)):
+        mine = [e for e in row if e.backend == name]
+        if not mine:
+            out.append((key, name, round((i + 1) * per_chunk), GPU))
+        elif mine[0].expires_at < renew_before:
+            out.append((key, name, mine[0].token_count, mine[0].tier))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from("abc"),
+        st.tuples(st.integers(0, 12), st.booleans(), st.sampled_from([None, 2.0, 6.0])),
+        max_size=3,
+    ),
+    st.integers(0, 8),
+)
+async def test_predictions_are_the_keys_unheld_or_about_to_expire(
+    holdings: dict[str, tuple[int, bool, float | None]], advance: int
+) -> None:
+    """Whatever the holdings (prefix-closed or with a gap, events or predictions, fresh or
+    half expired), the writes are exactly the keys the backend does not hold and those it
+    holds with less than half the prediction TTL left."""
+    r = rig(predict_ttl_seconds=10)
+    for b, (depth, gap, ttl) in holdings.items():
+        keys = [i for i in range(depth) if not (gap and i == depth // 2 and depth > 2)]
+        r.inner.write([(C(i), b, 256 * (i + 1), GPU) for i in keys], ttl)
+    r.clock.advance(advance)
+    view = await r.scorer.assess(chain(12), r.cands)
+    for b in r.cands:
+        assert r.scorer.predictions(view, b) == _predictions_by_rows(r.scorer, view, b)
 
 
 # ---- the cost model --------------------------------------------------------------------
@@ -357,11 +439,9 @@ async def test_an_event_replaces_a_prediction_and_a_prediction_never_cuts_an_eve
     (e,) = r.inner.lookup(C(1))
     assert (e.token_count, e.tier, e.expires_at) == (999, WARM, r.clock.now + 600)
     view = await r.scorer.assess(chain(3), r.cands)
-    # Even with a stale view (key 1 unheld in it), the prediction leaves the event alone.
-    stale = view.rows
-    view.rows = [EMPTY, EMPTY, EMPTY]
-    await r.scorer.routed(view, r.by("b"))
-    view.rows = stale
+    # Even with a stale view (nothing held in it), the prediction leaves the event alone.
+    stale = dataclasses.replace(view, rows=[EMPTY, EMPTY, EMPTY], held={})
+    assert await r.scorer.routed(stale, r.by("b")) == 3
     (e,) = r.inner.lookup(C(1))
     assert (e.token_count, e.tier, e.expires_at) == (999, WARM, r.clock.now + 600)
 
