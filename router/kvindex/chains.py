@@ -80,8 +80,8 @@ def deepest_held(
     pending = set(names)
     found: dict[str, Held] = {}
     deepest: Held | None = None
-    # The run of single-holder rows of one found backend below the current row, counted
-    # in locals and added to its Held when the run ends (most rows: no dict lookup).
+    # The current run of consecutive single-holder rows of one found backend, counted in
+    # locals and added to its Held when the run ends (most rows: no dict lookup).
     run: Held | None = None
     run_backend: str | None = None
     run_keys = 0
