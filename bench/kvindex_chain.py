@@ -286,6 +286,12 @@ def chain_memory_rows(args: argparse.Namespace, rng: random.Random) -> list[dict
 
 
 ROUTE_CHAINS = (8, 33, 130)
+
+
+def _prefix_decisions(metrics: RouterMetrics) -> Callable[[str, Any], None]:
+    return lambda decision, _backend: metrics.prefix_decision(decision)
+
+
 ROUTE_BACKENDS = 3
 
 
@@ -315,7 +321,7 @@ def route_rows(args: argparse.Namespace, rng: random.Random) -> list[dict[str, A
             on_conversation_decision=metrics.kv_conversation_decision,
             on_prediction=metrics.kv_prediction,
         )
-        selector = Selector(pool, cfg, lambda d, _b, m=metrics: m.prefix_decision(d))
+        selector = Selector(pool, cfg, _prefix_decisions(metrics))
         selector.scorer = kv.scorer
         selector.conversation = kv.conversation
         chains = [_Chain([rng.randbytes(16) for _ in range(n_keys)], n_keys * 1024 - 200)]

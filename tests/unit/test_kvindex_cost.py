@@ -259,8 +259,9 @@ async def test_predictions_are_the_keys_unheld_or_about_to_expire(
         r.inner.write([(C(i), b, 256 * (i + 1), GPU) for i in keys], ttl)
     r.clock.advance(advance)
     view = await r.scorer.assess(chain(12), r.cands)
-    for b in r.cands:
-        assert r.scorer.predictions(view, b) == _predictions_by_rows(r.scorer, view, b)
+    for backend in r.cands:
+        want = _predictions_by_rows(r.scorer, view, backend)
+        assert r.scorer.predictions(view, backend) == want
 
 
 # ---- the cost model --------------------------------------------------------------------
