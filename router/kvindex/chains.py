@@ -21,7 +21,6 @@ when everything before it is stored), where a search would stop at the gap.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Collection, Sequence
 
 from .base import IndexEntry, StorageTier
@@ -31,27 +30,13 @@ __all__ = ["Held", "deepest_held"]
 
 class Held:
     """A backend's deepest key of one chain: ``depth`` keys held (index + 1), and the entry
-    of that key (its tokens, tier and expiry).
+    of that key (its tokens, tier and expiry)."""
 
-    From a scan that read every row (:func:`deepest_held` does unless every candidate is
-    found before the first row) also ``keys_held``, how many of the chain's keys the
-    backend holds, and ``expires_first``, the earliest expiry among them: ``keys_held ==
-    depth`` says it holds every key up to its deepest, and then whether any of them
-    needs renewing is one comparison (predict on route). Both None when not known."""
+    __slots__ = ("depth", "entry")
 
-    __slots__ = ("depth", "entry", "expires_first", "keys_held")
-
-    def __init__(
-        self,
-        depth: int,
-        entry: IndexEntry,
-        keys_held: int | None = None,
-        expires_first: float | None = None,
-    ) -> None:
+    def __init__(self, depth: int, entry: IndexEntry) -> None:
         self.depth = depth
         self.entry = entry
-        self.keys_held = keys_held
-        self.expires_first = expires_first
 
     @property
     def token_count(self) -> int:
@@ -70,59 +55,26 @@ def deepest_held(
 ) -> tuple[dict[str, Held], Held | None]:
     """Each of ``names``' deepest key in ``rows`` (``query_many`` of a chain's keys, in
     order), and the deepest key any backend holds (its largest ``token_count``: the best
-    sample of this prompt's tokens per byte). Backends holding nothing are absent.
-
-    The same pass counts each found backend's keys below its deepest and their earliest
-    expiry (``Held.keys_held``, ``expires_first``): when some candidate holds nothing (the
-    common case: a conversation lives on one backend) the scan reads every row anyway.
-    When every candidate is found before the first row it stops there, and those stay
-    None."""
+    sample of this prompt's tokens per byte). Backends holding nothing are absent."""
     pending = set(names)
     found: dict[str, Held] = {}
     deepest: Held | None = None
-    # The current run of consecutive single-holder rows of one found backend, counted in
-    # locals and added to its Held when the run ends (most rows: no dict lookup).
-    run: Held | None = None
-    run_backend: str | None = None
-    run_keys = 0
-    run_first = math.inf
     depth = len(rows)
     for row in reversed(rows):
         if row:
             if deepest is None:
                 deepest = Held(depth, row[0])
-            if len(row) == 1 and row[0].backend is run_backend:
-                run_keys += 1
-                if row[0].expires_at < run_first:
-                    run_first = row[0].expires_at
-                depth -= 1
-                continue
-            if run is not None:
-                _add(run, run_keys, run_first)
-                run = run_backend = None
-            for e in row:
-                h = found.get(e.backend)
-                if h is None:
-                    if e.backend not in pending:
-                        continue
+            if len(row) == 1:  # the common case: one holder (no inner loop)
+                e = row[0]
+                if e.backend in pending:
                     pending.discard(e.backend)
-                    h = found[e.backend] = Held(depth, e, 0, math.inf)
-                if len(row) == 1:  # a run starts
-                    run, run_backend, run_keys, run_first = h, e.backend, 1, e.expires_at
-                else:
-                    _add(h, 1, e.expires_at)
-            if not pending and run is None:
+                    found[e.backend] = Held(depth, e)
+            else:
+                for e in row:
+                    if e.backend in pending:
+                        pending.discard(e.backend)
+                        found[e.backend] = Held(depth, e)
+            if not pending:
                 break
         depth -= 1
-    if run is not None:
-        _add(run, run_keys, run_first)
-    if depth > 1:  # stopped early: every candidate found before the first row
-        for h in found.values():
-            h.keys_held = h.expires_first = None
     return found, deepest
-
-
-def _add(h: Held, keys: int, first: float) -> None:
-    h.keys_held += keys  # type: ignore[operator]
-    if first < h.expires_first:  # type: ignore[operator]
-        h.expires_first = first

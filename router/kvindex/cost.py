@@ -293,22 +293,8 @@ class ConversationScorer:
         name = backend.name
         renew_before = self.index.now() + ttl / 2
         per_chunk = self.chunk_bytes * view.tokens_per_byte
-        keys = view.keys
-        held = view.held.get(name)
-        if (
-            held is not None
-            and held.keys_held == held.depth
-            and held.expires_first is not None
-            and held.expires_first >= renew_before
-        ):
-            # The scan saw it hold every key up to its deepest, none about to expire: only
-            # the keys after that to write, without reading the rows again.
-            return [
-                (keys[i], name, round((i + 1) * per_chunk), _GPU)
-                for i in range(held.depth, len(keys))
-            ]
         changes: list[Change] = []
-        for i, (key, row) in enumerate(zip(keys, view.rows, strict=True)):
+        for i, (key, row) in enumerate(zip(view.keys, view.rows, strict=True)):
             for e in row:
                 if e.backend == name:
                     if e.expires_at < renew_before:
