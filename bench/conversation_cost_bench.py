@@ -18,8 +18,13 @@ the rows of a size interleaved per round and the table's ratio paired per round.
 ``conversation / prefix`` CPU per request <= 1.3 at every size, and the conversation path
 <= 400 us per request at 8k tokens.
 
+``--ref-tree DIR`` adds a third row, ``ref``: the conversation row's router from another
+checkout (the code before a change), interleaved with the others, and the paired ratio
+``conv/ref`` of CPU per request: on a shared machine the way to see a change smaller than
+the run-to-run spread.
+
 Run: ``.venv/bin/python -m bench.conversation_cost_bench [--tokens 2000 8000 32000]
-[--repeats 3] [--duration 6] [--json F]``
+[--repeats 3] [--duration 6] [--ref-tree DIR] [--json F]``
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from harness.sim.fleet import SimFleet
 from harness.sim.tokenizer import bundled_qwen2_config, bundled_qwen2_json
 
 from ._table import fmt_float, render_table, verdict
-from .proxy_bench import MODEL, Cell, Target, measure, wait_serving, write_lua
+from .proxy_bench import MODEL, Cell, Target, _from_tree, measure, wait_serving, write_lua
 
 TARGET_RATIO = 1.3
 TARGET_US_AT_8K = 400.0
@@ -100,13 +105,16 @@ def router_yaml(urls: list[str], conversation: bool) -> str:
     return "\n".join(line for line in lines if line) + "\n"
 
 
-async def start_router(key: str, urls: list[str], conversation: bool, workdir: Path) -> Target:
+async def start_router(
+    key: str, urls: list[str], conversation: bool, workdir: Path, tree: Path | None = None
+) -> Target:
     cfg = workdir / f"{key}.yaml"
     cfg.write_text(router_yaml(urls, conversation))
     target = Target(key, key)
+    argv = ["serve", "--config", str(cfg)]
     target.child = await launch(
         f"router {key}",
-        python_module("router", "serve", "--config", str(cfg)),
+        _from_tree(tree, "router", *argv) if tree is not None else python_module("router", *argv),
         ready_timeout=60,
         log=workdir / f"{key}.log",
     )
@@ -128,6 +136,9 @@ async def bench(args: argparse.Namespace) -> dict[tuple[int, str], Cell]:
         try:
             for key in ROWS:
                 targets.append(await start_router(key, fleet.urls, key == "conversation", workdir))
+            if args.ref_tree:
+                ref = Path(args.ref_tree)
+                targets.append(await start_router("ref", fleet.urls, True, workdir, ref))
             for rnd in range(args.repeats):
                 for tokens in args.tokens:
                     order = targets if rnd % 2 == 0 else targets[::-1]
@@ -154,6 +165,7 @@ def report(args: argparse.Namespace, cells: dict[tuple[int, str], Cell]) -> dict
     rows, out = [], []
     for tokens in args.tokens:
         prefix, conv = cells[(tokens, "prefix")], cells[(tokens, "conversation")]
+        ref = cells.get((tokens, "ref"))
         ratio = conv.ratio(prefix)
         us = conv.med("cpu_us_per_req")
         ok_ratio = ratio <= TARGET_RATIO
@@ -168,6 +180,11 @@ def report(args: argparse.Namespace, cells: dict[tuple[int, str], Cell]) -> dict
                 fmt_float(ratio, 2),
                 verdict(ok_ratio),
                 "-" if ok_us is None else verdict(ok_us),
+                *(
+                    [fmt_float(ref.med("cpu_us_per_req"), 0), fmt_float(conv.ratio(ref), 3)]
+                    if ref
+                    else []
+                ),
             ]
         )
         out.append(
@@ -176,6 +193,11 @@ def report(args: argparse.Namespace, cells: dict[tuple[int, str], Cell]) -> dict
                 "prefix_cpu_us": prefix.med("cpu_us_per_req"),
                 "conversation_cpu_us": us,
                 "ratio": ratio,
+                **(
+                    {"ref_cpu_us": ref.med("cpu_us_per_req"), "ratio_to_ref": conv.ratio(ref)}
+                    if ref
+                    else {}
+                ),
                 "errors": sum(r["errors"] for c in (prefix, conv) for r in c.runs),
             }
         )
@@ -195,6 +217,7 @@ def report(args: argparse.Namespace, cells: dict[tuple[int, str], Cell]) -> dict
                 "conv/prefix",
                 f"<={TARGET_RATIO:g}",
                 f"<={TARGET_US_AT_8K:g}us @8k",
+                *(["ref us/req", "conv/ref"] if args.ref_tree else []),
             ],
             rows,
         )
@@ -215,8 +238,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=1800,
         help="bytes of one question + answer (1800: a chat; 300: an agent loop's short turns)",
     )
+    p.add_argument(
+        "--ref-tree",
+        metavar="DIR",
+        help="another checkout: its conversation router as a third row, ratio paired per round",
+    )
     p.add_argument("--json", metavar="FILE")
     args = p.parse_args(argv)
+    if args.ref_tree:
+        args.ref_tree = str(Path(args.ref_tree).resolve())
+        if not (Path(args.ref_tree) / "router").is_dir():
+            print(f"error: {args.ref_tree} is not a checkout (no router/)", file=sys.stderr)
+            return 2
     if shutil.which("wrk") is None:
         print("error: wrk not found on PATH (apt-get install wrk)", file=sys.stderr)
         return 2

@@ -55,7 +55,7 @@ from router.kvindex import (
 from router.redis import build_redis
 
 from ._table import median, paired_ratio, print_results, time_interleaved
-from .kvindex_chain import chain_bytes_rows, chain_memory_rows, chain_redis_rows
+from .kvindex_chain import chain_bytes_rows, chain_memory_rows, chain_redis_rows, route_rows
 
 _T = TypeVar("_T")
 
@@ -407,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     gc.collect()
     if not args.no_chains:
         results += chain_memory_rows(args, random.Random(args.seed))
+        results += route_rows(args, random.Random(args.seed))
         gc.collect()
 
     # -- Redis --------------------------------------------------------------------------

@@ -15,6 +15,15 @@ Each row against a baseline measured in the same run (medians of interleaved rep
 * **bytes per (key, backend)** (memory, tracemalloc): 16-byte chain keys written in
   slices of 256 (as events arrive), one and four backends per key, keys included.
   Baseline: a plain ``dict[bytes, int]`` of the same keys. Target: <= 200 B.
+* **conversation routing, per request** (memory): everything of a chat request's
+  conversation-depth routing but rendering its chain, as ``Selector.select`` and the
+  forwarder's ``RoutingFeedback`` (``KvRuntime.sent``, ``answered``, ``delivered``) run it,
+  for chains of 8, 33 and 130 keys (chats of about 2k, 8k and 32k tokens,
+  ``conversation_cost_bench``'s sizes), 64 conversations over 3 backends, in the steady
+  state of those requests repeated (each chain held by the backend routed to), with the
+  router's metrics callbacks.
+  Baseline: the prefix-key path's selection of the same requests (the overlap scorer's
+  lookup, then PrefixAwareHash).
 * **Redis**: ``query_many`` of a 64-key chain (3 backends, 114 entries) against a bare
   redis-py pipeline of ``ZRANGE key 0 -1 WITHSCORES`` of the same 64 keys, wall time.
   Target: <= 1.3x. Beside it: the 128-command pipeline (``ZREVRANGEBYSCORE`` +
@@ -37,6 +46,7 @@ from typing import Any
 from bus.events import KvEvent
 from router.config import parse_config
 from router.config.models import ConversationConfig, RedisConfig, StorageOffloadingConfig
+from router.kv_runtime import KvRuntime
 from router.kvindex import (
     IndexEntry,
     InMemoryKvIndex,
@@ -49,12 +59,14 @@ from router.kvindex import (
 from router.kvindex.chains import deepest_held
 from router.kvindex.cost import ConversationScorer
 from router.kvindex.prefill import PrefillLoad
+from router.metrics import RouterMetrics
 from router.pool import BackendPool
 from router.redis import build_redis
+from router.selection import SelectionContext, Selector
 
 from ._table import median, paired_ratio, time_interleaved
 
-__all__ = ["chain_bytes_rows", "chain_memory_rows", "chain_redis_rows"]
+__all__ = ["chain_bytes_rows", "chain_memory_rows", "chain_redis_rows", "route_rows"]
 
 EVENTS_TARGET_PER_S = 200_000.0
 QUERY_TARGET_US = 20.0
@@ -270,6 +282,78 @@ def chain_memory_rows(args: argparse.Namespace, rng: random.Random) -> list[dict
             "pass": rate >= EVENTS_TARGET_PER_S,
         }
     )
+    return results
+
+
+ROUTE_CHAINS = (8, 33, 130)
+
+
+def _prefix_decisions(metrics: RouterMetrics) -> Callable[[str, Any], None]:
+    return lambda decision, _backend: metrics.prefix_decision(decision)
+
+
+ROUTE_BACKENDS = 3
+
+
+def route_rows(args: argparse.Namespace, rng: random.Random) -> list[dict[str, Any]]:
+    """Conversation routing per request against the prefix-key path's selection."""
+    cfg, _ = parse_config(
+        {
+            "selection_strategy": "PrefixAwareHash",
+            "prefix_routing": {"enabled": True, "load_factor_epsilon": 0.25},
+            "kv_cache_index": {"enabled": True, "conversation": {"enabled": True}},
+            "backends": [
+                {"name": f"b{i + 1}", "url": f"http://h:{i + 1}", "models": ["m"]}
+                for i in range(ROUTE_BACKENDS)
+            ],
+        }
+    )
+    pool = BackendPool(cfg.backends, cfg.health_check)
+    cands, mask = pool.candidates("m", "chat")
+    loops = max(100, args.loops // 20)
+    results: list[dict[str, Any]] = []
+    usage = {"prompt_tokens": 8000, "prompt_tokens_details": {"cached_tokens": 7900}}
+    for n_keys in ROUTE_CHAINS:
+        metrics = RouterMetrics(lambda: pool)  # the router's callbacks, as app.py wires them
+        kv = KvRuntime(
+            cfg,
+            metrics.kv_decision,
+            on_conversation_decision=metrics.kv_conversation_decision,
+            on_prediction=metrics.kv_prediction,
+        )
+        selector = Selector(pool, cfg, _prefix_decisions(metrics))
+        selector.scorer = kv.scorer
+        selector.conversation = kv.conversation
+        chains = [_Chain([rng.randbytes(16) for _ in range(n_keys)], n_keys * 1024 - 200)]
+        for _ in range(63):
+            chains.append(_Chain([rng.randbytes(16) for _ in range(n_keys)], n_keys * 1024 - 200))
+        prefixes = [rng.randbytes(32) for _ in chains]
+        nxt_chain = itertools.cycle(chains).__next__
+        nxt_prefix = itertools.cycle(prefixes).__next__
+
+        def f_prefix(
+            nxt_prefix: Callable[[], bytes] = nxt_prefix, sel: Selector = selector
+        ) -> None:
+            drive(sel.select(cands, mask, SelectionContext("m", nxt_prefix())))
+
+        def f_route(
+            nxt_chain: Callable[[], _Chain] = nxt_chain,
+            sel: Selector = selector,
+            kv: KvRuntime = kv,
+        ) -> None:
+            ctx = SelectionContext("m", None, None, nxt_chain())
+            backend = drive(sel.select(cands, mask, ctx))
+            kv.answered(kv.sent(backend, ctx))
+            kv.delivered(backend, ctx, usage)
+
+        base, route = time_interleaved([f_prefix, f_route], loops=loops, repeats=args.repeats)
+        if n_keys == ROUTE_CHAINS[0]:
+            results.append(
+                _row("baseline: prefix-key selection (overlap scorer + ring)", base, base)
+            )
+        results.append(
+            _row(f"conversation routing per request, {n_keys} keys x{ROUTE_BACKENDS}", route, base)
+        )
     return results
 
 

@@ -9,6 +9,7 @@ collector instead of being updated per request.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,8 +21,9 @@ from prometheus_client import (
     disable_created_metrics,
     generate_latest,
 )
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 from .pool import BACKEND_STATES, BackendPool
 
@@ -56,6 +58,7 @@ _NO_BACKEND = "none"
 
 _ERROR_BUCKETS = (-16384, -4096, -1024, -256, -64, -16, 0, 16, 64, 256, 1024, 4096, 16384)
 """Reported minus predicted cached tokens: symmetric, x4 steps (a chunk is ~256 tokens)."""
+_ERROR_BOUNDS = (*(floatToGoString(b) for b in _ERROR_BUCKETS), "+Inf")
 
 _LATENCY_BUCKETS = (
     0.001,
@@ -201,6 +204,70 @@ class _KvCollector(Collector):
             yield from _event_bus_metrics(bus)
 
 
+class _ConversationSeries(Collector):
+    """The series conversation-depth routing updates on every routed chat request:
+    decisions by outcome, predicted and reported cached tokens and the prediction error
+    histogram, per backend label. Kept as plain integers on the event loop and turned into
+    the same series as ``Counter`` and ``Histogram`` children would give at scrape time:
+    the children cost a lock per increment and a Python loop over the buckets per
+    observation, several times the bookkeeping itself on this path."""
+
+    def __init__(self) -> None:
+        self.outcomes = dict.fromkeys(_CONVERSATION_OUTCOMES, 0)
+        self.predictions: dict[str, list[int]] = {}
+        """Per backend label: predicted tokens, reported tokens, then the error histogram's
+        count per bucket (``_ERROR_BUCKETS`` and +Inf; not cumulative)."""
+
+    def row(self, label: str) -> list[int]:
+        row = self.predictions.get(label)
+        if row is None:
+            row = self.predictions[label] = [0] * (3 + len(_ERROR_BUCKETS))
+        return row
+
+    def collect(self) -> Iterator[Any]:
+        decisions = CounterMetricFamily(
+            "continuum_kv_conversation_decisions",
+            "Conversation-depth scorer decisions: chosen (lowest cost), tie (the lowest cost "
+            "shared) or none_held (no candidate holds any of the chain); the last two leave "
+            "the choice to the strategy. Also counted in "
+            "continuum_kv_index_routing_decisions (kv_aware / fallback).",
+            labels=["outcome"],
+        )
+        for outcome, n in self.outcomes.items():
+            decisions.add_metric([outcome], n)
+        yield decisions
+        predicted = CounterMetricFamily(
+            "continuum_kv_predicted_cached_tokens",
+            "Prompt tokens the router expected the chosen backend to reuse (held in the index).",
+            labels=["backend"],
+        )
+        reported = CounterMetricFamily(
+            "continuum_kv_reported_cached_tokens",
+            "Prompt tokens the backend reported reused (usage.prompt_tokens_details."
+            "cached_tokens), for the same requests.",
+            labels=["backend"],
+        )
+        name = "continuum_kv_prediction_error_tokens"
+        error = Metric(
+            name,
+            "Reported minus predicted cached tokens per request (negative: the index "
+            "promised tokens the engine did not reuse).",
+            "histogram",
+        )
+        for label, row in self.predictions.items():
+            predicted.add_metric([label], row[0])
+            reported.add_metric([label], row[1])
+            acc = 0
+            for bound, n in zip(_ERROR_BOUNDS, row[2:], strict=True):
+                acc += n
+                error.add_sample(f"{name}_bucket", {"backend": label, "le": bound}, acc)
+            # No _sum: Histogram leaves it out when a bucket bound is negative.
+            error.add_sample(f"{name}_count", {"backend": label}, acc)
+        yield predicted
+        yield reported
+        yield error
+
+
 def _event_bus_metrics(bus: dict[str, Any]) -> Iterator[Any]:
     """Push mode (``dynamo.event_bus``): sessions and streams, from the registry's counters."""
     yield GaugeMetricFamily(
@@ -309,40 +376,12 @@ class RouterMetrics:
             buckets=(0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0),
             registry=self.registry,
         )
-        self.kv_conversation_decisions = Counter(
-            "continuum_kv_conversation_decisions",
-            "Conversation-depth scorer decisions: chosen (lowest cost), tie (the lowest cost "
-            "shared) or none_held (no candidate holds any of the chain); the last two leave "
-            "the choice to the strategy. Also counted in "
-            "continuum_kv_index_routing_decisions (kv_aware / fallback).",
-            ["outcome"],
-            registry=self.registry,
-        )
-        self._conversation_children = {
-            o: self.kv_conversation_decisions.labels(o) for o in _CONVERSATION_OUTCOMES
-        }
-        self.kv_predicted_cached = Counter(
-            "continuum_kv_predicted_cached_tokens",
-            "Prompt tokens the router expected the chosen backend to reuse (held in the index).",
-            ["backend"],
-            registry=self.registry,
-        )
-        self.kv_reported_cached = Counter(
-            "continuum_kv_reported_cached_tokens",
-            "Prompt tokens the backend reported reused (usage.prompt_tokens_details."
-            "cached_tokens), for the same requests.",
-            ["backend"],
-            registry=self.registry,
-        )
-        self.kv_prediction_error = Histogram(
-            "continuum_kv_prediction_error_tokens",
-            "Reported minus predicted cached tokens per request (negative: the index "
-            "promised tokens the engine did not reuse).",
-            ["backend"],
-            buckets=_ERROR_BUCKETS,
-            registry=self.registry,
-        )
-        self._prediction_children: dict[str, tuple[Any, Any, Any]] = {}
+        self.conversation = _ConversationSeries()
+        """Conversation-depth routing's per-request series (plain integers, read at scrape
+        time by a collector)."""
+        self._prediction_rows: dict[str, list[int]] = {}
+        """Each recorded backend's row of ``conversation.predictions`` (by its label)."""
+        self.registry.register(self.conversation)
         self.registry.register(_PoolCollector(pool_ref))
         self._children: dict[tuple[str, str, str], tuple[Any, Any]] = {}
 
@@ -375,26 +414,21 @@ class RouterMetrics:
             self.kv_overlap.observe(score)
 
     def kv_conversation_decision(self, outcome: str) -> None:
-        child = self._conversation_children.get(outcome)
-        if child is not None:
-            child.inc()
+        outcomes = self.conversation.outcomes
+        if outcome in outcomes:
+            outcomes[outcome] += 1
 
     def kv_prediction(self, backend: str, predicted: int, reported: int) -> None:
         """One answered request: predicted and reported cached tokens (``KvRuntime``'s
         ``on_prediction``)."""
-        children = self._prediction_children.get(backend)
-        if children is None:
-            label = self._backend_label(backend)
-            children = (
-                self.kv_predicted_cached.labels(label),
-                self.kv_reported_cached.labels(label),
-                self.kv_prediction_error.labels(label),
-            )
-            if len(self._prediction_children) < 4096:
-                self._prediction_children[backend] = children
-        children[0].inc(max(0, predicted))
-        children[1].inc(max(0, reported))
-        children[2].observe(reported - predicted)
+        row = self._prediction_rows.get(backend)
+        if row is None:
+            row = self.conversation.row(self._backend_label(backend))
+            if len(self._prediction_rows) < 4096:
+                self._prediction_rows[backend] = row
+        row[0] += predicted if predicted > 0 else 0
+        row[1] += reported if reported > 0 else 0
+        row[2 + bisect_left(_ERROR_BUCKETS, reported - predicted)] += 1
 
     def _cache_metrics(self) -> None:
         if hasattr(self, "cache_requests"):

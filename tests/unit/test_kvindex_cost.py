@@ -185,6 +185,47 @@ def test_deepest_held_is_the_deepest_key_present(
     assert {b: h.depth for b, h in held.items()} == {b: search(b) for b in names if search(b) > 0}
 
 
+def _predictions_by_rows(scorer: ConversationScorer, view: Any, backend: Backend) -> list[Change]:
+    """What predict on route writes, read row by row (the definition)."""
+    name = backend.name
+    renew_before = scorer.index.now() + scorer.predict_ttl / 2
+    per_chunk = scorer.chunk_bytes * view.tokens_per_byte
+    out: list[Change] = []
+    for i, (key, row) in enumerate(zip(view.keys, view.rows, strict=True)):
+        mine = [e for e in row if e.backend == name]
+        if not mine:
+            out.append((key, name, round((i + 1) * per_chunk), GPU))
+        elif mine[0].expires_at < renew_before:
+            out.append((key, name, mine[0].token_count, mine[0].tier))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.dictionaries(
+        st.sampled_from("abc"),
+        st.tuples(st.integers(0, 12), st.booleans(), st.sampled_from([None, 2.0, 6.0])),
+        max_size=3,
+    ),
+    st.integers(0, 8),
+)
+async def test_predictions_are_the_keys_unheld_or_about_to_expire(
+    holdings: dict[str, tuple[int, bool, float | None]], advance: int
+) -> None:
+    """Whatever the holdings (prefix-closed or with a gap, events or predictions, fresh or
+    half expired), the writes are exactly the keys the backend does not hold and those it
+    holds with less than half the prediction TTL left."""
+    r = rig(predict_ttl_seconds=10)
+    for b, (depth, gap, ttl) in holdings.items():
+        keys = [i for i in range(depth) if not (gap and i == depth // 2 and depth > 2)]
+        r.inner.write([(C(i), b, 256 * (i + 1), GPU) for i in keys], ttl)
+    r.clock.advance(advance)
+    view = await r.scorer.assess(chain(12), r.cands)
+    for backend in r.cands:
+        want = _predictions_by_rows(r.scorer, view, backend)
+        assert r.scorer.predictions(view, backend) == want
+
+
 # ---- the cost model --------------------------------------------------------------------
 
 
