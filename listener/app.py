@@ -109,6 +109,7 @@ class SourceRuntime:
             max_retained_tokens=src.max_retained_tokens,
             policy=SaePruningPolicy() if src.pruning_policy == "saecache" else None,
             conversation=conversation,
+            on_fault=self._on_resync,
         )
         hub.add_backend(self.name, self.tracker.snapshot)
         self.transports: list[ZmqSource | TrtllmPoller] = []
@@ -158,7 +159,8 @@ class SourceRuntime:
         self.tracker.apply(batch, flush=flush)
 
     def _on_resync(self, reason: str) -> None:
-        """The engine restarted or events were lost: forget, then tell subscribers."""
+        """The engine restarted or events were lost (a gap, an undecodable batch, an event
+        the tracker failed on): forget, then tell subscribers."""
         self.tracker.reset()
         self.hub.resync(self.name, reason, self.tracker.snapshot())
 

@@ -3,8 +3,11 @@
 Wire format (``listener/ENGINE_FORMATS.md`` §1, §6): every live message is three frames,
 ``[topic, seq, payload]``, where ``seq`` is an 8-byte big-endian counter that starts at 0 when
 the engine's publisher starts and rises by 1 per batch. Anything else is counted as a
-malformed frame and dropped; an undecodable payload is counted as a decode error. Neither
-ever ends the receive loop.
+malformed frame and dropped (its sequence number is unknown, so the next batch shows the
+gap). An undecodable payload is counted as a decode error and resyncs (``decode_error``):
+its sequence number is taken, since a replay would bring back the same bytes. A batch
+callback that raises is counted and resyncs too (``callback_error``). None of these ever
+ends the receive loop.
 
 Ordering (the algorithm)
 ------------------------
@@ -94,7 +97,8 @@ Decoder: TypeAlias = Callable[[bytes, ZmqEngine], EventBatch]
 BatchCallback: TypeAlias = Callable[[EventBatch, "int | None"], "Awaitable[None] | None"]
 """``on_batch(batch, dp_rank)``; may be a plain function or a coroutine function."""
 ResyncCallback: TypeAlias = Callable[[str], "Awaitable[None] | None"]
-"""``on_resync(reason)``: forget this source's blocks; ``reason`` is ``gap`` or ``restart``."""
+"""``on_resync(reason)``: forget this source's blocks; ``reason`` is ``gap``, ``restart``,
+``decode_error`` or ``callback_error`` (the trtllm source adds ``window``)."""
 
 SEQ_LEN = 8
 END_SEQ = b"\xff" * SEQ_LEN
@@ -286,13 +290,16 @@ class ZmqSource:
         on_batch: called with each batch in sequence order, and this source's dp rank (the
             batch's own ``dp_rank`` when the config has none). Sync or async.
         on_resync: called with ``"gap"`` or ``"restart"`` before the first batch after a loss
-            that could not be replayed, or after an engine restart. Sync or async.
+            that could not be replayed, or after an engine restart; ``"decode_error"`` after
+            an undecodable batch; ``"callback_error"`` after ``on_batch`` or ``on_drained``
+            raised. Sync or async.
         on_drained: called after each run of batches that were already queued (at most
             ``_DRAIN_BATCH + 1``), before the loop yields: where a consumer that defers
             work per batch catches up. Sync or async.
         backoff: reconnect delay strategy (default ``ExponentialBackoff()``).
 
-    Callback exceptions are logged (the first) and counted, never propagated.
+    Callback exceptions are logged (the first), counted and followed by a resync, never
+    propagated.
     """
 
     def __init__(
@@ -478,12 +485,12 @@ class ZmqSource:
         self._dup_floor = None
         decoded = self._decoded(last + 1, frames[2])
         if decoded is None:
-            return None
+            return self._resync("decode_error")
         try:
             result = self._sync_batch(*decoded)
         except Exception:
             self._callback_failed()
-            return None
+            return self._resync("callback_error")
         if result is not None and inspect.isawaitable(result):
             return self._call(lambda: result)
         return None
@@ -634,20 +641,26 @@ class ZmqSource:
 
     async def _deliver(self, seq: int, payload: bytes) -> None:
         decoded = self._decoded(seq, payload)
-        if decoded is not None:
+        if decoded is None:
+            await self._resync("decode_error")
+        else:
             await self._call(self._on_batch, *decoded)
 
     async def _resync(self, reason: str) -> None:
         self.stats.resyncs += 1
-        await self._call(self._on_resync, reason)
+        await self._call(self._on_resync, reason, resync=False)
 
-    async def _call(self, fn: Callable[..., object], *args: object) -> None:
+    async def _call(self, fn: Callable[..., object], *args: object, resync: bool = True) -> None:
+        """Call back; a failure is counted and, unless it was the resync itself, resyncs
+        (whatever the callback did not finish is lost to the consumer)."""
         try:
             result = fn(*args)
             if inspect.isawaitable(result):
                 await result
         except Exception:
             self._callback_failed()
+            if resync:
+                await self._resync("callback_error")
 
     def _callback_failed(self) -> None:
         self.stats.callback_errors += 1

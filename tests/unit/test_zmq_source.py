@@ -587,7 +587,15 @@ async def test_malformed_frames_and_undecodable_payloads_are_counted(
         await eventually(lambda: rec.seqs() == [0, 3])
     st = source.stats
     assert (st.frames, st.malformed_frames, st.decode_errors) == (8, 4, 2)
-    assert (st.batches, st.events, st.last_seq, st.gaps, st.resyncs) == (2, 2, 3, 0, 0)
+    # An undecodable batch is lost for sure (a replay brings back the same bytes): each one
+    # resyncs, in order with the batches; a malformed frame has no seq and costs nothing.
+    assert rec.items == [
+        ("batch", 0, 0),
+        ("resync", "decode_error"),
+        ("resync", "decode_error"),
+        ("batch", 3, 0),
+    ]
+    assert (st.batches, st.events, st.last_seq, st.gaps, st.resyncs) == (2, 2, 3, 0, 2)
     decode_logs = [r for r in caplog.records if "undecodable" in r.getMessage()]
     malformed_logs = [r for r in caplog.records if "malformed" in r.getMessage()]
     assert len(decode_logs) == 1 and len(malformed_logs) == 1
@@ -597,7 +605,7 @@ async def test_callback_errors_are_counted_and_do_not_stop_the_source(
     engine_factory: Callable[..., FakeEngine],
 ) -> None:
     engine = engine_factory()
-    seen: list[int] = []
+    seen: list[Any] = []
 
     def on_batch(batch: EventBatch, dp_rank: int | None) -> None:
         seen.append(seq_of(batch))
@@ -608,15 +616,18 @@ async def test_callback_errors_are_counted_and_do_not_stop_the_source(
         ZmqSourceConfig(endpoint=engine.bind()),
         decode=stub_decode,
         on_batch=on_batch,
-        on_resync=lambda reason: None,
+        on_resync=seen.append,
         backoff=NoBackoff(),
     )
     async with running(source):
         await engine.subscribed()
         await engine.publish()
         await engine.publish()
-        await eventually(lambda: seen == [0, 1])
-    assert source.stats.callback_errors == 1 and source.stats.connects == 1
+        await eventually(lambda: len(seen) == 3)
+    # What the callback did not finish is lost to the consumer: it resyncs.
+    assert seen == [0, "callback_error", 1]
+    assert (source.stats.callback_errors, source.stats.resyncs) == (1, 1)
+    assert source.stats.connects == 1
 
 
 # --------------------------------------------------------------------------------------------
