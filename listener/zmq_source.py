@@ -51,6 +51,7 @@ needs stay beside it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -62,6 +63,7 @@ import zmq.asyncio
 
 from bus.backoff import Backoff, ExponentialBackoff
 from bus.supervisor import Attempt, Supervisor, Verdict
+from listener.decode import DEFAULT_MAX_FRAME_BYTES
 from listener.endpoints import (
     SCHEMES as _SCHEMES,
 )
@@ -137,6 +139,10 @@ class ZmqSourceConfig:
     """Longest wait for each replay reply message, in seconds."""
     rcvhwm: int = 100_000
     """SUB receive high-water mark (messages); the engines' PUB uses 100 000."""
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    """Largest frame taken from a peer (``ZMQ_MAXMSGSIZE`` on the SUB and the replay
+    DEALER; the decoder's bound). libzmq drops the connection of a peer that sends a larger
+    one before buffering it; the batch is then lost like any other (a gap)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("bind", "connect"):
@@ -158,6 +164,8 @@ class ZmqSourceConfig:
             raise ValueError("replay_timeout_s must be > 0")
         if self.dp_rank is not None and self.dp_rank < 0:
             raise ValueError("dp_rank must be >= 0")
+        if self.max_frame_bytes < 1:
+            raise ValueError("max_frame_bytes must be >= 1")
         object.__setattr__(self, "allowed_publishers", tuple(self.allowed_publishers))
         PublisherAllowlist(self.allowed_publishers)  # validates the entries
 
@@ -188,6 +196,9 @@ class ZmqSourceStats:
     callback_errors: int = 0
     connects: int = 0
     """Socket lifetimes started (the first, then one per reconnect)."""
+    disconnects: int = 0
+    """Peer connections that ended: the engine went away, or sent a frame over
+    ``max_frame_bytes`` (libzmq drops the connection); connect mode connects again."""
     last_seq: int | None = None
 
 
@@ -418,6 +429,7 @@ class ZmqSource:
                 await self._allowlist.check_host(tcp_host_port(cfg.replay_endpoint)[0])
         with self._ctx.socket(zmq.SUB) as sock:
             sock.setsockopt(zmq.RCVHWM, cfg.rcvhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
             sock.setsockopt(zmq.LINGER, 0)
             if is_ipv6_endpoint(cfg.endpoint):
                 sock.setsockopt(zmq.IPV6, 1)
@@ -430,38 +442,69 @@ class ZmqSource:
             else:
                 sock.connect(cfg.endpoint)
             self._bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or cfg.endpoint
-            self.stats.connects += 1
-            self._ready.set()
-            logger.info(
-                "zmq source %s: %s %s (replay %s)",
-                self._name,
-                "bound" if cfg.mode == "bind" else "connected to",
-                self._bound_endpoint,
-                cfg.replay_endpoint or "off",
-            )
-            # pyzmq's awaitable recv completes at once while messages are queued, so a
-            # busy engine would starve every other task on the loop (SSE writers, /stats,
-            # detokenize jobs). Drain a bounded batch without awaiting, then yield.
-            raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-            again = zmq.Again
-            noblock = zmq.NOBLOCK
-            take = self._take
-            on_drained = self._on_drained
+            monitor = asyncio.create_task(self._watch(sock), name=f"zmq-monitor:{self._name}")
+            try:
+                await self._receive(sock)
+            finally:
+                monitor.cancel()
+                await asyncio.wait([monitor])
+
+    async def _watch(self, sock: zmq.asyncio.Socket) -> None:
+        """Count ended peer connections; in connect mode, connect again.
+
+        libzmq reconnects by itself after a connection error, but not after a protocol
+        error, and a frame over ``ZMQ_MAXMSGSIZE`` is one: without a new ``connect`` the
+        SUB would stay silent for good. Connecting again after any disconnect is harmless.
+        """
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
             while True:
-                pending = take(await sock.recv_multipart())
+                await mon.recv_multipart()
+                self.stats.disconnects += 1
+                if self.config.mode == "connect":
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.disconnect(self.config.endpoint)
+                    sock.connect(self.config.endpoint)
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            mon.close(0)
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        """Deliver what ``sock`` receives until an error (or cancellation)."""
+        cfg = self.config
+        self.stats.connects += 1
+        self._ready.set()
+        logger.info(
+            "zmq source %s: %s %s (replay %s)",
+            self._name,
+            "bound" if cfg.mode == "bind" else "connected to",
+            self._bound_endpoint,
+            cfg.replay_endpoint or "off",
+        )
+        # pyzmq's awaitable recv completes at once while messages are queued, so a
+        # busy engine would starve every other task on the loop (SSE writers, /stats,
+        # detokenize jobs). Drain a bounded batch without awaiting, then yield.
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        again = zmq.Again
+        noblock = zmq.NOBLOCK
+        take = self._take
+        on_drained = self._on_drained
+        while True:
+            pending = take(await sock.recv_multipart())
+            if pending is not None:
+                await pending
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    frames = raw.recv_multipart(noblock)
+                except again:
+                    break
+                pending = take(frames)
                 if pending is not None:
                     await pending
-                for _ in range(_DRAIN_BATCH):
-                    try:
-                        frames = raw.recv_multipart(noblock)
-                    except again:
-                        break
-                    pending = take(frames)
-                    if pending is not None:
-                        await pending
-                if on_drained is not None:
-                    await self._call(on_drained)
-                await asyncio.sleep(0)
+            if on_drained is not None:
+                await self._call(on_drained)
+            await asyncio.sleep(0)
 
     # -- ordering ----------------------------------------------------------------------------
 
@@ -588,6 +631,7 @@ class ZmqSource:
         dealer = self._ctx.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
             if is_ipv6_endpoint(self.config.replay_endpoint):
                 dealer.setsockopt(zmq.IPV6, 1)
             dealer.connect(self.config.replay_endpoint)

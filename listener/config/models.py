@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from bus.config import parse_hostport
+from listener.decode import DEFAULT_MAX_FRAME_BYTES
 from listener.endpoints import offset_endpoint
 from listener.push.config import EventBusClientConfig
 
@@ -183,6 +184,10 @@ class SourceConfig(_Section):
     """IPs, CIDRs or hostnames allowed to publish to this source (ZMQ peers, the trtllm URL
     host). Empty = any peer, only sensible with ``zmq_mode: connect`` on a trusted net."""
 
+    max_frame_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = DEFAULT_MAX_FRAME_BYTES
+    """Largest ZMQ frame taken from the engine (64 MiB; a real batch is a few kB):
+    ``ZMQ_MAXMSGSIZE`` on the sockets and the decoder's bound. libzmq drops a peer that
+    sends a larger one (counted in ``disconnects``; the lost batch is a gap)."""
     max_chain_tokens: Annotated[int, Field(ge=1, le=1 << 22)] = 16384
     """Longest token chain rebuilt for ``/detokenize``; longer chains are tracked by length
     only and stay unattributed."""

@@ -29,7 +29,7 @@ from listener.stream import EventHub
 from listener.templates import CHATML
 from tests import waiting
 from tests.unit.test_trtllm_source import FakeTrtllmServe, block, serve, stored
-from tests.unit.test_zmq_source import FakeEngine, engine_factory, zctx
+from tests.unit.test_zmq_source import FakeEngine, engine_factory, reconnected, zctx
 
 __all__ = ["engine_factory", "serve", "zctx"]  # fixtures
 
@@ -351,3 +351,22 @@ async def test_trtllm_failing_batch_callback_resyncs_the_source(
     assert hub.kinds() == [("resync", "callback_error"), ("cache_created", KEY_B.hex())]
     st = rt.stats()
     assert (st["callback_errors"], st["resyncs"]) == (1, 1)
+
+
+async def test_max_frame_bytes_from_the_config_bounds_the_socket(
+    monkeypatch: pytest.MonkeyPatch, engine_factory: Callable[..., FakeEngine]
+) -> None:
+    assert SourceConfig(backend_name="b", engine="vllm", zmq_endpoint="tcp://e:1").max_frame_bytes
+    engine = engine_factory()
+    rt, hub = runtime(monkeypatch, engine="vllm", zmq_endpoint=engine.bind(), max_frame_bytes=4096)
+    async with running(rt):
+        await engine.subscribed()
+        big = vllm_stored(1, salt(BACKEND, KEY_A, "a"))
+        big[3] = [7] * 4096  # token ids: a frame over 4 KiB
+        await engine.publish(payload=vllm_batch(big))
+        await eventually(lambda: rt.stats()["disconnects"] == 1)
+        await reconnected(engine, None)
+        await engine.publish(payload=vllm_batch(vllm_stored(2, salt(BACKEND, KEY_B, "b"))))
+        await eventually(lambda: KEY_B.hex() in created(hub))
+    assert hub.kinds() == [("cache_created", KEY_B.hex())]  # seq 0 was never seen: no gap
+    assert rt.stats()["decode_errors"] == 0
