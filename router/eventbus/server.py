@@ -75,6 +75,7 @@ class EventBusServer:
         self.sessions = sessions
         self._server: Any = None
         self.port: int | None = None
+        self.servicer: EventBusServicer | None = None
 
     def _credentials(self) -> grpc.ServerCredentials:
         tls = self.config.tls
@@ -90,12 +91,19 @@ class EventBusServer:
         except OSError as exc:
             raise EventBusConfigError(f"dynamo.event_bus.tls: {exc}") from exc
 
+    def _servicer(self) -> EventBusServicer:
+        cfg = self.config
+        self.servicer = EventBusServicer(
+            self.sessions, max_sessions=cfg.max_sessions, max_streams=cfg.max_streams
+        )
+        return self.servicer
+
     async def start(self) -> int:
         """Bind and serve. Raises EventBusConfigError, or RuntimeError if the port is taken."""
         limit = self.config.max_message_bytes
         started = await start_server(
             self.config.listen,
-            [functools.partial(_add_servicer, EventBusServicer(self.sessions))],
+            [functools.partial(_add_servicer, self._servicer())],
             credentials=self._credentials(),
             options=[
                 ("grpc.max_receive_message_length", limit),

@@ -204,6 +204,7 @@ class SessionRegistry:
             "sessions_forbidden": 0,
             "subscribes": 0,
             "no_session": 0,
+            "calls_over_cap": 0,
         }
         self.stream_closes: dict[str, int] = {}
         """Streams ended, by reason (``buffer_overflow``, ``draining``, ...)."""
