@@ -193,6 +193,8 @@ class ListenerApp:
             self.hub,
             heartbeat_interval=cfg.heartbeat_interval_ms / 1000,
             stats_provider=self.stats,
+            max_subscribers=cfg.max_subscribers,
+            write_timeout=cfg.subscriber_write_timeout_ms / 1000,
         )
         self.grpc: GrpcServer | None = None
         self.advisor: EvictionAdvisor | None = None

@@ -306,6 +306,11 @@ class ListenerConfig(_Section):
     subscriber_queue_size: Annotated[int, Field(ge=16, le=1_000_000)] = 4096
     """Live events queued per subscriber; a subscriber that falls this far behind is closed
     with an explicit ``buffer_overflow`` error and resumes from its last event ID."""
+    max_subscribers: Annotated[int, Field(ge=1, le=100_000)] = 256
+    """SSE event streams open at once (``GET /events/{backend}``); one more gets 503."""
+    subscriber_write_timeout_ms: Annotated[int, Field(ge=100, le=600_000)] = 30_000
+    """Longest a write to one SSE subscriber may wait for its socket; a client that stopped
+    reading is disconnected then (``stalled_subscribers``), releasing its snapshot."""
     salt_secret_file: str | None = None
     """File holding the HMAC secret shared with the router for cache salts (>= 16 bytes,
     whitespace stripped)."""
