@@ -120,8 +120,8 @@ class ListenerMetrics(Collector):
     def collect(self) -> Iterator[Metric]:
         backends = self._hub.stats()["backends"]
         p = "continuum_kv_listener_"
-        for name, value in (self._server_counters or {}).items():
-            yield CounterMetricFamily(f"{p}sse_{name}", f"SSE {name}.", value=value)
+        for counter, count in (self._server_counters or {}).items():
+            yield CounterMetricFamily(f"{p}sse_{counter}", f"SSE {counter}.", value=count)
         counters = (
             ("events_published", "published", "Events appended to the backend's sequence."),
             ("overflows", "overflows", "Subscribers closed with buffer_overflow."),
