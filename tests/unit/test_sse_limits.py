@@ -6,6 +6,7 @@ loopback; the stalled client is a raw TCP socket that never reads."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 
@@ -32,17 +33,30 @@ def test_the_limits_have_documented_defaults() -> None:
     assert (cfg.max_subscribers, cfg.subscriber_write_timeout_ms) == (256, 30_000)
 
 
-@pytest.fixture
-async def server() -> AsyncIterator[SseServer]:
+@contextlib.asynccontextmanager
+async def serving(snapshot: list[KvEvent], write_timeout: float) -> AsyncIterator[SseServer]:
     hub = EventHub(1024, 1024)
-    hub.add_backend(B, lambda: BIG_SNAPSHOT)
-    srv = SseServer(hub, heartbeat_interval=60, max_subscribers=2, write_timeout=0.2)
+    hub.add_backend(B, lambda: snapshot)
+    srv = SseServer(hub, heartbeat_interval=60, max_subscribers=2, write_timeout=write_timeout)
     await srv.start("127.0.0.1", 0)
     try:
         yield srv
     finally:
         await srv.stop()
         hub.close()
+
+
+@pytest.fixture
+async def server() -> AsyncIterator[SseServer]:
+    async with serving(BIG_SNAPSHOT, 0.2) as srv:
+        yield srv
+
+
+@pytest.fixture
+async def small_server() -> AsyncIterator[SseServer]:
+    """Streams that fit in the socket buffers: nothing stalls."""
+    async with serving(BIG_SNAPSHOT[:2], 30.0) as srv:
+        yield srv
 
 
 def never_reading_client(port: int) -> socket.socket:
@@ -84,7 +98,8 @@ async def test_a_subscriber_that_never_reads_is_disconnected_and_counted(
     assert stats["sse"]["stalled_subscribers"] == 1
 
 
-async def test_subscribers_beyond_the_cap_get_503(server: SseServer) -> None:
+async def test_subscribers_beyond_the_cap_get_503(small_server: SseServer) -> None:
+    server = small_server
     assert server.port is not None
     url = f"http://127.0.0.1:{server.port}/events/{B}"
     async with aiohttp.ClientSession() as s:
