@@ -212,7 +212,11 @@ class ListenerApp:
         self.grpc_port: int | None = None
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        return {name: rt.stats() for name, rt in self.sources.items()}
+        out = {name: rt.stats() for name, rt in self.sources.items()}
+        if self.advisor is not None:
+            for name, counters in self.advisor.stats().items():
+                out[name].update(counters)
+        return out
 
     async def start(self) -> None:
         host, port = parse_hostport(self.cfg.listen)
@@ -244,6 +248,7 @@ class ListenerApp:
                 self.advisor = EvictionAdvisor(
                     self.sources,
                     max_blocks=self.cfg.eviction_advisor_max_blocks,
+                    max_clock_skew=self.cfg.eviction_advisor_max_clock_skew_s,
                     predictor=predictor,
                 )
                 extra.append(functools.partial(advisor_to_server, self.advisor))

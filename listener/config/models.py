@@ -327,6 +327,10 @@ class ListenerConfig(_Section):
     eviction_advisor_max_blocks: Annotated[int, Field(ge=1, le=100_000_000)] = 1_000_000
     """Blocks the eviction advisor keeps per backend; past it the lowest-ranked are
     forgotten."""
+    eviction_advisor_max_clock_skew_s: Annotated[float, Field(gt=0, le=86_400)] = 60.0
+    """Seconds an engine's timestamp may be off where the listener's clock puts the
+    engine's clock (seconds, any epoch); one further off is clamped there and counted
+    (``advisor_clamped_timestamps``), so one bad event cannot poison the advisor's clock."""
     conversation: ConversationConfig = Field(default_factory=ConversationConfig)
     """Conversation keys for the router's conversation-depth index (off by default)."""
     session_predictor: str | None = None
