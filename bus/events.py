@@ -101,7 +101,7 @@ class KvEvent:
     tier: StorageTier | None = None
     reason: str | None = None
     """Why a ``resync`` happened (``restart``, ``gap``, ``unknown_id``, ``decode_error``,
-    ``tracker_error``, ``callback_error``...); informational."""
+    ``malformed_event``, ``tracker_error``, ``callback_error``...); informational."""
     chain_key: str | None = None
     """The hex of a ``bus.prompt_chain`` key, for the ``chain_*`` kinds."""
 

@@ -123,6 +123,8 @@ class TrtllmPollerStats:
     """Events delivered in batches."""
     skipped: int = 0
     """Events not understood (bad shape, unknown type, unparseable hash)."""
+    malformed: int = 0
+    """Of those, ``stored`` / ``removed`` events that do not map: lost, so a resync."""
     duplicates: int = 0
     gaps: int = 0
     restarts: int = 0
@@ -244,7 +246,8 @@ class TrtllmPoller:
             response. Sync or async.
         on_resync: ``on_resync(reason)`` with ``"restart"``, ``"gap"`` or ``"window"``, in
             order with the batches; ``"decode_error"`` after a response that is not a JSON
-            array; ``"callback_error"`` after ``on_batch`` raised. Sync or async.
+            array; ``"malformed_event"`` after a ``stored`` / ``removed`` event that does not
+            map; ``"callback_error"`` after ``on_batch`` raised. Sync or async.
         backoff: delay strategy after failed polls (default ``ExponentialBackoff()``).
 
     Callback exceptions are logged (the first), counted and followed by a resync, never
@@ -393,6 +396,9 @@ class TrtllmPoller:
             mapped = map_event(event)
             if mapped is None:
                 self._skip(rank)
+                if kind in ("stored", "removed"):  # a lost block event, not a new kind
+                    self.stats.malformed += 1
+                    await self._resync("malformed_event")
                 continue
             if window is not None:
                 self._delivered_windowed = True

@@ -6,7 +6,9 @@ the engine's publisher starts and rises by 1 per batch. Anything else is counted
 malformed frame and dropped (its sequence number is unknown, so the next batch shows the
 gap). An undecodable payload is counted as a decode error and resyncs (``decode_error``):
 its sequence number is taken, since a replay would bring back the same bytes. A batch
-callback that raises is counted and resyncs too (``callback_error``). None of these ever
+with a block event that does not decode (``EventBatch.malformed``) resyncs before it is
+delivered (``malformed_event``). A batch callback that raises is counted and resyncs too
+(``callback_error``). None of these ever
 ends the receive loop.
 
 Ordering (the algorithm)
@@ -100,7 +102,7 @@ BatchCallback: TypeAlias = Callable[[EventBatch, "int | None"], "Awaitable[None]
 """``on_batch(batch, dp_rank)``; may be a plain function or a coroutine function."""
 ResyncCallback: TypeAlias = Callable[[str], "Awaitable[None] | None"]
 """``on_resync(reason)``: forget this source's blocks; ``reason`` is ``gap``, ``restart``,
-``decode_error`` or ``callback_error`` (the trtllm source adds ``window``)."""
+``decode_error``, ``malformed_event`` or ``callback_error`` (trtllm adds ``window``)."""
 
 SEQ_LEN = 8
 END_SEQ = b"\xff" * SEQ_LEN
@@ -178,6 +180,10 @@ class ZmqSourceStats:
     """Batches decoded and handed to ``on_batch`` (live and replayed)."""
     events: int = 0
     """Events in those batches."""
+    skipped_events: int = 0
+    """Events the decoder did not understand (unknown kinds included)."""
+    malformed_events: int = 0
+    """Of those, block events of a known kind: lost, so their batch resyncs first."""
     decode_errors: int = 0
     malformed_frames: int = 0
     """Live messages that are not ``[topic, 8-byte seq, payload]``."""
@@ -529,6 +535,8 @@ class ZmqSource:
         decoded = self._decoded(last + 1, frames[2])
         if decoded is None:
             return self._resync("decode_error")
+        if decoded[0].malformed:
+            return self._hand_over(decoded)
         try:
             result = self._sync_batch(*decoded)
         except Exception:
@@ -680,6 +688,9 @@ class ZmqSource:
             return None
         stats.batches += 1
         stats.events += len(batch.events)
+        if batch.skipped:
+            stats.skipped_events += batch.skipped
+            stats.malformed_events += batch.malformed
         rank = self.config.dp_rank
         return batch, batch.dp_rank if rank is None else rank
 
@@ -688,7 +699,14 @@ class ZmqSource:
         if decoded is None:
             await self._resync("decode_error")
         else:
-            await self._call(self._on_batch, *decoded)
+            await self._hand_over(decoded)
+
+    async def _hand_over(self, decoded: tuple[EventBatch, int | None]) -> None:
+        """``on_batch``, after a resync when the batch lost a block event (``malformed``):
+        what it lost cannot be fetched again, and the batch's other events survive."""
+        if decoded[0].malformed:
+            await self._resync("malformed_event")
+        await self._call(self._on_batch, *decoded)
 
     async def _resync(self, reason: str) -> None:
         self.stats.resyncs += 1

@@ -370,3 +370,55 @@ async def test_max_frame_bytes_from_the_config_bounds_the_socket(
         await eventually(lambda: KEY_B.hex() in created(hub))
     assert hub.kinds() == [("cache_created", KEY_B.hex())]  # seq 0 was never seen: no gap
     assert rt.stats()["decode_errors"] == 0
+
+
+async def test_vllm_malformed_block_event_is_counted_and_resyncs(
+    monkeypatch: pytest.MonkeyPatch, engine_factory: Callable[..., FakeEngine]
+) -> None:
+    """A BlockStored that does not decode is a lost block (its children become orphans):
+    the batch's other events apply after a resync; an unknown kind costs nothing."""
+    engine = engine_factory()
+    rt, hub = await vllm_runtime(monkeypatch, engine)
+    async with running(rt):
+        await engine.subscribed()
+        await engine.publish(payload=vllm_batch(vllm_stored(1, salt(BACKEND, KEY_A, "a"))))
+        await eventually(lambda: KEY_A.hex() in created(hub))
+        bad = vllm_stored(2, salt(BACKEND, KEY_X, "x"))
+        bad[4] = "four"  # block_size of the wrong type
+        unknown = ["BlockUpdated", [5], 1]
+        payload = vllm_batch(unknown, bad, vllm_stored(3, salt(BACKEND, KEY_B, "b")))
+        await engine.publish(payload=payload)
+        await eventually(lambda: KEY_B.hex() in created(hub))
+        await engine.publish(payload=vllm_batch(unknown))
+        await engine.publish(payload=vllm_batch(vllm_stored(4, salt(BACKEND, KEY_X, "x"))))
+        await eventually(lambda: KEY_X.hex() in created(hub))
+    assert hub.kinds() == [
+        ("cache_created", KEY_A.hex()),
+        ("resync", "malformed_event"),
+        ("cache_created", KEY_B.hex()),
+        ("cache_created", KEY_X.hex()),
+    ]
+    st = rt.stats()
+    assert (st["skipped_events"], st["malformed_events"], st["resyncs"]) == (3, 1, 1)
+
+
+async def test_trtllm_malformed_block_event_is_counted_and_resyncs(
+    monkeypatch: pytest.MonkeyPatch, serve: FakeTrtllmServe
+) -> None:
+    rt, hub = trt_runtime(monkeypatch, serve)
+    serve.push(stored(0, [block(11, [1, 2], salt=salt(BACKEND, KEY_A, "a"))]))
+    async with running(rt):
+        await eventually(lambda: KEY_A.hex() in created(hub))
+        serve.push(
+            {"event_id": 1, "data": {"type": "brand_new"}},
+            stored(2, [block("not a hash", [1, 2], salt=salt(BACKEND, KEY_X, "x"))]),
+            stored(3, [block(13, [1, 2], salt=salt(BACKEND, KEY_B, "b"))]),
+        )
+        await eventually(lambda: KEY_B.hex() in created(hub))
+    assert hub.kinds() == [
+        ("cache_created", KEY_A.hex()),
+        ("resync", "malformed_event"),
+        ("cache_created", KEY_B.hex()),
+    ]
+    st = rt.stats()
+    assert (st["skipped"], st["malformed"], st["resyncs"]) == (2, 1, 1)
