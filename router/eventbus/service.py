@@ -44,9 +44,11 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: AuthError) ->
 
 
 class EventBusServicer(pb_grpc.EventBusServicer):
-    """Args:
-    sessions: the registry the calls register in.
-    max_sessions, max_streams: calls of each method in progress at once.
+    """The EventBus methods over one session registry.
+
+    Args:
+        sessions: the registry the calls register in.
+        max_sessions, max_streams: calls of each method in progress at once.
     """
 
     def __init__(
