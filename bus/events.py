@@ -100,7 +100,8 @@ class KvEvent:
     token_count: int | None = None
     tier: StorageTier | None = None
     reason: str | None = None
-    """Why a ``resync`` happened (``restart``, ``gap``, ``unknown_id``...); informational."""
+    """Why a ``resync`` happened (``restart``, ``gap``, ``unknown_id``, ``decode_error``,
+    ``malformed_event``, ``tracker_error``, ``callback_error``...); informational."""
     chain_key: str | None = None
     """The hex of a ``bus.prompt_chain`` key, for the ``chain_*`` kinds."""
 

@@ -90,7 +90,11 @@ def encode_salt(
 
 
 def verify_salt(secret: bytes, backend: str, salt: str) -> SaltInfo | None:
-    """``None`` for a salt that is not ours; ``SaltError`` for ours with a bad MAC."""
+    """``None`` for a salt that is not ours; ``SaltError`` for ours with a bad MAC.
+
+    Never raises anything else, whatever text follows the prefix: the engine echoes the
+    client's ``cache_salt`` and the listener verifies it on its ingestion path.
+    """
     if not isinstance(salt, str) or not salt.startswith(SALT_PREFIX):
         return None
     body = salt[len(SALT_PREFIX) :]
@@ -102,7 +106,8 @@ def verify_salt(secret: bytes, backend: str, salt: str) -> SaltInfo | None:
         prefix_key = bytes.fromhex(key_hex)
     except ValueError:
         raise SaltError("malformed prefix key in cache salt") from None
-    if len(mac) != _MAC_CHARS:
+    # The text is the client's: ``hmac.compare_digest`` raises TypeError on non-ASCII str.
+    if len(mac) != _MAC_CHARS or not mac.isascii():
         raise SaltError("malformed MAC in cache salt")
     caller_salt = caller or None
     if not hmac.compare_digest(mac, _mac(secret, backend, prefix_key, caller_salt)):

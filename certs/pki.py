@@ -153,13 +153,13 @@ def _leaf(
     name: str,
     common_name: str,
     sans: list[x509.GeneralName],
-    usage: x509.ObjectIdentifier,
+    usage: Iterable[x509.ObjectIdentifier],
     days: int,
 ) -> CertPair:
     ca_cert, ca_key = load_pair(ca)
     key = _new_key()
     not_before, not_after = _validity(days)
-    cert = (
+    builder = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
         .issuer_name(ca_cert.subject)
@@ -183,13 +183,15 @@ def _leaf(
             ),
             critical=True,
         )
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
         .add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
             critical=False,
         )
-        .sign(ca_key, hashes.SHA256())
     )
+    usages = list(usage)
+    if usages:  # none: no ExtendedKeyUsage extension at all (any purpose, RFC 5280)
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+    cert = builder.sign(ca_key, hashes.SHA256())
     return _write(Path(out_dir), name, cert, key)
 
 
@@ -201,22 +203,33 @@ def make_server_cert(
     ips: Iterable[str] = ("127.0.0.1", "::1"),
     name: str = "server",
     days: int = 90,
+    extended_key_usage: Iterable[x509.ObjectIdentifier] = (ExtendedKeyUsageOID.SERVER_AUTH,),
 ) -> CertPair:
-    """The router's event bus certificate: SANs for every name and address clients dial."""
+    """The router's event bus certificate: SANs for every name and address clients dial.
+
+    ``extended_key_usage`` other than serverAuth only makes certificates the bus refuses
+    (tests of that refusal)."""
     hostnames, ips = list(hostnames), list(ips)
     sans = _sans(hostnames, ips)
     cn = hostnames[0] if hostnames else ips[0]
-    return _leaf(ca, out_dir, name, cn, sans, ExtendedKeyUsageOID.SERVER_AUTH, days)
+    return _leaf(ca, out_dir, name, cn, sans, extended_key_usage, days)
 
 
 def make_client_cert(
-    ca: CertPair, out_dir: Path, client_id: str, *, name: str | None = None, days: int = 90
+    ca: CertPair,
+    out_dir: Path,
+    client_id: str,
+    *,
+    name: str | None = None,
+    days: int = 90,
+    extended_key_usage: Iterable[x509.ObjectIdentifier] = (ExtendedKeyUsageOID.CLIENT_AUTH,),
 ) -> CertPair:
-    """A listener's client certificate: its one SAN is ``DNS:<client_id>``."""
+    """A listener's client certificate: its one SAN is ``DNS:<client_id>``.
+
+    ``extended_key_usage`` other than clientAuth only makes certificates the bus refuses
+    (tests of that refusal)."""
     sans = _sans([client_id], [])
-    return _leaf(
-        ca, out_dir, name or client_id, client_id, sans, ExtendedKeyUsageOID.CLIENT_AUTH, days
-    )
+    return _leaf(ca, out_dir, name or client_id, client_id, sans, extended_key_usage, days)
 
 
 def dev_bundle(

@@ -109,6 +109,7 @@ class SourceRuntime:
             max_retained_tokens=src.max_retained_tokens,
             policy=SaePruningPolicy() if src.pruning_policy == "saecache" else None,
             conversation=conversation,
+            on_fault=self._on_resync,
         )
         hub.add_backend(self.name, self.tracker.snapshot)
         self.transports: list[ZmqSource | TrtllmPoller] = []
@@ -140,8 +141,9 @@ class SourceRuntime:
                             allowed_publishers=tuple(src.allowed_publishers),
                             dp_rank=rank,
                             backend=self.name,
+                            max_frame_bytes=src.max_frame_bytes,
                         ),
-                        decode=decode_batch,
+                        decode=functools.partial(decode_batch, max_frame_bytes=src.max_frame_bytes),
                         on_batch=functools.partial(self._on_batch, flush=False),
                         on_resync=self._on_resync,
                         on_drained=self.tracker.flush,
@@ -158,7 +160,8 @@ class SourceRuntime:
         self.tracker.apply(batch, flush=flush)
 
     def _on_resync(self, reason: str) -> None:
-        """The engine restarted or events were lost: forget, then tell subscribers."""
+        """The engine restarted or events were lost (a gap, an undecodable batch, an event
+        the tracker failed on): forget, then tell subscribers."""
         self.tracker.reset()
         self.hub.resync(self.name, reason, self.tracker.snapshot())
 
@@ -190,6 +193,8 @@ class ListenerApp:
             self.hub,
             heartbeat_interval=cfg.heartbeat_interval_ms / 1000,
             stats_provider=self.stats,
+            max_subscribers=cfg.max_subscribers,
+            write_timeout=cfg.subscriber_write_timeout_ms / 1000,
         )
         self.grpc: GrpcServer | None = None
         self.advisor: EvictionAdvisor | None = None
@@ -207,7 +212,11 @@ class ListenerApp:
         self.grpc_port: int | None = None
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        return {name: rt.stats() for name, rt in self.sources.items()}
+        out = {name: rt.stats() for name, rt in self.sources.items()}
+        if self.advisor is not None:
+            for name, counters in self.advisor.stats().items():
+                out[name].update(counters)
+        return out
 
     async def start(self) -> None:
         host, port = parse_hostport(self.cfg.listen)
@@ -239,6 +248,7 @@ class ListenerApp:
                 self.advisor = EvictionAdvisor(
                     self.sources,
                     max_blocks=self.cfg.eviction_advisor_max_blocks,
+                    max_clock_skew=self.cfg.eviction_advisor_max_clock_skew_s,
                     predictor=predictor,
                 )
                 extra.append(functools.partial(advisor_to_server, self.advisor))

@@ -14,7 +14,8 @@ The wire formats are described byte by byte in ``listener/ENGINE_FORMATS.md`` (Â
   Tags are ``BlockStored``, ``BlockRemoved`` and ``AllBlocksCleared``. These events are
   **skipped and counted** in ``EventBatch.skipped``, never fatal for the batch: an unknown tag,
   an event that is neither an array nor a map, or an event with a field of the wrong type.
-  Only a frame that is not an ``EventBatch`` at all raises ``DecodeError``.
+  Those of a known tag are counted in ``EventBatch.malformed`` too (a lost block event: the
+  source resyncs). Only a frame that is not an ``EventBatch`` at all raises ``DecodeError``.
 
 Positional layout of encoding A (index 0 is the tag)::
 
@@ -193,7 +194,7 @@ def decode_batch(
 
     out: list[EngineEvent] = []
     append = out.append
-    skipped = 0
+    skipped = malformed = 0
     for ev in events:
         kind = type(ev)
         try:
@@ -205,7 +206,17 @@ def decode_batch(
                 skipped += 1
         except _SKIP:
             skipped += 1
-    return EventBatch(ts, out, dp_rank, skipped)
+            malformed += _known_kind(ev, array_handlers)
+    return EventBatch(ts, out, dp_rank, skipped, malformed)
+
+
+def _known_kind(ev: list[Any] | dict[Any, Any], handlers: dict[Any, _Handler]) -> bool:
+    """Whether a skipped event names a kind the decoder knows (it was malformed, not new)."""
+    try:
+        tag = ev[0] if type(ev) is list else ev.get("type")  # type: ignore[union-attr]
+        return tag in handlers
+    except (LookupError, TypeError):  # empty array, unhashable tag
+        return False
 
 
 def _what(value: object) -> str:

@@ -83,3 +83,7 @@ class EventBatch:
     dp_rank: int | None = None
     skipped: int = 0
     """Events in the batch that were not understood (unknown tag, wrong field types)."""
+    malformed: int = 0
+    """Those of ``skipped`` of a known kind (a block event with a field of the wrong type):
+    lost block events, so the consumer resyncs. An unknown kind may be an engine newer than
+    the decoder and costs nothing the listener tracks."""

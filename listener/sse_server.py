@@ -8,7 +8,10 @@ Routes:
   it on reconnect). A stream idle for ``heartbeat_interval`` gets a comment
   (``bus.sse.encode_comment``). It ends cleanly when the client disconnects, after the
   explicit ``buffer_overflow`` error record, or on shutdown. Unknown backend: 404 with an
-  OpenAI-style error body.
+  OpenAI-style error body; ``max_subscribers`` streams already open: 503. A write the
+  client's socket does not take within ``write_timeout`` (a client that stopped reading)
+  disconnects it and counts it in ``stalled_subscribers``: its backlog (a resync block's
+  snapshot) and queue are released instead of held for as long as the client lives.
 * ``GET /health`` — ``{"status": "ok", "epoch": ..., "backends": [...]}``.
 * ``GET /stats`` — ``{"epoch", "sources": <stats provider>, "hub": EventHub.stats()}``.
 * ``GET /metrics`` — Prometheus text from a registry of this server's own. Label values
@@ -99,16 +102,26 @@ class ListenerMetrics(Collector):
     ``..._event_seq``, ``..._history_records``, ``..._subscribers``; all labelled
     ``backend``. Each numeric leaf ``k`` of the stats provider's dict for a configured
     backend becomes ``continuum_kv_listener_source_<k>`` (a counter if ``k`` ends in
-    ``_total``, else a gauge); keys that are not metric names are skipped.
+    ``_total``, else a gauge); keys that are not metric names are skipped. The SSE
+    server's own counters (``server_counters``) become
+    ``continuum_kv_listener_sse_<name>_total``, without labels.
     """
 
-    def __init__(self, hub: EventHub, stats_provider: StatsProvider | None = None) -> None:
+    def __init__(
+        self,
+        hub: EventHub,
+        stats_provider: StatsProvider | None = None,
+        server_counters: dict[str, int] | None = None,
+    ) -> None:
         self._hub = hub
         self._stats = stats_provider
+        self._server_counters = server_counters
 
     def collect(self) -> Iterator[Metric]:
         backends = self._hub.stats()["backends"]
         p = "continuum_kv_listener_"
+        for counter, count in (self._server_counters or {}).items():
+            yield CounterMetricFamily(f"{p}sse_{counter}", f"SSE {counter}.", value=count)
         counters = (
             ("events_published", "published", "Events appended to the backend's sequence."),
             ("overflows", "overflows", "Subscribers closed with buffer_overflow."),
@@ -166,6 +179,8 @@ class SseServer:
         heartbeat_interval: Seconds of idleness before a heartbeat comment.
         stats_provider: Per-source counters for ``/stats`` and ``/metrics``.
         batch_limit: Most records written per socket write.
+        max_subscribers: Event streams open at once; one more gets 503.
+        write_timeout: Seconds one write may wait for the client's socket to take it.
     """
 
     def __init__(
@@ -175,15 +190,23 @@ class SseServer:
         heartbeat_interval: float = 15.0,
         stats_provider: StatsProvider | None = None,
         batch_limit: int = 256,
+        max_subscribers: int = 256,
+        write_timeout: float = 30.0,
     ) -> None:
+        if max_subscribers < 1 or write_timeout <= 0:
+            raise ValueError("max_subscribers and write_timeout must be positive")
         self.hub = hub
         self.heartbeat_interval = heartbeat_interval
         self._stats = stats_provider
         self._batch_limit = batch_limit
+        self.max_subscribers = max_subscribers
+        self.write_timeout = write_timeout
         self._subs: set[Subscription] = set()
         self._runner: web.AppRunner | None = None
+        self.counters = {"refused_subscribers": 0, "stalled_subscribers": 0}
+        """Streams refused at the cap; subscribers disconnected for not reading."""
         self.registry = CollectorRegistry()
-        self.registry.register(ListenerMetrics(hub, stats_provider))
+        self.registry.register(ListenerMetrics(hub, stats_provider, self.counters))
         self.port: int | None = None
         """The bound port once started."""
 
@@ -227,22 +250,43 @@ class SseServer:
         if backend not in self.hub:
             known = ", ".join(self.hub.backends) or "none"
             return _error(404, f"unknown backend {backend!r} (configured: {known})", "not_found")
+        if len(self._subs) >= self.max_subscribers:
+            self.counters["refused_subscribers"] += 1
+            n = self.max_subscribers
+            return _error(
+                503,
+                f"{n} event streams are open, the most max_subscribers ({n}) allows; retry later",
+                "overloaded",
+            )
         last_id = request.headers.get("Last-Event-ID")
         if last_id is None:
             last_id = request.query.get("last_event_id")
         sub = self.hub.subscribe(backend, last_id)
         self._subs.add(sub)
         resp = web.StreamResponse(status=200, headers=_SSE_HEADERS)
+        timeout = self.write_timeout
         try:
-            await resp.prepare(request)
+            async with asyncio.timeout(timeout):
+                await resp.prepare(request)
             async for batch in sse_batches(sub, self.heartbeat_interval, self._batch_limit):
-                await resp.write(b"".join(batch))
+                async with asyncio.timeout(timeout):
+                    await resp.write(b"".join(batch))
             if sub.close_reason == BUFFER_OVERFLOW:
                 log.warning("closed a slow subscriber of %s: buffer_overflow", backend)
             with contextlib.suppress(ConnectionError):
-                await resp.write_eof()
+                async with asyncio.timeout(timeout):
+                    await resp.write_eof()
         except ConnectionError:
             log.debug("subscriber of %s disconnected", backend)
+        except TimeoutError:
+            self.counters["stalled_subscribers"] += 1
+            log.warning(
+                "disconnected a subscriber of %s: its socket took no bytes for %g s",
+                backend,
+                timeout,
+            )
+            if request.transport is not None:
+                request.transport.abort()
         finally:
             sub.close()
             self._subs.discard(sub)
@@ -260,7 +304,8 @@ class SseServer:
             except Exception as exc:
                 log.exception("stats provider failed")
                 return _error(500, f"stats provider failed: {exc}", "internal_error")
-        body = {"epoch": self.hub.epoch, "sources": sources, "hub": self.hub.stats()}
+        sse = {"open_streams": len(self._subs), **self.counters}
+        body = {"epoch": self.hub.epoch, "sources": sources, "hub": self.hub.stats(), "sse": sse}
         return web.Response(
             body=orjson.dumps(body, default=str, option=orjson.OPT_NON_STR_KEYS),
             content_type="application/json",

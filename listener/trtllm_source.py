@@ -115,7 +115,7 @@ class TrtllmPollerStats:
     redirects: int = 0
     """3xx answers, refused (counted in ``poll_errors`` too)."""
     malformed_responses: int = 0
-    """200 answers that were not a JSON array (their events are lost)."""
+    """200 answers that were not a JSON array (their events are lost: a resync)."""
     received: int = 0
     """Events received, before any filtering."""
     batches: int = 0
@@ -123,6 +123,8 @@ class TrtllmPollerStats:
     """Events delivered in batches."""
     skipped: int = 0
     """Events not understood (bad shape, unknown type, unparseable hash)."""
+    malformed: int = 0
+    """Of those, ``stored`` / ``removed`` events that do not map: lost, so a resync."""
     duplicates: int = 0
     gaps: int = 0
     restarts: int = 0
@@ -243,10 +245,13 @@ class TrtllmPoller:
         on_batch: ``on_batch(batch, dp_rank)``, one batch per run of same-rank events in a
             response. Sync or async.
         on_resync: ``on_resync(reason)`` with ``"restart"``, ``"gap"`` or ``"window"``, in
-            order with the batches. Sync or async.
+            order with the batches; ``"decode_error"`` after a response that is not a JSON
+            array; ``"malformed_event"`` after a ``stored`` / ``removed`` event that does not
+            map; ``"callback_error"`` after ``on_batch`` raised. Sync or async.
         backoff: delay strategy after failed polls (default ``ExponentialBackoff()``).
 
-    Callback exceptions are logged (the first) and counted, never propagated.
+    Callback exceptions are logged (the first), counted and followed by a resync, never
+    propagated.
     """
 
     def __init__(
@@ -346,11 +351,14 @@ class TrtllmPoller:
         except (ValueError, RecursionError):
             events = None
         if not isinstance(events, list):
+            # The drain removed whatever it carried: lost for sure, so resync now rather
+            # than at the next event's id.
             self.stats.malformed_responses += 1
             self._uncertain = set(self._last_ids)
             logger.warning(
                 "trtllm source %s: response of %d bytes is not a JSON array", self._name, len(body)
             )
+            await self._resync("decode_error")
             return 0
         self.stats.polls += 1
         if not events:
@@ -388,6 +396,9 @@ class TrtllmPoller:
             mapped = map_event(event)
             if mapped is None:
                 self._skip(rank)
+                if kind in ("stored", "removed"):  # a lost block event, not a new kind
+                    self.stats.malformed += 1
+                    await self._resync("malformed_event")
                 continue
             if window is not None:
                 self._delivered_windowed = True
@@ -487,9 +498,11 @@ class TrtllmPoller:
         await self._flush()
         self.stats.resyncs += 1
         self._delivered_windowed = False
-        await self._call(self._on_resync, reason)
+        await self._call(self._on_resync, reason, resync=False)
 
-    async def _call(self, fn: Callable[..., object], *args: object) -> None:
+    async def _call(self, fn: Callable[..., object], *args: object, resync: bool = True) -> None:
+        """Call back; a failure is counted and, unless it was the resync itself, resyncs
+        (whatever the batch callback did not finish is lost to the consumer)."""
         try:
             result = fn(*args)
             if inspect.isawaitable(result):
@@ -502,3 +515,5 @@ class TrtllmPoller:
                     "trtllm source %s: callback failed; further failures are only counted",
                     self._name,
                 )
+            if resync:
+                await self._resync("callback_error")

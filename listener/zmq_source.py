@@ -3,8 +3,13 @@
 Wire format (``listener/ENGINE_FORMATS.md`` §1, §6): every live message is three frames,
 ``[topic, seq, payload]``, where ``seq`` is an 8-byte big-endian counter that starts at 0 when
 the engine's publisher starts and rises by 1 per batch. Anything else is counted as a
-malformed frame and dropped; an undecodable payload is counted as a decode error. Neither
-ever ends the receive loop.
+malformed frame and dropped (its sequence number is unknown, so the next batch shows the
+gap). An undecodable payload is counted as a decode error and resyncs (``decode_error``):
+its sequence number is taken, since a replay would bring back the same bytes. A batch
+with a block event that does not decode (``EventBatch.malformed``) resyncs before it is
+delivered (``malformed_event``). A batch callback that raises is counted and resyncs too
+(``callback_error``). None of these ever
+ends the receive loop.
 
 Ordering (the algorithm)
 ------------------------
@@ -48,6 +53,7 @@ needs stay beside it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
@@ -59,6 +65,7 @@ import zmq.asyncio
 
 from bus.backoff import Backoff, ExponentialBackoff
 from bus.supervisor import Attempt, Supervisor, Verdict
+from listener.decode import DEFAULT_MAX_FRAME_BYTES
 from listener.endpoints import (
     SCHEMES as _SCHEMES,
 )
@@ -94,7 +101,8 @@ Decoder: TypeAlias = Callable[[bytes, ZmqEngine], EventBatch]
 BatchCallback: TypeAlias = Callable[[EventBatch, "int | None"], "Awaitable[None] | None"]
 """``on_batch(batch, dp_rank)``; may be a plain function or a coroutine function."""
 ResyncCallback: TypeAlias = Callable[[str], "Awaitable[None] | None"]
-"""``on_resync(reason)``: forget this source's blocks; ``reason`` is ``gap`` or ``restart``."""
+"""``on_resync(reason)``: forget this source's blocks; ``reason`` is ``gap``, ``restart``,
+``decode_error``, ``malformed_event`` or ``callback_error`` (trtllm adds ``window``)."""
 
 SEQ_LEN = 8
 END_SEQ = b"\xff" * SEQ_LEN
@@ -133,6 +141,10 @@ class ZmqSourceConfig:
     """Longest wait for each replay reply message, in seconds."""
     rcvhwm: int = 100_000
     """SUB receive high-water mark (messages); the engines' PUB uses 100 000."""
+    max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    """Largest frame taken from a peer (``ZMQ_MAXMSGSIZE`` on the SUB and the replay
+    DEALER; the decoder's bound). libzmq drops the connection of a peer that sends a larger
+    one before buffering it; the batch is then lost like any other (a gap)."""
 
     def __post_init__(self) -> None:
         if self.mode not in ("bind", "connect"):
@@ -154,6 +166,8 @@ class ZmqSourceConfig:
             raise ValueError("replay_timeout_s must be > 0")
         if self.dp_rank is not None and self.dp_rank < 0:
             raise ValueError("dp_rank must be >= 0")
+        if self.max_frame_bytes < 1:
+            raise ValueError("max_frame_bytes must be >= 1")
         object.__setattr__(self, "allowed_publishers", tuple(self.allowed_publishers))
         PublisherAllowlist(self.allowed_publishers)  # validates the entries
 
@@ -166,6 +180,10 @@ class ZmqSourceStats:
     """Batches decoded and handed to ``on_batch`` (live and replayed)."""
     events: int = 0
     """Events in those batches."""
+    skipped_events: int = 0
+    """Events the decoder did not understand (unknown kinds included)."""
+    malformed_events: int = 0
+    """Of those, block events of a known kind: lost, so their batch resyncs first."""
     decode_errors: int = 0
     malformed_frames: int = 0
     """Live messages that are not ``[topic, 8-byte seq, payload]``."""
@@ -184,6 +202,9 @@ class ZmqSourceStats:
     callback_errors: int = 0
     connects: int = 0
     """Socket lifetimes started (the first, then one per reconnect)."""
+    disconnects: int = 0
+    """Peer connections that ended: the engine went away, or sent a frame over
+    ``max_frame_bytes`` (libzmq drops the connection); connect mode connects again."""
     last_seq: int | None = None
 
 
@@ -286,13 +307,16 @@ class ZmqSource:
         on_batch: called with each batch in sequence order, and this source's dp rank (the
             batch's own ``dp_rank`` when the config has none). Sync or async.
         on_resync: called with ``"gap"`` or ``"restart"`` before the first batch after a loss
-            that could not be replayed, or after an engine restart. Sync or async.
+            that could not be replayed, or after an engine restart; ``"decode_error"`` after
+            an undecodable batch; ``"callback_error"`` after ``on_batch`` or ``on_drained``
+            raised. Sync or async.
         on_drained: called after each run of batches that were already queued (at most
             ``_DRAIN_BATCH + 1``), before the loop yields: where a consumer that defers
             work per batch catches up. Sync or async.
         backoff: reconnect delay strategy (default ``ExponentialBackoff()``).
 
-    Callback exceptions are logged (the first) and counted, never propagated.
+    Callback exceptions are logged (the first), counted and followed by a resync, never
+    propagated.
     """
 
     def __init__(
@@ -411,6 +435,7 @@ class ZmqSource:
                 await self._allowlist.check_host(tcp_host_port(cfg.replay_endpoint)[0])
         with self._ctx.socket(zmq.SUB) as sock:
             sock.setsockopt(zmq.RCVHWM, cfg.rcvhwm)
+            sock.setsockopt(zmq.MAXMSGSIZE, cfg.max_frame_bytes)
             sock.setsockopt(zmq.LINGER, 0)
             if is_ipv6_endpoint(cfg.endpoint):
                 sock.setsockopt(zmq.IPV6, 1)
@@ -423,38 +448,69 @@ class ZmqSource:
             else:
                 sock.connect(cfg.endpoint)
             self._bound_endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT) or cfg.endpoint
-            self.stats.connects += 1
-            self._ready.set()
-            logger.info(
-                "zmq source %s: %s %s (replay %s)",
-                self._name,
-                "bound" if cfg.mode == "bind" else "connected to",
-                self._bound_endpoint,
-                cfg.replay_endpoint or "off",
-            )
-            # pyzmq's awaitable recv completes at once while messages are queued, so a
-            # busy engine would starve every other task on the loop (SSE writers, /stats,
-            # detokenize jobs). Drain a bounded batch without awaiting, then yield.
-            raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
-            again = zmq.Again
-            noblock = zmq.NOBLOCK
-            take = self._take
-            on_drained = self._on_drained
+            monitor = asyncio.create_task(self._watch(sock), name=f"zmq-monitor:{self._name}")
+            try:
+                await self._receive(sock)
+            finally:
+                monitor.cancel()
+                await asyncio.wait([monitor])
+
+    async def _watch(self, sock: zmq.asyncio.Socket) -> None:
+        """Count ended peer connections; in connect mode, connect again.
+
+        libzmq reconnects by itself after a connection error, but not after a protocol
+        error, and a frame over ``ZMQ_MAXMSGSIZE`` is one: without a new ``connect`` the
+        SUB would stay silent for good. Connecting again after any disconnect is harmless.
+        """
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
             while True:
-                pending = take(await sock.recv_multipart())
+                await mon.recv_multipart()
+                self.stats.disconnects += 1
+                if self.config.mode == "connect":
+                    with contextlib.suppress(zmq.ZMQError):
+                        sock.disconnect(self.config.endpoint)
+                    sock.connect(self.config.endpoint)
+        finally:
+            with contextlib.suppress(zmq.ZMQError):
+                sock.disable_monitor()
+            mon.close(0)
+
+    async def _receive(self, sock: zmq.asyncio.Socket) -> None:
+        """Deliver what ``sock`` receives until an error (or cancellation)."""
+        cfg = self.config
+        self.stats.connects += 1
+        self._ready.set()
+        logger.info(
+            "zmq source %s: %s %s (replay %s)",
+            self._name,
+            "bound" if cfg.mode == "bind" else "connected to",
+            self._bound_endpoint,
+            cfg.replay_endpoint or "off",
+        )
+        # pyzmq's awaitable recv completes at once while messages are queued, so a
+        # busy engine would starve every other task on the loop (SSE writers, /stats,
+        # detokenize jobs). Drain a bounded batch without awaiting, then yield.
+        raw: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)
+        again = zmq.Again
+        noblock = zmq.NOBLOCK
+        take = self._take
+        on_drained = self._on_drained
+        while True:
+            pending = take(await sock.recv_multipart())
+            if pending is not None:
+                await pending
+            for _ in range(_DRAIN_BATCH):
+                try:
+                    frames = raw.recv_multipart(noblock)
+                except again:
+                    break
+                pending = take(frames)
                 if pending is not None:
                     await pending
-                for _ in range(_DRAIN_BATCH):
-                    try:
-                        frames = raw.recv_multipart(noblock)
-                    except again:
-                        break
-                    pending = take(frames)
-                    if pending is not None:
-                        await pending
-                if on_drained is not None:
-                    await self._call(on_drained)
-                await asyncio.sleep(0)
+            if on_drained is not None:
+                await self._call(on_drained)
+            await asyncio.sleep(0)
 
     # -- ordering ----------------------------------------------------------------------------
 
@@ -478,12 +534,14 @@ class ZmqSource:
         self._dup_floor = None
         decoded = self._decoded(last + 1, frames[2])
         if decoded is None:
-            return None
+            return self._resync("decode_error")
+        if decoded[0].malformed:
+            return self._hand_over(decoded)
         try:
             result = self._sync_batch(*decoded)
         except Exception:
             self._callback_failed()
-            return None
+            return self._resync("callback_error")
         if result is not None and inspect.isawaitable(result):
             return self._call(lambda: result)
         return None
@@ -581,6 +639,7 @@ class ZmqSource:
         dealer = self._ctx.socket(zmq.DEALER)
         try:
             dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
             if is_ipv6_endpoint(self.config.replay_endpoint):
                 dealer.setsockopt(zmq.IPV6, 1)
             dealer.connect(self.config.replay_endpoint)
@@ -629,25 +688,41 @@ class ZmqSource:
             return None
         stats.batches += 1
         stats.events += len(batch.events)
+        if batch.skipped:
+            stats.skipped_events += batch.skipped
+            stats.malformed_events += batch.malformed
         rank = self.config.dp_rank
         return batch, batch.dp_rank if rank is None else rank
 
     async def _deliver(self, seq: int, payload: bytes) -> None:
         decoded = self._decoded(seq, payload)
-        if decoded is not None:
-            await self._call(self._on_batch, *decoded)
+        if decoded is None:
+            await self._resync("decode_error")
+        else:
+            await self._hand_over(decoded)
+
+    async def _hand_over(self, decoded: tuple[EventBatch, int | None]) -> None:
+        """``on_batch``, after a resync when the batch lost a block event (``malformed``):
+        what it lost cannot be fetched again, and the batch's other events survive."""
+        if decoded[0].malformed:
+            await self._resync("malformed_event")
+        await self._call(self._on_batch, *decoded)
 
     async def _resync(self, reason: str) -> None:
         self.stats.resyncs += 1
-        await self._call(self._on_resync, reason)
+        await self._call(self._on_resync, reason, resync=False)
 
-    async def _call(self, fn: Callable[..., object], *args: object) -> None:
+    async def _call(self, fn: Callable[..., object], *args: object, resync: bool = True) -> None:
+        """Call back; a failure is counted and, unless it was the resync itself, resyncs
+        (whatever the callback did not finish is lost to the consumer)."""
         try:
             result = fn(*args)
             if inspect.isawaitable(result):
                 await result
         except Exception:
             self._callback_failed()
+            if resync:
+                await self._resync("callback_error")
 
     def _callback_failed(self) -> None:
         self.stats.callback_errors += 1

@@ -294,9 +294,15 @@ def _event_bus_metrics(bus: dict[str, Any]) -> Iterator[Any]:
         "Source requests no live listener session announced (retried at a flat interval).",
         bus.get("no_session", 0),
     )
+    yield CounterMetricFamily(
+        "continuum_event_bus_calls_over_cap",
+        "Session/Stream calls refused RESOURCE_EXHAUSTED at max_sessions / max_streams.",
+        bus.get("calls_over_cap", 0),
+    )
     closes = CounterMetricFamily(
         "continuum_event_bus_stream_closes",
-        "Event bus streams ended, by reason (buffer_overflow, draining, unsubscribed, ...).",
+        "Event bus streams ended, by reason: buffer_overflow, draining, unsubscribed, error,"
+        " rejected (by the router), other (any other text the listener sent).",
         labels=["reason"],
     )
     for reason, n in sorted(bus.get("stream_closes", {}).items()):

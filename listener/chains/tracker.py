@@ -29,14 +29,20 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal, cast
 
 from bus.backoff import Backoff, ExponentialBackoff
 from bus.events import KvEvent
 from bus.prefix_key import PrefixKey
 from bus.salt import SaltError
-from listener.engine_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from listener.engine_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineEvent,
+    EventBatch,
+)
 
 from .attribution import AttributionJobs, ChainAttributor
 from .blocks import BlockKey, BlockStore, LruPolicy, PruningPolicy, TrackedBlock
@@ -67,6 +73,10 @@ class ChainTracker:
         backoff: delay strategy after detokenize failures.
         probe_fanout, max_probe_rounds: search for the block that decides the anchor.
         conversation: compute and announce conversation keys (None: prefix keys only).
+        on_fault: called with ``"tracker_error"`` after an event raised (it is dropped and
+            counted in ``failed_events``): the owner resyncs the backend (``reset``, then
+            ``resync`` and the snapshot to subscribers). None: the tracker resets and emits
+            the ``resync`` itself.
     """
 
     def __init__(
@@ -85,6 +95,7 @@ class ChainTracker:
         probe_fanout: int = 4,
         max_probe_rounds: int = 4,
         conversation: ConversationSettings | None = None,
+        on_fault: Callable[[str], None] | None = None,
     ) -> None:
         if min(max_chain_tokens, max_tracked_blocks, max_retained_tokens, concurrency) < 1:
             raise ValueError("limits and concurrency must be positive")
@@ -128,6 +139,8 @@ class ChainTracker:
         """Some (dp rank, group) has blocks in more than one medium (twins possible)."""
         self._warned: set[str] = set()
         self.mismatches = self.salt_failures = self.orphans = self.discarded = 0
+        self.failed_events = 0
+        self._on_fault = on_fault
         self._conv: ConversationLedger | None = None
         if conversation is not None:
             self._conv = ConversationLedger(backend, emit, conversation, self._warn_once)
@@ -157,8 +170,25 @@ class ChainTracker:
         flushing ``apply``): a source draining a backlog of batches that are all already
         there announces their end state once, not every intermediate one.
         """
-        dp = batch.dp_rank or 0
-        for ev in batch.events:
+        # One event that raises (a bug, a value no check foresaw) costs that event and a
+        # resync of the backend, not the rest of the batch: the loop goes on from the
+        # next event, on the state the resync left.
+        events = iter(batch.events)
+        while True:
+            try:
+                self._apply(batch.dp_rank or 0, events)
+            except Exception:
+                self._event_failed()
+            else:
+                break
+        # Once per batch, not per event: a batch is one scheduler step, and subscribers
+        # need its outcome, not every intermediate state (the final state is the same).
+        if flush:
+            self.flush()
+
+    def _apply(self, dp: int, events: Iterator[EngineEvent]) -> None:
+        """``apply``'s loop: consumes ``events`` up to the end or to the event that raises."""
+        for ev in events:
             kind = type(ev)
             if kind is BlockStored:
                 if not self._extend(dp, ev):  # type: ignore[arg-type]
@@ -173,10 +203,22 @@ class ChainTracker:
                 self.flush()
                 self.reset()
                 self._emit(KvEvent("cache_cleared", self.backend))
-        # Once per batch, not per event: a batch is one scheduler step, and subscribers
-        # need its outcome, not every intermediate state (the final state is the same).
-        if flush:
-            self.flush()
+
+    def _event_failed(self) -> None:
+        """Count the event that raised, then resync: the parts may be half updated."""
+        self.failed_events += 1
+        if "event" not in self._warned:
+            self._warned.add("event")
+            log.exception(
+                "source %s: an engine event failed; dropped and resynced"
+                " (further failures only counted)",
+                self.backend,
+            )
+        if self._on_fault is not None:
+            self._on_fault("tracker_error")
+        else:
+            self.reset()
+            self._emit(KvEvent("resync", self.backend, reason="tracker_error"))
 
     def flush(self) -> None:
         """Announce what changed since the last announcement (see ``apply``)."""
@@ -481,6 +523,7 @@ class ChainTracker:
             "pruned_entries": blocks.pruned,
             "orphan_blocks": self.orphans,
             "discarded_chains": self.discarded,
+            "failed_events": self.failed_events,
             "queued_roots": self._jobs.queued,
         } | ({} if self._conv is None else self._conv.stats())
 

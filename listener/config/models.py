@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from bus.config import parse_hostport
+from listener.decode import DEFAULT_MAX_FRAME_BYTES
 from listener.endpoints import offset_endpoint
 from listener.push.config import EventBusClientConfig
 
@@ -183,6 +184,10 @@ class SourceConfig(_Section):
     """IPs, CIDRs or hostnames allowed to publish to this source (ZMQ peers, the trtllm URL
     host). Empty = any peer, only sensible with ``zmq_mode: connect`` on a trusted net."""
 
+    max_frame_bytes: Annotated[int, Field(ge=1024, le=1 << 30)] = DEFAULT_MAX_FRAME_BYTES
+    """Largest ZMQ frame taken from the engine (64 MiB; a real batch is a few kB):
+    ``ZMQ_MAXMSGSIZE`` on the sockets and the decoder's bound. libzmq drops a peer that
+    sends a larger one (counted in ``disconnects``; the lost batch is a gap)."""
     max_chain_tokens: Annotated[int, Field(ge=1, le=1 << 22)] = 16384
     """Longest token chain rebuilt for ``/detokenize``; longer chains are tracked by length
     only and stay unattributed."""
@@ -301,6 +306,11 @@ class ListenerConfig(_Section):
     subscriber_queue_size: Annotated[int, Field(ge=16, le=1_000_000)] = 4096
     """Live events queued per subscriber; a subscriber that falls this far behind is closed
     with an explicit ``buffer_overflow`` error and resumes from its last event ID."""
+    max_subscribers: Annotated[int, Field(ge=1, le=100_000)] = 256
+    """SSE event streams open at once (``GET /events/{backend}``); one more gets 503."""
+    subscriber_write_timeout_ms: Annotated[int, Field(ge=100, le=600_000)] = 30_000
+    """Longest a write to one SSE subscriber may wait for its socket; a client that stopped
+    reading is disconnected then (``stalled_subscribers``), releasing its snapshot."""
     salt_secret_file: str | None = None
     """File holding the HMAC secret shared with the router for cache salts (>= 16 bytes,
     whitespace stripped)."""
@@ -317,6 +327,10 @@ class ListenerConfig(_Section):
     eviction_advisor_max_blocks: Annotated[int, Field(ge=1, le=100_000_000)] = 1_000_000
     """Blocks the eviction advisor keeps per backend; past it the lowest-ranked are
     forgotten."""
+    eviction_advisor_max_clock_skew_s: Annotated[float, Field(gt=0, le=86_400)] = 60.0
+    """Seconds an engine's timestamp may be off where the listener's clock puts the
+    engine's clock (seconds, any epoch); one further off is clamped there and counted
+    (``advisor_clamped_timestamps``), so one bad event cannot poison the advisor's clock."""
     conversation: ConversationConfig = Field(default_factory=ConversationConfig)
     """Conversation keys for the router's conversation-depth index (off by default)."""
     session_predictor: str | None = None

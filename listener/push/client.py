@@ -218,6 +218,11 @@ class EventBusClient:
                     client_id=cfg.client_id, role=pb.ROLE_KV_LISTENER, sources=self.sources
                 )
                 async with asyncio.timeout(cfg.connect_timeout_s):
+                    # The router sends the initial metadata once it has admitted the call:
+                    # writing the Hello only then keeps a refusal's status intact.
+                    await call.initial_metadata()
+                    if call.done():
+                        await _raise_status(call)
                     await call.write(pb.SessionRequest(hello=hello))
                     first = await call.read()
                 if first is grpc.aio.EOF:

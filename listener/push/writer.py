@@ -102,6 +102,11 @@ class StreamWriter:
         reason: pb.CloseReason = pb.CLOSE_REASON_ERROR
         detail = ""
         try:
+            # As the session does: the StreamOpen goes once the router admitted the call,
+            # so a refusal arrives as its own status, not as a failed write.
+            await call.initial_metadata()
+            if call.done():
+                await call  # raises the refusal
             await call.write(pb.StreamRequest(open=pb.StreamOpen(stream_id=self.stream_id)))
             if self._stop_reason is not None:
                 reason = self._stop_reason

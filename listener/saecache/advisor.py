@@ -11,13 +11,21 @@ sessions and ``ghost_capacity`` recently evicted hashes (``SaeConfig``).
 
 A batch is validated whole before any of it is applied, so a bad event never leaves a
 half-applied batch behind.
+
+Clock: engine timestamps are seconds on any epoch, so they are related to the server's
+monotonic clock: the first one fixes the offset between the two, and a later one more
+than ``max_clock_skew`` away from ``server clock + offset`` (one event far in the future
+would otherwise become the backend's "now" for good, make its block look freshest forever
+and expire every session) is replaced by that estimate and counted (``clamped``). Within
+the bound an engine's own timestamps keep their precision and order.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator, Iterable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 
 import grpc
 
@@ -67,12 +75,16 @@ class _InvalidArgument(ValueError):
 
 
 class _Backend:
-    __slots__ = ("cache", "forgotten", "now")
+    __slots__ = ("cache", "clamped", "forgotten", "now", "offset")
 
     def __init__(self, cfg: SaeConfig) -> None:
         self.cache = SaeCache(cfg)
         self.now = 0.0
         self.forgotten = 0
+        self.offset: float | None = None
+        """Engine clock minus server clock, from the first timestamp."""
+        self.clamped = 0
+        """Timestamps more than ``max_clock_skew`` off, replaced by the estimate."""
 
 
 class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
@@ -84,6 +96,8 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         config: the SAECache configuration of every backend's state.
         predictor: the session predictor (``listener.saecache.predictor``): classifies a
             new session whose REQUEST_STARTED carries ``features`` and no class guess.
+        max_clock_skew: seconds an engine timestamp may be off the server clock's estimate.
+        clock: the server's clock (seconds, monotonic).
     """
 
     def __init__(
@@ -93,9 +107,15 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         max_blocks: int = 1_000_000,
         config: SaeConfig | None = None,
         predictor: Predictor | None = None,
+        max_clock_skew: float = 60.0,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be positive")
+        if not max_clock_skew > 0:
+            raise ValueError("max_clock_skew must be positive")
+        self.max_clock_skew = max_clock_skew
+        self._clock = clock
         self.predictor = predictor
         self.predictions = 0
         self._cfg = config if config is not None else SaeConfig()
@@ -113,6 +133,32 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         if b is None and name in self._names:
             b = self._backends[name] = _Backend(self._cfg)
         return b
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per backend seen so far: ``advisor_clamped_timestamps``, ``advisor_blocks``."""
+        return {
+            name: {"advisor_clamped_timestamps": b.clamped, "advisor_blocks": len(b.cache)}
+            for name, b in self._backends.items()
+        }
+
+    def _time(self, b: _Backend, timestamp: float, server: float) -> float:
+        """``timestamp`` on the engine's clock, clamped to the skew bound; 0: ``b.now``."""
+        if timestamp <= 0:
+            return b.now
+        if b.offset is None:
+            b.offset = timestamp - server
+            return timestamp
+        expected = server + b.offset
+        if abs(timestamp - expected) > self.max_clock_skew:
+            b.clamped += 1
+            if b.clamped == 1:
+                log.warning(
+                    "eviction advisor: a timestamp %.0f s off the server clock's estimate;"
+                    " clamped (further ones only counted)",
+                    timestamp - expected,
+                )
+            return expected
+        return timestamp
 
     def _unknown(self, name: str) -> str:
         known = ", ".join(self._names) or "none"
@@ -144,8 +190,9 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
     def apply(self, b: _Backend, events: Iterable[pb.BlockEvent]) -> None:
         """Apply validated events to one backend's state, then enforce its bound."""
         c = b.cache
+        server = self._clock()
         for ev in events:
-            now = ev.timestamp if ev.timestamp > 0 else b.now
+            now = self._time(b, ev.timestamp, server)
             if now > b.now:
                 b.now = now
             kind = ev.kind
@@ -216,7 +263,7 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
                     grpc.StatusCode.INVALID_ARGUMENT,
                     f"candidate_hashes[{i}] has {len(h)} bytes: 1 to {MAX_HASH_BYTES} allowed",
                 )
-        now = request.timestamp if request.timestamp > 0 else b.now
+        now = self._time(b, request.timestamp, self._clock())
         order = b.cache.rank(cands, request.n, now)
         return pb.RankVictimsResponse(block_hashes=order)  # type: ignore[arg-type]
 

@@ -43,6 +43,8 @@ RESTART_ONLY: tuple[str, ...] = (
     "dynamo.event_bus.listen",
     "dynamo.event_bus.tls",
     "dynamo.event_bus.max_message_bytes",
+    "dynamo.event_bus.max_sessions",
+    "dynamo.event_bus.max_streams",
 )
 """Sections (or single fields) a reload cannot apply: they own sockets, pools, tasks."""
 """Top-level sections a reload cannot apply (they own sockets and credentials)."""

@@ -569,6 +569,12 @@ class EventBusConfig(_Section):
     max_message_bytes: Annotated[int, Field(ge=64 * 1024, le=64 << 20)] = 4 << 20
     """Largest gRPC message accepted; a larger StreamData ends that call with
     RESOURCE_EXHAUSTED."""
+    max_sessions: Annotated[int, Field(ge=1, le=100_000)] = 256
+    """Session calls in progress at once (authenticated or not); one more is refused with
+    RESOURCE_EXHAUSTED. A listener holds one."""
+    max_streams: Annotated[int, Field(ge=1, le=1_000_000)] = 4096
+    """Stream calls in progress at once (authenticated or not); one more is refused with
+    RESOURCE_EXHAUSTED. A listener holds one per source the router consumes from it."""
 
     @field_validator("listen")
     @classmethod

@@ -7,7 +7,9 @@ Two credentials, checked on every call (``Session`` and ``Stream``):
   per entry, and every entry is compared, so timing does not tell which one matched).
 * **mTLS client certificate** (only when ``tls.client_ca`` is set, which makes gRPC verify
   the chain): a DNS SubjectAlternativeName equal to an entry ``id``. Only DNS SANs count;
-  the common name and IP SANs never do.
+  the common name and IP SANs never do. A presented certificate must name clientAuth in
+  its ExtendedKeyUsage, with a token too: the TLS stack refuses one for another purpose,
+  this refuses one without the extension (which the TLS stack takes as any purpose).
 
 A token that matches no entry is UNAUTHENTICATED even when a certificate would match:
 a caller that sends a wrong secret is refused, not silently re-identified. No credential
@@ -23,6 +25,9 @@ from dataclasses import dataclass
 
 import grpc
 from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from bus.grpc_tls import has_extended_key_usage
 
 from ..config.models import BrokerConfig
 
@@ -98,6 +103,12 @@ class Authenticator:
         Raises:
             AuthError: UNAUTHENTICATED, with a detail that names no secret.
         """
+        pems = (auth_context.get("x509_pem_cert") or []) if self.certificates else []
+        if pems and not has_extended_key_usage(pems[0], ExtendedKeyUsageOID.CLIENT_AUTH):
+            raise AuthError(
+                grpc.StatusCode.UNAUTHENTICATED,
+                "the client certificate's ExtendedKeyUsage does not include clientAuth",
+            )
         token = None
         for key, value in metadata:
             if key.lower() == "authorization":
@@ -122,7 +133,6 @@ class Authenticator:
                 )
             return Principal(found, "token")
         if self.certificates:
-            pems = auth_context.get("x509_pem_cert") or []
             if pems:
                 names = dns_sans(pems[0])
                 for b in self._brokers:

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import functools
 import logging
+from pathlib import Path
 from typing import Any
 
 import grpc
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 from bus.grpc_server import start_server
-from bus.grpc_tls import server_credentials
+from bus.grpc_tls import has_extended_key_usage, server_credentials
 from bus.stream_data import decode_stream_request
 
 from ..config.models import EventBusConfig
@@ -75,6 +77,7 @@ class EventBusServer:
         self.sessions = sessions
         self._server: Any = None
         self.port: int | None = None
+        self.servicer: EventBusServicer | None = None
 
     def _credentials(self) -> grpc.ServerCredentials:
         tls = self.config.tls
@@ -86,16 +89,32 @@ class EventBusServer:
         # is still chosen by the bearer token when one is sent, else by the certificate's
         # DNS SAN.
         try:
-            return server_credentials(tls.cert, tls.key, tls.client_ca)
+            pem = Path(tls.cert).read_bytes()
+            credentials = server_credentials(tls.cert, tls.key, tls.client_ca)
         except OSError as exc:
             raise EventBusConfigError(f"dynamo.event_bus.tls: {exc}") from exc
+        # Listeners' TLS stacks refuse it at every handshake ("unsupported certificate
+        # purpose"): say so once, at start-up, naming the file.
+        if not has_extended_key_usage(pem, ExtendedKeyUsageOID.SERVER_AUTH):
+            raise EventBusConfigError(
+                f"dynamo.event_bus.tls.cert: {tls.cert} is not a server certificate"
+                " (its ExtendedKeyUsage does not include serverAuth)"
+            )
+        return credentials
+
+    def _servicer(self) -> EventBusServicer:
+        cfg = self.config
+        self.servicer = EventBusServicer(
+            self.sessions, max_sessions=cfg.max_sessions, max_streams=cfg.max_streams
+        )
+        return self.servicer
 
     async def start(self) -> int:
         """Bind and serve. Raises EventBusConfigError, or RuntimeError if the port is taken."""
         limit = self.config.max_message_bytes
         started = await start_server(
             self.config.listen,
-            [functools.partial(_add_servicer, EventBusServicer(self.sessions))],
+            [functools.partial(_add_servicer, self._servicer())],
             credentials=self._credentials(),
             options=[
                 ("grpc.max_receive_message_length", limit),

@@ -1,9 +1,16 @@
 """The ``continuum.bus.v1.EventBus`` servicer: Session and Stream calls onto the session registry.
 
-Every call is authenticated first (``auth``); every refusal ends the call with a status
-code and a detail an operator can act on (the codes are listed in ``bus.proto``). A
-malformed call never affects other calls: each is its own task, and a failure in one
-ends only that one.
+Admission, before anything else: a call beyond ``max_sessions`` / ``max_streams`` calls
+in progress (authenticated or not) ends RESOURCE_EXHAUSTED; then the credentials in the
+call's metadata are judged (``auth``), before any message is read, so an unauthenticated
+peer never gets a message of up to ``max_message_bytes`` buffered. An admitted caller is
+sent the initial metadata at once: the listener waits for it before its first message
+(Hello, StreamOpen), so a refusal never races that write (a write in flight when the
+call ends is reported by the peer's gRPC core as INTERNAL, hiding the status).
+
+Every refusal ends the call with a status code and a detail an operator can act on (the
+codes are listed in ``bus.proto``). A malformed call never affects other calls: each is
+its own task, and a failure in one ends only that one.
 """
 
 from __future__ import annotations
@@ -37,8 +44,41 @@ async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: AuthError) ->
 
 
 class EventBusServicer(pb_grpc.EventBusServicer):
-    def __init__(self, sessions: SessionRegistry) -> None:
+    """The EventBus methods over one session registry.
+
+    Args:
+        sessions: the registry the calls register in.
+        max_sessions, max_streams: calls of each method in progress at once.
+    """
+
+    def __init__(
+        self, sessions: SessionRegistry, *, max_sessions: int = 256, max_streams: int = 4096
+    ) -> None:
         self.sessions = sessions
+        self._caps = {
+            "Session": (max_sessions, "max_sessions"),
+            "Stream": (max_streams, "max_streams"),
+        }
+        self.active = {"Session": 0, "Stream": 0}
+        """Calls in progress, per method."""
+
+    async def _admit(self, method: str, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        """Take one of ``method``'s slots (give it back with ``active[method] -= 1``)."""
+        cap, name = self._caps[method]
+        if self.active[method] >= cap:
+            self.sessions.counters["calls_over_cap"] += 1
+            log.warning(
+                "event bus: refused a %s call from %s: %d in progress", method, context.peer(), cap
+            )
+            await _abort(
+                context,
+                AuthError(
+                    grpc.StatusCode.RESOURCE_EXHAUSTED,
+                    f"{cap} {method} calls in progress, the most"
+                    f" dynamo.event_bus.{name} ({cap}) allows; retry later",
+                ),
+            )
+        self.active[method] += 1
 
     async def _principal(self, context: grpc.aio.ServicerContext[Any, Any]) -> Principal:
         try:
@@ -51,14 +91,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
             await _abort(context, err)
 
     async def _first(self, requests: AsyncIterator[Any], context: Any) -> Any:
-        """The call's first message, read *before* the credentials are judged.
-
-        A peer writes its first message (Hello, StreamOpen) right after opening the call.
-        Ending the call while that write is in flight makes the peer's gRPC core report
-        the write as INTERNAL ("Internal error from Core") instead of our status, so an
-        operator would never see "UNAUTHENTICATED: no credential". Reading it first costs
-        one bounded message (the server's max message size) within ``_FIRST_TIMEOUT_S``.
-        """
+        """The call's first message (Hello, StreamOpen), once the caller is authenticated."""
         try:
             async with asyncio.timeout(_FIRST_TIMEOUT_S):
                 return await anext(requests, None)
@@ -78,9 +111,21 @@ class EventBusServicer(pb_grpc.EventBusServicer):
         request_iterator: AsyncIterator[pb.SessionRequest],
         context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
     ) -> None:
+        await self._admit("Session", context)
+        try:
+            await self._session(request_iterator, context)
+        finally:
+            self.active["Session"] -= 1
+
+    async def _session(
+        self,
+        request_iterator: AsyncIterator[pb.SessionRequest],
+        context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
+    ) -> None:
+        principal = await self._principal(context)
+        await context.send_initial_metadata(())
         requests = aiter(request_iterator)
         first = await self._first(requests, context)
-        principal = await self._principal(context)
         if first is None or first.WhichOneof("kind") != "hello":
             await _abort(
                 context,
@@ -142,9 +187,21 @@ class EventBusServicer(pb_grpc.EventBusServicer):
         request_iterator: AsyncIterator[pb.StreamRequest | bytes],
         context: grpc.aio.ServicerContext[pb.StreamRequest, pb.StreamResponse],
     ) -> pb.StreamResponse:
+        await self._admit("Stream", context)
+        try:
+            return await self._stream(request_iterator, context)
+        finally:
+            self.active["Stream"] -= 1
+
+    async def _stream(
+        self,
+        request_iterator: AsyncIterator[pb.StreamRequest | bytes],
+        context: grpc.aio.ServicerContext[pb.StreamRequest, pb.StreamResponse],
+    ) -> pb.StreamResponse:
+        principal = await self._principal(context)
+        await context.send_initial_metadata(())
         requests = aiter(request_iterator)
         first = await self._first(requests, context)
-        principal = await self._principal(context)
         if first is None or type(first) is bytes or first.WhichOneof("kind") != "open":
             await _abort(
                 context,

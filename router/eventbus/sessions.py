@@ -46,16 +46,28 @@ import grpc
 
 from bus._gen.continuum.bus.v1 import bus_pb2 as pb
 from bus.errors import BUFFER_OVERFLOW
+from bus.stream_data import CLOSE_REASON_WORDS
 
 from ..config.models import BrokerConfig, EventBusConfig
 from ..ingest import ConsumerError, SourceUnavailable, StreamClosedByPeer, StreamOpener
 from .auth import Authenticator, AuthError, Principal
 
-__all__ = ["BusSession", "NoSession", "SessionRegistry", "StreamSlot"]
+__all__ = ["BusSession", "NoSession", "SessionRegistry", "StreamSlot", "close_label"]
 
 log = logging.getLogger("continuum.eventbus")
 
 _SOURCE_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")
+_CLOSE_LABELS = frozenset(CLOSE_REASON_WORDS.values())
+
+
+def close_label(reason: str) -> str:
+    """The ``stream_closes`` key of a peer's close reason: its first word when that is a
+    close reason word (``bus.stream_data.CLOSE_REASON_WORDS``), else ``other``. The text
+    comes from the listener's bytes; as a metric label it must stay a closed set."""
+    word = reason.split(" ", 1)[0]
+    return word if word in _CLOSE_LABELS else "other"
+
+
 _ROLES = {"kv_listener": pb.ROLE_KV_LISTENER, "broker": pb.ROLE_BROKER}
 
 
@@ -204,9 +216,11 @@ class SessionRegistry:
             "sessions_forbidden": 0,
             "subscribes": 0,
             "no_session": 0,
+            "calls_over_cap": 0,
         }
         self.stream_closes: dict[str, int] = {}
-        """Streams ended, by reason (``buffer_overflow``, ``draining``, ...)."""
+        """Streams ended, by reason: a close reason word (``buffer_overflow``, ``draining``,
+        ``unsubscribed``, ``error``), ``rejected`` (the router dropped it) or ``other``."""
 
     @classmethod
     def from_config(cls, config: EventBusConfig, sources: Iterable[str] = ()) -> SessionRegistry:
@@ -428,7 +442,7 @@ class SessionRegistry:
             # the listener's close (StreamClose, or the SSE error record that precedes a
             # buffer_overflow close), or the router's own reason to drop the stream.
             if isinstance(exc, StreamClosedByPeer):
-                reason = exc.reason.split(" ", 1)[0]
+                reason = close_label(exc.reason)
                 if reason == BUFFER_OVERFLOW:
                     log.warning("event bus: %s stream closed by the listener: %s", source, reason)
             else:

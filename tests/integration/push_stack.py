@@ -369,6 +369,9 @@ class BusPeer:
     ) -> tuple[Any, Any]:
         """Open a Session with a Hello; returns (call, first message or EOF)."""
         call = self.stub.Session(metadata=self.metadata)
+        await asyncio.wait_for(call.initial_metadata(), 10)  # the router admitted the call
+        if call.done():
+            return call, grpc.aio.EOF
         await call.write(
             bpb.SessionRequest(hello=bpb.Hello(client_id=client_id, role=role, sources=sources))
         )

@@ -838,3 +838,21 @@ def test_array_and_map_encodings_decode_identically(f: dict[str, Any]) -> None:
     # SGLang A has no lora_name or group_idx positions.
     assert one(pack(sglang_a), "sglang") == replace(want, lora_name=None, group_idx=0)
     assert one(pack(sglang_m), "sglang") == want
+
+
+def test_malformed_events_of_a_known_kind_are_counted_apart_from_unknown_ones() -> None:
+    """An unknown kind may be an engine newer than this decoder (nothing lost that the
+    listener tracks); a known kind that does not decode is a lost block event."""
+    batch = decode_batch(
+        pack(
+            ["BlockUpdated", [H], 1],
+            {"type": "Created"},
+            a_stored()[:4],  # short: block_size missing
+            {"type": "BlockRemoved", "block_hashes": "not a list"},
+            [["BlockStored"]],  # unhashable tag: not a known kind
+            a_stored(),
+        ),
+        "vllm",
+    )
+    assert batch.events == [stored()]
+    assert (batch.skipped, batch.malformed) == (5, 2)

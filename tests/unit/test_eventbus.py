@@ -298,3 +298,38 @@ def test_chunk_boundaries_carry_no_meaning(cuts: list[int]) -> None:
     assert asyncio.run(_apply_through_bus(cuts)) == whole
     assert whole[0] == ("resync", None, None) and len(whole) == 17
     assert {kind for kind, _, _ in whole} >= {"chain_created", "chain_evicted", "chain_offloaded"}
+
+
+@pytest.mark.parametrize(
+    ("peer_reason", "label"),
+    [
+        ("buffer_overflow", "buffer_overflow"),
+        ("draining (SIGTERM)", "draining"),
+        ("unsubscribed", "unsubscribed"),
+        ("error (boom)", "error"),
+        ("x" * 200, "other"),
+        ("tenant-42-secret oops", "other"),
+        ("", "other"),
+    ],
+)
+async def test_stream_close_counters_take_only_close_reason_words(
+    peer_reason: str, label: str
+) -> None:
+    """The reason comes from the listener's bytes (the SSE error record's ``error``): as a
+    metric label it must be one of a closed set, or every distinct text is a new series."""
+    registry = _registry()
+    session = registry.register(_principal(registry), hello(sources=(A,)))
+    (it, first), sub = await _subscribed(registry, session, registry.opener(A))
+    registry.claim(_principal(registry), sub.stream_id)
+    await first
+    with pytest.raises(StreamClosedByPeer):
+        await it.athrow(StreamClosedByPeer(peer_reason))
+    assert registry.stream_closes == {label: 1}
+
+
+@given(st.text(max_size=40))
+@settings(max_examples=50, deadline=None)
+def test_stream_close_labels_are_a_closed_set(text: str) -> None:
+    from router.eventbus.sessions import close_label
+
+    assert close_label(text) in {"buffer_overflow", "draining", "unsubscribed", "error", "other"}

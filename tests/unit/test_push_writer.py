@@ -40,6 +40,10 @@ class FakeCall:
     async def done_writing(self) -> None:
         self._done.set()
 
+    async def initial_metadata(self) -> tuple[()]:
+        """The router admitted the call at once."""
+        return ()
+
     def __await__(self) -> Any:
         async def response() -> pb.StreamResponse:
             await self._done.wait()

@@ -25,6 +25,7 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from bus.backoff import ExponentialBackoff, NoBackoff
 from harness.procs import free_port
@@ -587,17 +588,84 @@ async def test_malformed_frames_and_undecodable_payloads_are_counted(
         await eventually(lambda: rec.seqs() == [0, 3])
     st = source.stats
     assert (st.frames, st.malformed_frames, st.decode_errors) == (8, 4, 2)
-    assert (st.batches, st.events, st.last_seq, st.gaps, st.resyncs) == (2, 2, 3, 0, 0)
+    # An undecodable batch is lost for sure (a replay brings back the same bytes): each one
+    # resyncs, in order with the batches; a malformed frame has no seq and costs nothing.
+    assert rec.items == [
+        ("batch", 0, 0),
+        ("resync", "decode_error"),
+        ("resync", "decode_error"),
+        ("batch", 3, 0),
+    ]
+    assert (st.batches, st.events, st.last_seq, st.gaps, st.resyncs) == (2, 2, 3, 0, 2)
     decode_logs = [r for r in caplog.records if "undecodable" in r.getMessage()]
     malformed_logs = [r for r in caplog.records if "malformed" in r.getMessage()]
     assert len(decode_logs) == 1 and len(malformed_logs) == 1
+
+
+async def reconnected(engine: FakeEngine, monitor: zmq.asyncio.Socket | None) -> None:
+    """Wait until the source's SUB is connected to ``engine`` again.
+
+    Connect mode: a new subscription arrives (after the old connection's unsubscribe).
+    Bind mode: the engine's PUB reconnects on its own; its pipe (and the subscription the
+    XPUB already holds for it) survives, so the second completed handshake tells.
+    """
+    async with asyncio.timeout(TIMEOUT):
+        if monitor is None:
+            while await engine.pub.recv() != b"\x01" + engine.topic:
+                pass
+            return
+        handshakes = 0
+        while handshakes < 2:
+            event = parse_monitor_message(await monitor.recv_multipart())
+            handshakes += event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED
+
+
+@pytest.mark.parametrize("mode", ["connect", "bind"])
+async def test_a_frame_over_max_frame_bytes_is_dropped_counted_and_receiving_goes_on(
+    zctx: zmq.asyncio.Context, mode: Literal["connect", "bind"]
+) -> None:
+    """ZMQ_MAXMSGSIZE: libzmq refuses the frame before any byte of it is buffered and drops
+    the connection. The source counts that, reconnects (connect mode; in bind mode the
+    engine does), and the lost batch is a gap like any other."""
+    engine = FakeEngine(zctx)
+    rec = Recorder()
+    endpoint = engine.bind() if mode == "connect" else "tcp://127.0.0.1:*"
+    source = rec.source(ZmqSourceConfig(endpoint=endpoint, mode=mode, max_frame_bytes=1024))
+    monitor = None
+    try:
+        async with running(source):
+            if mode == "bind":
+                monitor = engine.pub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+                engine.pub.connect(await asyncio.wait_for(source.wait_ready(), TIMEOUT))
+            await engine.subscribed()
+            await engine.publish()  # 0
+            await eventually(lambda: rec.seqs() == [0])
+            await engine.publish(payload=batch_payload(1) + b"\x00" * 1024)  # 1: too large
+            await reconnected(engine, monitor)
+            await engine.publish()  # 2
+            await eventually(lambda: rec.seqs() == [0, 2])
+    finally:
+        if monitor is not None:
+            engine.pub.disable_monitor()
+            monitor.close(0)
+        await engine.close()
+    assert rec.items == [("batch", 0, 0), ("resync", "gap"), ("batch", 2, 0)]
+    assert [p for p, _ in rec.payloads] == [batch_payload(0), batch_payload(2)]
+    st = source.stats
+    assert (st.disconnects, st.gaps, st.resyncs, st.decode_errors) == (1, 1, 1, 0)
+    assert st.connects == 1
+
+
+def test_max_frame_bytes_is_validated() -> None:
+    with pytest.raises(ValueError, match="max_frame_bytes"):
+        ZmqSourceConfig(endpoint="tcp://127.0.0.1:5557", max_frame_bytes=0)
 
 
 async def test_callback_errors_are_counted_and_do_not_stop_the_source(
     engine_factory: Callable[..., FakeEngine],
 ) -> None:
     engine = engine_factory()
-    seen: list[int] = []
+    seen: list[Any] = []
 
     def on_batch(batch: EventBatch, dp_rank: int | None) -> None:
         seen.append(seq_of(batch))
@@ -608,15 +676,18 @@ async def test_callback_errors_are_counted_and_do_not_stop_the_source(
         ZmqSourceConfig(endpoint=engine.bind()),
         decode=stub_decode,
         on_batch=on_batch,
-        on_resync=lambda reason: None,
+        on_resync=seen.append,
         backoff=NoBackoff(),
     )
     async with running(source):
         await engine.subscribed()
         await engine.publish()
         await engine.publish()
-        await eventually(lambda: seen == [0, 1])
-    assert source.stats.callback_errors == 1 and source.stats.connects == 1
+        await eventually(lambda: len(seen) == 3)
+    # What the callback did not finish is lost to the consumer: it resyncs.
+    assert seen == [0, "callback_error", 1]
+    assert (source.stats.callback_errors, source.stats.resyncs) == (1, 1)
+    assert source.stats.connects == 1
 
 
 # --------------------------------------------------------------------------------------------
