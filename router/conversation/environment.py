@@ -17,24 +17,40 @@ what ``transformers``' ``apply_chat_template`` gives them (``utils/chat_template
   ``strftime_now(fmt)`` (local time now, as the engine formats it), ``dict`` (a
   constructor only) and ``namespace`` (which rejects ``_``-prefixed attribute names).
 
-Compiled once per template at start. Rendering is dominated by the sandbox's attribute
-checks (every ``message.role``, ``content.startswith``, ``loop.last``), so the
-environment answers two cases faster, with the same results:
+Compiled once per template at start, twice: in this module's fast environment (what
+requests use) and in jinja's plain ``ImmutableSandboxedEnvironment`` with the same
+configuration (``chat_environment(fast=False)``, the reference the fast one is tested
+against, byte for byte). Rendering is dominated by the sandbox's checks (every
+``message.role``, ``content.startswith(...)``, ``loop.last`` goes through
+``environment.getattr`` and ``environment.call``), so the fast environment answers the
+cases plain JSON values make common inline, with the sandbox's results:
 
 * ``obj.name`` on a plain ``dict`` for a name that is not a ``dict`` attribute: jinja
-  tries ``getattr`` (which can only raise) then ``obj[name]``; this goes to ``obj[name]``,
-  inline in the compiled template when the key is there (``message.role`` compiles to
-  ``v["role"] if type(v) is dict and "role" in v else environment.getattr(v, "role")``);
+  tries ``getattr`` (which can only raise) then ``obj[name]``; this goes to ``obj[name]``
+  (``message.role`` compiles to ``v["role"] if type(v) is dict and "role" in v else
+  environment.getattr(v, "role")``); ``obj["name"]`` likewise;
+* ``loop.<flag>`` on jinja's ``LoopContext`` (its public attributes, all safe) and
+  ``ns.<name>`` on a namespace (its attributes dict, ``_`` names never);
+* a call of a ``str`` method that neither formats nor mutates (``startswith``,
+  ``split``, ``strip``, ...) or of ``dict.get``/``items``/``keys``/``values`` on a value of
+  exactly that type is a direct call (the sandbox's ``call`` would only check that the
+  method is not marked unsafe and call it); any other object takes the sandboxed call;
 * whether an attribute is safe depends only on the object's type and the attribute's
   name (jinja's checks are ``isinstance`` and name tests), so the answer is memoized per
   (type, name), up to a bound, and an attribute known safe is returned directly
-  (``format`` and ``format_map`` excepted: jinja wraps those).
+  (``format`` and ``format_map`` excepted: jinja wraps those);
+* the loops :mod:`.memo` can prove get the per-iteration render memo.
+
+Underscore names and mutating methods still go through the sandbox on every path.
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from collections.abc import Callable
 from datetime import datetime
+from keyword import iskeyword as is_python_keyword
 from typing import Any, NoReturn
 
 import jinja2
@@ -45,7 +61,9 @@ import jinja2.utils
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-__all__ = ["chat_environment"]
+from .memo import MemoStore, install_memos, key_function, memo_slot
+
+__all__ = ["chat_environment", "compile_template"]
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -119,10 +137,71 @@ class _Namespace(jinja2.utils.Namespace):
 _DICT_ATTRIBUTES = frozenset(dir(dict))
 _FORMAT_METHODS = frozenset(("format", "format_map"))  # jinja wraps these: never shortcut
 _MAX_SAFETY_ENTRIES = 4096
+# LoopContext's public attributes: what the sandbox returns for them is the attribute
+_LOOP_ATTRIBUTES = frozenset(
+    (
+        "index",
+        "index0",
+        "revindex",
+        "revindex0",
+        "first",
+        "last",
+        "length",
+        "depth",
+        "depth0",
+        "previtem",
+        "nextitem",
+        "cycle",
+        "changed",
+    )
+)
+# methods the sandbox lets a template call as they are (they neither mutate nor format);
+# each name is a method of one of the two types only
+_PURE_METHODS = {
+    **dict.fromkeys(
+        (
+            "startswith",
+            "endswith",
+            "strip",
+            "lstrip",
+            "rstrip",
+            "split",
+            "rsplit",
+            "splitlines",
+            "lower",
+            "upper",
+            "title",
+            "capitalize",
+            "replace",
+            "find",
+            "rfind",
+            "count",
+            "join",
+            "isdigit",
+            "isspace",
+            "isalpha",
+            "isalnum",
+            "partition",
+            "rpartition",
+            "removeprefix",
+            "removesuffix",
+        ),
+        "str",
+    ),
+    **dict.fromkeys(("get", "items", "keys", "values"), "dict"),
+}
+
+
+def _has_call(node: jinja2.nodes.Node) -> bool:
+    # arguments are written twice (fast and sandboxed branch): keep that linear
+    return (
+        isinstance(node, jinja2.nodes.Call)
+        or next(node.find_all(jinja2.nodes.Call), None) is not None
+    )
 
 
 class _ChatCodeGenerator(CodeGenerator):
-    """Compiles ``x.name`` with an inline dict lookup first (see the module header)."""
+    """Inline fast paths for plain values, and the render memo (see the module header)."""
 
     @optimizeconst
     def visit_Getattr(self, node: jinja2.nodes.Getattr, frame: Frame) -> None:
@@ -132,7 +211,123 @@ class _ChatCodeGenerator(CodeGenerator):
             return
         self.write(f"(_cv_[{attr!r}] if (type(_cv_ := ")
         self.visit(node.node, frame)
-        self.write(f") is dict and {attr!r} in _cv_) else environment.getattr(_cv_, {attr!r}))")
+        self.write(f") is dict and {attr!r} in _cv_) else ")
+        if attr in _LOOP_ATTRIBUTES:
+            self.write(f"_cv_.{attr} if type(_cv_) is LoopContext else ")
+        self.write(f"environment.getattr(_cv_, {attr!r}))")
+
+    @optimizeconst
+    def visit_Getitem(self, node: jinja2.nodes.Getitem, frame: Frame) -> None:
+        arg = node.arg
+        if self.environment.is_async or not (
+            isinstance(arg, jinja2.nodes.Const) and type(arg.value) is str
+        ):
+            super().visit_Getitem(node, frame)
+            return
+        key = arg.value
+        self.write(f"(_cv_[{key!r}] if (type(_cv_ := ")
+        self.visit(node.node, frame)
+        self.write(f") is dict and {key!r} in _cv_) else environment.getitem(_cv_, {key!r}))")
+
+    @optimizeconst
+    def visit_Call(
+        self, node: jinja2.nodes.Call, frame: Frame, forward_caller: bool = False
+    ) -> None:
+        callee = node.node
+        kind = _PURE_METHODS.get(callee.attr) if isinstance(callee, jinja2.nodes.Getattr) else None
+        if (
+            kind is None
+            or forward_caller
+            or self.environment.is_async
+            or node.dyn_args is not None
+            or node.dyn_kwargs is not None
+            or any(is_python_keyword(k.key) for k in node.kwargs)
+            or any(_has_call(arg) for arg in node.iter_child_nodes(exclude=("node",)))
+        ):
+            super().visit_Call(node, frame, forward_caller=forward_caller)
+            return
+        # str/dict methods called directly: what the sandbox's call does for them
+        assert isinstance(callee, jinja2.nodes.Getattr)
+        self.write("(_cm_.")
+        self.write(callee.attr)
+        self.write("(")
+        self._arguments(node, frame)
+        self.write(") if type(_cm_ := ")
+        self.visit(callee.node, frame)
+        self.write(f") is {kind} else environment.call(context, environment.getattr(_cm_, ")
+        self.write(repr(callee.attr))
+        self.write(")")
+        loop_kwargs = {"_loop_vars": "_loop_vars"} if frame.loop_frame else {}
+        block_kwargs = {"_block_vars": "_block_vars"} if frame.block_frame else {}
+        self.signature(node, frame, {**loop_kwargs, **block_kwargs} or None)
+        self.write("))")
+
+    def _arguments(self, node: jinja2.nodes.Call, frame: Frame) -> None:
+        for i, arg in enumerate(node.args):
+            if i:
+                self.write(", ")
+            self.visit(arg, frame)
+        for i, kwarg in enumerate(node.kwargs):
+            if i or node.args:
+                self.write(", ")
+            self.visit(kwarg, frame)
+
+    def visit_For(self, node: jinja2.nodes.For, frame: Frame, **kwargs: Any) -> None:
+        memo = node.body[0] if len(node.body) == 1 else None
+        if memo is not None and memo_slot(memo) is not None:
+            # the loop-invariant part of the memo key, computed at the first iteration
+            memo.memo_invariant_var = self.temporary_identifier()  # type: ignore[attr-defined]
+            self.writeline(f"{memo.memo_invariant_var} = missing")  # type: ignore[attr-defined]
+        super().visit_For(node, frame, **kwargs)
+
+    def visit_ScopedEvalContextModifier(
+        self, node: jinja2.nodes.ScopedEvalContextModifier, frame: Frame
+    ) -> None:
+        slot = memo_slot(node)
+        if slot is None:
+            super().visit_ScopedEvalContextModifier(node, frame)
+            return
+        # a memoized loop body: skipped when the store has this iteration's output
+        key, out, buf = (self.temporary_identifier() for _ in range(3))
+        inv = node.memo_invariant_var  # type: ignore[attr-defined]
+        count = node.memo_invariant  # type: ignore[attr-defined]
+        store = f"environment.memo_stores[{slot}]"
+        self.writeline("try:")
+        self.indent()
+        self.writeline(f"if {inv} is missing:")
+        self.indent()
+        self.writeline(f"{inv} = environment.memo_key((")
+        for option in node.options[:count]:
+            self.visit(option.value, frame)
+            self.write(", ")
+        self.write("))")
+        self.outdent()
+        self.writeline(f"{key} = None if {inv} is None else environment.memo_key((")
+        for option in node.options[count:]:
+            self.visit(option.value, frame)
+            self.write(", ")
+        self.write(f"), {inv})")
+        self.outdent()
+        self.writeline("except Exception:")
+        self.indent()
+        self.writeline(f"{key} = None")
+        self.outdent()
+        self.writeline(f"{out} = None if {key} is None else {store}.get({key})")
+        self.writeline(f"if {out} is None:")
+        self.indent()
+        outer = frame.buffer
+        frame.buffer = buf
+        self.writeline(f"{buf} = []")
+        self.blockvisit(node.body, frame)
+        frame.buffer = outer
+        self.writeline(f"{out} = concat({buf})")
+        self.writeline(f"if {key} is not None:")
+        self.indent()
+        self.writeline(f"{store}.put({key}, {out})")
+        self.outdent(2)
+        self.start_write(frame, node)
+        self.write(out)
+        self.end_write(frame)
 
 
 class _ChatSandbox(ImmutableSandboxedEnvironment):
@@ -143,6 +338,8 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._safety: dict[tuple[type, str], bool] = {}
+        self.memo_stores: list[MemoStore] = []
+        self.memo_key: Callable[..., Any] = lambda *_: None
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         kind = type(obj)
@@ -152,6 +349,11 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
                     return obj[attribute]
                 except LookupError:
                     return self.undefined(obj=obj, name=attribute)
+            if kind is _Namespace and attribute[:1] != "_":
+                # what jinja's Namespace.__getattribute__ returns, and the sandbox allows
+                attrs = object.__getattribute__(obj, "_Namespace__attrs")
+                if attribute in attrs:
+                    return attrs[attribute]
             if self._safety.get((kind, attribute)) and attribute not in _FORMAT_METHODS:
                 # known safe for this type: jinja would return the attribute itself
                 try:
@@ -170,9 +372,12 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
         return safe
 
 
-def chat_environment() -> ImmutableSandboxedEnvironment:
-    """A new environment configured as ``transformers`` configures its own."""
-    env = _ChatSandbox(
+def chat_environment(fast: bool = True) -> ImmutableSandboxedEnvironment:
+    """A new environment configured as ``transformers`` configures its own; ``fast``
+    False: jinja's plain immutable sandbox, without this module's shortcuts (the
+    reference the fast one is tested against)."""
+    kind = _ChatSandbox if fast else ImmutableSandboxedEnvironment
+    env = kind(
         trim_blocks=True,
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
@@ -183,3 +388,21 @@ def chat_environment() -> ImmutableSandboxedEnvironment:
     env.globals["dict"] = _DictConstructor()
     env.globals["namespace"] = _Namespace
     return env
+
+
+_PURE_GLOBALS = ("raise_exception", "dict", "namespace", "range")
+
+
+def compile_template(
+    env: ImmutableSandboxedEnvironment, ast: jinja2.nodes.Template, *, memo: bool
+) -> tuple[jinja2.Template, tuple[int, ...]]:
+    """``ast`` compiled in ``env`` (a fresh environment per template), with the render
+    memo of :mod:`.memo` on the loops it can prove (``memo`` and a fast environment);
+    returns the template and the memoized loops' line numbers. ``ast`` is not changed."""
+    if not (memo and isinstance(env, _ChatSandbox)):
+        return env.from_string(ast), ()
+    tree = copy.deepcopy(ast)
+    lines = install_memos(tree, env.filters, env.tests)
+    env.memo_stores = [MemoStore() for _ in lines]
+    env.memo_key = key_function({n: env.globals[n] for n in _PURE_GLOBALS})
+    return env.from_string(tree), tuple(lines)

@@ -100,14 +100,18 @@ def _cut_at_tag(rendered: str, final: str) -> str:
     return rendered[:at].rstrip()
 
 
-def render_prompt(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
-    """The prompt text the engine renders for the chat completion ``body``.
+def render_prompt(
+    chat_template: ChatTemplate, body: Mapping[str, Any], *, plain: bool = False
+) -> str:
+    """The prompt text the engine renders for the chat completion ``body``; ``plain``:
+    with the template compiled in jinja's plain sandbox (no shortcuts, no memo: the
+    reference the fast path is tested and measured against).
 
     Raises:
         RenderError: the request cannot be rendered (see :mod:`.errors` for the reasons).
     """
     try:
-        return _render(chat_template, body)
+        return _render(chat_template, body, plain)
     except RenderError:
         raise
     except jinja2.TemplateError as exc:
@@ -118,7 +122,7 @@ def render_prompt(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
         raise RenderError("error", f"{type(exc).__name__}: {exc}") from None
 
 
-def _render(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
+def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
     prepared = prepare_chat(body, chat_template)
     if not prepared.conversation:
         raise RenderError("invalid", "empty conversation")
@@ -150,7 +154,8 @@ def _render(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
     final = None
     if prepared.continue_final_message:
         final = _tag_final(chat, prepared.template.source)
-    rendered = prepared.template.template.render(
+    compiled = prepared.template.plain if plain else prepared.template.template
+    rendered = compiled.render(
         messages=chat,
         tools=tools,
         documents=documents,

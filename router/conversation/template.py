@@ -33,7 +33,7 @@ import jinja2
 import orjson
 
 from .content_format import ContentFormat, detect_content_format
-from .environment import chat_environment
+from .environment import chat_environment, compile_template
 from .errors import TemplateLoadError
 from .normalizer import Normalizer, UnsupportedNormalizer
 
@@ -58,7 +58,13 @@ class CompiledTemplate:
     name: str
     source: str
     template: jinja2.Template
+    """Compiled with the fast environment and the render memo (what requests use)."""
     content_format: ContentFormat
+    plain: jinja2.Template
+    """The same source in jinja's plain immutable sandbox: the reference ``template``
+    is tested against, and the bench's baseline."""
+    memoized_loops: tuple[int, ...] = ()
+    """Line numbers of the loops the render memo covers (:mod:`.memo`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,13 +139,14 @@ def _compile(name: str, source: str, field: str, path: str) -> CompiledTemplate:
     env = chat_environment()
     try:
         ast = env.parse(source)
-        template = env.from_string(ast)
+        template, memoized = compile_template(env, ast, memo=True)
+        plain = chat_environment(fast=False).from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         where = f"template {name!r} " if name != "default" else "template "
         raise TemplateLoadError(
             field, f"{path!r}: {where}line {exc.lineno}: {exc.message}"
         ) from None
-    return CompiledTemplate(name, source, template, detect_content_format(ast))
+    return CompiledTemplate(name, source, template, detect_content_format(ast), plain, memoized)
 
 
 def _stamp(path: str | None) -> tuple[str, int, int] | None:
