@@ -1,5 +1,12 @@
 """Per-iteration render memo: a loop body's output reused when its inputs are the same.
 
+Opt-in (``load_chat_template(..., memo=True)``): with the environment's inline fast
+paths, keying an iteration (evaluating its key expressions, freezing the message,
+hashing it) costs about as much as rendering it for the templates measured (Qwen's and
+Mistral's bodies are a few comparisons and concatenations per message), so requests
+render without it; ``bench/render_bench.py`` keeps measuring it. It pays for templates
+whose loop bodies are expensive per message.
+
 A chat template spends nearly all its time in ``{% for message in messages %}``, and a
 conversation's next turn resends every earlier message: most loop iterations of a request
 repeat, with the same inputs, an iteration some earlier request already rendered. This
@@ -48,6 +55,8 @@ from typing import Any
 
 import jinja2.nodes as nodes
 from jinja2.defaults import DEFAULT_FILTERS, DEFAULT_TESTS
+
+from .content_format import message_lists, refers_to
 
 __all__ = [
     "MEMO_ENTRIES",
@@ -361,14 +370,18 @@ def _reads_name(node: nodes.Node, names: tuple[str, ...]) -> bool:
 
 
 def install_memos(ast: nodes.Template, filters: dict[str, Any], tests: dict[str, Any]) -> list[int]:
-    """Wrap the body of every provable outermost loop of ``ast`` (in place) in a
-    :func:`memo_body`; returns the line numbers of the memoized loops."""
+    """Wrap the body of every provable outermost loop over the messages (``messages`` or
+    a name set from it, as :mod:`.content_format` finds them) of ``ast`` in place in a
+    :func:`memo_body`; returns the line numbers of the memoized loops. Other loops
+    (``tools``, a message's parts) are short, and keying them would cost more than
+    rendering them."""
     memoized: list[int] = []
     macros = frozenset(m.name for m in ast.find_all(nodes.Macro))
+    lists = message_lists(ast)
 
     def visit(node: nodes.Node) -> None:
         for child in node.iter_child_nodes():
-            if isinstance(child, nodes.For):
+            if isinstance(child, nodes.For) and any(refers_to(child.iter, n) for n in lists):
                 components = plan_loop(child, filters, tests, macros)
                 if components is not None:
                     slot = len(memoized)
@@ -401,20 +414,28 @@ _FALSE = _Marker("false")
 
 def freeze(value: Any, pure: dict[int, tuple[str, Any]]) -> Any:
     """A hashable, type-strict image of ``value`` (plain JSON data, or one of the
-    ``pure`` functions by id); raises :class:`_NoKey` for anything else."""
+    ``pure`` functions by id); raises :class:`_NoKey` for anything else.
+
+    Strings and None stand for themselves; every other value is a tuple whose first item
+    says its type (a dict's keys and values follow alternately), so two values have
+    equal images only when they are equal and of the same types throughout."""
     kind = type(value)
     if kind is str or value is None:
         return value
+    if kind is dict:
+        out: list[Any] = ["d"]
+        for k, v in value.items():
+            out.append(k if type(k) is str else freeze(k, pure))
+            out.append(v if type(v) is str else freeze(v, pure))
+        return tuple(out)
+    if kind is list:
+        return ("l", *[v if type(v) is str else freeze(v, pure) for v in value])
     if kind is bool:
         return _TRUE if value else _FALSE
     if kind is int:
         return ("i", value)
     if kind is float:
         return ("f", value.hex())
-    if kind is dict:
-        return ("d", *[(freeze(k, pure), freeze(v, pure)) for k, v in value.items()])
-    if kind is list:
-        return ("l", *[freeze(v, pure) for v in value])
     if kind is tuple:
         return ("t", *[freeze(v, pure) for v in value])
     known = pure.get(id(value))

@@ -135,11 +135,11 @@ def _config_templates(config: Any, path: str) -> dict[str, str]:
     raise TemplateLoadError(field, f"{path!r}: chat_template is neither a string nor a list")
 
 
-def _compile(name: str, source: str, field: str, path: str) -> CompiledTemplate:
+def _compile(name: str, source: str, field: str, path: str, memo: bool) -> CompiledTemplate:
     env = chat_environment()
     try:
         ast = env.parse(source)
-        template, memoized = compile_template(env, ast, memo=True)
+        template, memoized = compile_template(env, ast, memo=memo)
         plain = chat_environment(fast=False).from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         where = f"template {name!r} " if name != "default" else "template "
@@ -163,13 +163,18 @@ def load_chat_template(
     tokenizer_config: str | None = None,
     chat_template: str | None = None,
     tokenizer: str | None = None,
+    *,
+    memo: bool = False,
 ) -> ChatTemplate:
-    """Load and compile a model's template from the configured paths.
+    """Load and compile a model's template from the configured paths; ``memo``: with the
+    per-iteration render memo of :mod:`.memo` (off by default: with the environment's
+    fast paths, keying an iteration costs about what rendering it does for the
+    templates measured, ``bench/render_bench.py``).
 
     Raises:
         TemplateLoadError: a file that does not load; ``field`` names which.
     """
-    return _load(_stamp(tokenizer_config), _stamp(chat_template), _stamp(tokenizer))
+    return _load(_stamp(tokenizer_config), _stamp(chat_template), _stamp(tokenizer), memo)
 
 
 @functools.lru_cache(maxsize=64)
@@ -177,6 +182,7 @@ def _load(
     tokenizer_config: tuple[str, int, int] | None,
     chat_template: tuple[str, int, int] | None,
     tokenizer: tuple[str, int, int] | None,
+    memo: bool,
 ) -> ChatTemplate:
     if tokenizer_config is None and chat_template is None:
         raise TemplateLoadError(
@@ -202,11 +208,11 @@ def _load(
             text = _read(path, "chat_template").decode()
         except UnicodeDecodeError as exc:
             raise TemplateLoadError("chat_template", f"{path!r} is not UTF-8: {exc}") from None
-        compiled = {"default": _compile("default", text, "chat_template", path)}
+        compiled = {"default": _compile("default", text, "chat_template", path, memo)}
     else:
         assert tokenizer_config is not None
         path = tokenizer_config[0]
-        compiled = {n: _compile(n, s, "tokenizer_config", path) for n, s in sources.items()}
+        compiled = {n: _compile(n, s, "tokenizer_config", path, memo) for n, s in sources.items()}
     normalizer = Normalizer(None)
     if tokenizer is not None:
         path = tokenizer[0]

@@ -23,12 +23,25 @@ QWEN = qwen_dir()
 @pytest.fixture(scope="module")
 def qwen() -> ChatTemplate:
     return load_chat_template(
-        str(QWEN / "tokenizer_config.json"), None, str(QWEN / "tokenizer.json")
+        str(QWEN / "tokenizer_config.json"), None, str(QWEN / "tokenizer.json"), memo=True
     )
 
 
 @pytest.fixture(scope="module")
 def mistral() -> ChatTemplate:
+    return load_chat_template(str(MISTRAL_CONFIG), str(MISTRAL_JINJA), None, memo=True)
+
+
+@pytest.fixture(scope="module")
+def qwen_fast() -> ChatTemplate:
+    """The default: fast paths, no memo."""
+    return load_chat_template(
+        str(QWEN / "tokenizer_config.json"), None, str(QWEN / "tokenizer.json")
+    )
+
+
+@pytest.fixture(scope="module")
+def mistral_fast() -> ChatTemplate:
     return load_chat_template(str(MISTRAL_CONFIG), str(MISTRAL_JINJA), None)
 
 
@@ -107,13 +120,29 @@ _conversation = st.fixed_dictionaries(
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(conv=_conversation, which=st.sampled_from(["qwen", "mistral"]), step=st.integers(1, 3))
+@given(
+    conv=_conversation,
+    which=st.sampled_from(["qwen", "mistral", "qwen_fast", "mistral_fast"]),
+    step=st.integers(1, 3),
+)
 def test_every_turn_renders_as_the_plain_sandbox(
-    qwen: ChatTemplate, mistral: ChatTemplate, conv: dict[str, Any], which: str, step: int
+    qwen: ChatTemplate,
+    mistral: ChatTemplate,
+    qwen_fast: ChatTemplate,
+    mistral_fast: ChatTemplate,
+    conv: dict[str, Any],
+    which: str,
+    step: int,
 ) -> None:
     """Turn after turn of one conversation (each a prefix of the next, as clients resend
-    them), with the memo shared by every example: fast == plain, byte for byte."""
-    template = qwen if which == "qwen" else mistral
+    them), fast paths alone and with the memo shared by every example: the same bytes as
+    jinja's plain sandbox, or the same failure."""
+    template = {
+        "qwen": qwen,
+        "mistral": mistral,
+        "qwen_fast": qwen_fast,
+        "mistral_fast": mistral_fast,
+    }[which]
     messages = conv["messages"]
     for end in range(1, len(messages) + 1, step):
         body = {**conv, "messages": messages[:end]}
@@ -170,7 +199,7 @@ def test_keys_are_type_strict(qwen: ChatTemplate) -> None:
 def _template(tmp_path: Path, source: str) -> ChatTemplate:
     path = tmp_path / f"t{abs(hash(source))}.jinja"
     path.write_text(source)
-    return load_chat_template(None, str(path), None)
+    return load_chat_template(None, str(path), None, memo=True)
 
 
 _MSGS = [
@@ -284,9 +313,12 @@ def test_a_body_raising_stores_nothing(tmp_path: Path) -> None:
     ],
 )
 def test_unsafe_attributes_fail_on_the_fast_path(tmp_path: Path, source: str) -> None:
-    t = _template(tmp_path, source)
+    memo = _template(tmp_path, source)
+    path = tmp_path / "fast.jinja"
+    path.write_text(source)
+    fast = load_chat_template(None, str(path), None)
     body = {"messages": [{"role": "user", "content": "x"}]}
-    for plain in (False, True):
+    for t, plain in ((memo, False), (fast, False), (fast, True)):
         with pytest.raises(RenderError) as info:
             render_prompt(t, body, plain=plain)
         assert info.value.reason == "error"
