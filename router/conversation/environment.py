@@ -59,7 +59,9 @@ import jinja2.nodes
 import jinja2.parser
 import jinja2.utils
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
+from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from jinja2.utils import missing
 
 from .memo import MemoStore, install_memos, key_function, memo_slot
 
@@ -119,7 +121,19 @@ def _check_name(name: Any) -> None:
 
 
 class _Namespace(jinja2.utils.Namespace):
-    """jinja's namespace, refusing ``_`` names (no way to CPython internals)."""
+    """jinja's namespace, refusing ``_`` names (no way to CPython internals).
+
+    Its attributes are looked up where CPython looks first (jinja's namespace answers
+    every lookup in Python code): the object's own, then the namespace's names
+    (``__getattr__``), which never start with ``_`` and so never shadow the object's."""
+
+    __getattribute__ = object.__getattribute__
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self._Namespace__attrs[name]
+        except KeyError:
+            raise AttributeError(name) from None
 
     # jinja's own signature trick: ``self`` may also be an attribute name.
     def __init__(*args: Any, **kwargs: Any) -> None:
@@ -209,11 +223,19 @@ class _ChatCodeGenerator(CodeGenerator):
         if self.environment.is_async or attr in _DICT_ATTRIBUTES:
             super().visit_Getattr(node, frame)
             return
-        self.write(f"(_cv_[{attr!r}] if (type(_cv_ := ")
+        # a dict without the key: jinja's getattr raises, then so does obj[name], and
+        # the sandbox returns this undefined
+        self.write(f"((_cv_[{attr!r}] if {attr!r} in _cv_ else ")
+        self.write(f"environment.undefined(obj=_cv_, name={attr!r})) if type(_cv_ := ")
         self.visit(node.node, frame)
-        self.write(f") is dict and {attr!r} in _cv_) else ")
+        self.write(") is dict else ")
         if attr in _LOOP_ATTRIBUTES:
-            self.write(f"_cv_.{attr} if type(_cv_) is LoopContext else ")
+            self.write(f"_cv_.{attr} if type(_cv_) is _SeqLoop else ")
+        elif attr[:1] != "_":
+            self.write(
+                f"_na_[{attr!r}] if type(_cv_) is _Namespace and {attr!r} in "
+                "(_na_ := _cv_._Namespace__attrs) else "
+            )
         self.write(f"environment.getattr(_cv_, {attr!r}))")
 
     @optimizeconst
@@ -330,16 +352,82 @@ class _ChatCodeGenerator(CodeGenerator):
         self.end_write(frame)
 
 
+class _SeqLoop(LoopContext):
+    """jinja's ``loop`` over a list or tuple, the same values for less work: the item is
+    indexed, ``first`` and ``last`` are plain attributes set per iteration (jinja's are
+    properties, ``last`` peeking the iterator), ``length`` known from the start.
+
+    Only the immutable sandbox compiles to this (a template cannot change the sequence
+    while it iterates over it); any other iterable gets jinja's own LoopContext."""
+
+    first = False  # shadow the base class's properties: set per iteration
+    last = False
+
+    def __init__(
+        self,
+        iterable: Any,
+        undefined: type[jinja2.Undefined],
+        recurse: Any = None,
+        depth0: int = 0,
+    ) -> None:
+        super().__init__(iterable, undefined, recurse, depth0)
+        self._length = len(iterable)
+
+    def _peek_next(self) -> Any:
+        i = self.index0 + 1
+        return self._iterable[i] if i < self._length else missing  # type: ignore[index,operator]
+
+    def __next__(self) -> tuple[Any, _SeqLoop]:
+        i = self.index0 + 1
+        if i >= self._length:  # type: ignore[operator]
+            raise StopIteration
+        rv = self._iterable[i]  # type: ignore[index]
+        self.index0 = i
+        self.first = i == 0
+        self.last = i == self._length - 1  # type: ignore[operator]
+        self._before = self._current
+        self._current = rv
+        return rv, self
+
+
+def _loop_context(
+    iterable: Any, undefined: type[jinja2.Undefined], recurse: Any = None, depth0: int = 0
+) -> LoopContext:
+    """What compiled templates call as ``LoopContext``."""
+    kind = _SeqLoop if type(iterable) is list or type(iterable) is tuple else LoopContext
+    return kind(iterable, undefined, recurse, depth0)
+
+
+_RUNTIME_IMPORT = "from jinja2.runtime import "
+_LOOP_NAMES = (
+    "\nLoopContext = environment.loop_context\n_SeqLoop = environment.seq_loop"
+    "\n_Namespace = environment.namespace_type\n"
+)
+
+
 class _ChatSandbox(ImmutableSandboxedEnvironment):
     """jinja's immutable sandbox with memoized safety checks (see the module header)."""
 
     code_generator_class = _ChatCodeGenerator
+
+    loop_context = staticmethod(_loop_context)
+    seq_loop = _SeqLoop
+    namespace_type = _Namespace
 
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._safety: dict[tuple[type, str], bool] = {}
         self.memo_stores: list[MemoStore] = []
         self.memo_key: Callable[..., Any] = lambda *_: None
+
+    def _generate(self, *args: Any, **kwargs: Any) -> str:
+        # compiled templates build their loops with _loop_context (the module's first
+        # line imports jinja's runtime names; ours replace LoopContext right after it)
+        source: str = super()._generate(*args, **kwargs)
+        first, _, rest = source.partition("\n")
+        if not first.startswith(_RUNTIME_IMPORT):
+            raise RuntimeError("unexpected jinja code generation: no runtime import first")
+        return first + _LOOP_NAMES + rest
 
     def getattr(self, obj: Any, attribute: str) -> Any:
         kind = type(obj)
@@ -350,8 +438,8 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
                 except LookupError:
                     return self.undefined(obj=obj, name=attribute)
             if kind is _Namespace and attribute[:1] != "_":
-                # what jinja's Namespace.__getattribute__ returns, and the sandbox allows
-                attrs = object.__getattribute__(obj, "_Namespace__attrs")
+                # what the namespace's __getattr__ returns, and the sandbox allows
+                attrs = obj._Namespace__attrs
                 if attribute in attrs:
                     return attrs[attribute]
             if self._safety.get((kind, attribute)) and attribute not in _FORMAT_METHODS:

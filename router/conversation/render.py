@@ -56,11 +56,16 @@ _CONFLICTS = ("messages", "conversation")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
-    for field in _REASONING_FIELDS:
-        reasoning = message.get(field)
-        if reasoning is not None:
-            return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` without its ``None`` values, reasoning aliased (a copy only if either
+    changes it: the prepared messages are the request's own)."""
+    if None in message.values():  # JSON values: == None only for None itself
+        message = {k: v for k, v in message.items() if v is not None}
+    if "reasoning_content" in message or "thinking" in message or "reasoning" in message:
+        for field in _REASONING_FIELDS:
+            reasoning = message.get(field)
+            if reasoning is not None:
+                return {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message
 
 
@@ -147,10 +152,7 @@ def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -
         isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
     ):
         raise RenderError("invalid", "documents is not a list of objects")
-    chat = [
-        _alias_reasoning({k: v for k, v in m.items() if v is not None})
-        for m in prepared.conversation
-    ]
+    chat = [_for_template(m) for m in prepared.conversation]
     final = None
     if prepared.continue_final_message:
         final = _tag_final(chat, prepared.template.source)
