@@ -57,6 +57,7 @@ import jinja2
 import jinja2.ext
 import jinja2.nodes
 import jinja2.parser
+import jinja2.tests
 import jinja2.utils
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
 from jinja2.runtime import LoopContext
@@ -225,8 +226,11 @@ class _ChatCodeGenerator(CodeGenerator):
             return
         # a dict without the key: jinja's getattr raises, then so does obj[name], and
         # the sandbox returns this undefined
-        self.write(f"((_cv_[{attr!r}] if {attr!r} in _cv_ else ")
-        self.write(f"environment.undefined(obj=_cv_, name={attr!r})) if type(_cv_ := ")
+        # (only an ``if``/``elif`` test reads it: its truth, False, is enough)
+        absent = f"environment.undefined(obj=_cv_, name={attr!r})"
+        if getattr(node, "truth_only", False):
+            absent = "False"
+        self.write(f"((_cv_[{attr!r}] if {attr!r} in _cv_ else {absent}) if type(_cv_ := ")
         self.visit(node.node, frame)
         self.write(") is dict else ")
         if attr in _LOOP_ATTRIBUTES:
@@ -237,6 +241,32 @@ class _ChatCodeGenerator(CodeGenerator):
                 "(_na_ := _cv_._Namespace__attrs) else "
             )
         self.write(f"environment.getattr(_cv_, {attr!r}))")
+
+    @optimizeconst
+    def visit_Test(self, node: jinja2.nodes.Test, frame: Frame) -> None:
+        target = node.node
+        if (
+            node.name != "defined"
+            or self.environment.is_async
+            or self.environment.tests.get("defined") is not jinja2.tests.test_defined
+            or node.args
+            or node.kwargs
+            or node.dyn_args is not None
+            or node.dyn_kwargs is not None
+            or not isinstance(target, jinja2.nodes.Getattr)
+            or target.attr in _DICT_ATTRIBUTES
+        ):
+            super().visit_Test(node, frame)
+            return
+        # ``x.name is defined`` on a dict: whether it holds the key (with a value that is
+        # not an undefined), without making the undefined jinja's getattr would return
+        attr = target.attr
+        self.write(f"((not isinstance(_cv_[{attr!r}], Undefined) if {attr!r} in _cv_ else False)")
+        self.write(" if type(_cv_ := ")
+        self.visit(target.node, frame)
+        self.write(
+            f") is dict else not isinstance(environment.getattr(_cv_, {attr!r}), Undefined))"
+        )
 
     @optimizeconst
     def visit_Getitem(self, node: jinja2.nodes.Getitem, frame: Frame) -> None:
@@ -487,9 +517,12 @@ def compile_template(
     """``ast`` compiled in ``env`` (a fresh environment per template), with the render
     memo of :mod:`.memo` on the loops it can prove (``memo`` and a fast environment);
     returns the template and the memoized loops' line numbers. ``ast`` is not changed."""
-    if not (memo and isinstance(env, _ChatSandbox)):
-        return env.from_string(ast), ()
     tree = copy.deepcopy(ast)
+    for node in tree.find_all(jinja2.nodes.If):
+        if isinstance(node.test, jinja2.nodes.Getattr):
+            node.test.truth_only = True  # type: ignore[attr-defined]
+    if not (memo and isinstance(env, _ChatSandbox)):
+        return env.from_string(tree), ()
     lines = install_memos(tree, env.filters, env.tests)
     env.memo_stores = [MemoStore() for _ in lines]
     env.memo_key = key_function({n: env.globals[n] for n in _PURE_GLOBALS})
