@@ -1,7 +1,8 @@
-"""The fast rendering path (inline shortcuts, the per-iteration render memo) renders every
-request exactly as jinja's plain immutable sandbox does, across the turns of random
-conversations, for both template families; loops the analysis cannot prove are not
-memoized; the sandbox still refuses unsafe attributes on every path."""
+"""The fast rendering path (the environment's inline shortcuts, and the opt-in
+per-iteration render memo) renders every request exactly as jinja's plain immutable
+sandbox does, across the turns of random conversations, for both template families; each
+shortcut on its own; loops the memo's analysis cannot prove are not memoized; the sandbox
+still refuses unsafe attributes on every path."""
 
 from __future__ import annotations
 
@@ -196,10 +197,10 @@ def test_keys_are_type_strict(qwen: ChatTemplate) -> None:
 # --- what the analysis refuses, and what it keys --------------------------------------
 
 
-def _template(tmp_path: Path, source: str) -> ChatTemplate:
-    path = tmp_path / f"t{abs(hash(source))}.jinja"
+def _template(tmp_path: Path, source: str, memo: bool = True) -> ChatTemplate:
+    path = tmp_path / f"t{abs(hash(source))}{memo}.jinja"
     path.write_text(source)
-    return load_chat_template(None, str(path), None, memo=True)
+    return load_chat_template(None, str(path), None, memo=memo)
 
 
 _MSGS = [
@@ -268,6 +269,64 @@ def test_memoized_loops_render_as_the_plain_sandbox(tmp_path: Path, source: str)
             body = {"messages": _MSGS[:end], "chat_template_kwargs": {"x": x, "y": x + "!"}}
             _same(t, body)
     assert any(s.hits for s in _stores(t))
+    fast = _template(tmp_path, source, memo=False)
+    for end in range(1, len(_MSGS) + 1):
+        _same(fast, {"messages": _MSGS[:end], "chat_template_kwargs": {"x": "p", "y": "q"}})
+
+
+# --- the inline fast paths, one by one --------------------------------------------------
+
+_FAST_PATH_SOURCES = [
+    # loop flags over a list, a tuple, and iterables that keep jinja's own LoopContext
+    "{% for m in messages %}{{ loop.index }}{{ loop.index0 }}{{ loop.revindex }}"
+    "{{ loop.revindex0 }}{{ loop.first }}{{ loop.last }}{{ loop.length }}{{ loop.depth }}"
+    "{{ loop.previtem.role if loop.previtem is defined }}|"
+    "{{ loop.nextitem.role if loop.nextitem is defined }}|{{ loop.cycle('a', 'b') }}"
+    "{{ loop.changed(m.role) }};{% endfor %}",
+    "{% for c in (1, 2, 3) %}{{ loop.last }}{{ loop.nextitem }}{% endfor %}",
+    "{% for c in messages[0].content %}{{ c }}{{ loop.last }}{{ loop.length }}{% endfor %}",
+    "{% for k, v in messages[0].items() %}{{ k }}={{ v }}{{ loop.last }};{% endfor %}",
+    "{% for i in range(3) %}{{ loop.revindex }}{{ loop.last }}{% endfor %}",
+    "{% for m in messages if m.role == 'user' %}{{ loop.last }}{% endfor %}",
+    "{% for m in messages recursive %}{{ loop.depth }}{{ loop.last }}{% endfor %}",
+    "{% for m in [] %}x{% else %}empty{{ loop is defined }}{% endfor %}",
+    # attributes and items of dicts, present, absent, holding an undefined
+    "{{ messages[0].role }}{{ messages[0].nope }}|{{ messages[0]['role'] }}"
+    "{{ messages[0]['nope'] }}|{{ messages[0].nope is defined }}"
+    "{{ messages[0].role is defined }}{{ messages[0].nope is not defined }}",
+    "{% set d = {'a': nothing, 'items': 1} %}{{ d.a is defined }}{{ d.items is defined }}"
+    "{{ d['items'] }}{{ (d.items() | list) | length }}",
+    "{% if messages[0].nope %}yes{% elif messages[0].role %}role{% endif %}"
+    "{% if messages[0].content %}c{% else %}none{% endif %}",
+    "{% if messages[0].nope is defined and messages[0].nope.deeper %}x{% endif %}",
+    # str and dict methods, and the sandbox's own for other objects
+    "{{ messages[0].content.startswith('a') }}{{ messages[0].content.split('b') }}"
+    "{{ messages[0].content.strip().upper() }}{{ messages[0].get('role') }}"
+    "{{ messages[0].get('nope', 'dflt') }}{{ messages[0].keys() | list }}"
+    "{{ messages[0].content.replace('a', 'b', 1) }}{{ 'x'.join(['a', 'b']) }}",
+    "{% set ns = namespace(startswith=1) %}{{ ns.startswith }}{{ messages.count(1) }}",
+    # namespaces
+    "{% set ns = namespace(a=1, b=messages) %}{% for m in messages %}{% set ns.a = ns.a + 1 %}"
+    "{% endfor %}{{ ns.a }}{{ ns.b | length }}{{ ns.c }}{{ ns.c is defined }}",
+]
+_FAST_BODIES = [
+    {"messages": [{"role": "user", "content": "abc"}]},
+    {
+        "messages": [
+            {"role": "system", "content": " a b "},
+            {"role": "user", "content": "bab"},
+            {"role": "assistant", "content": "ok"},
+        ]
+    },
+]
+
+
+@pytest.mark.parametrize("source", _FAST_PATH_SOURCES)
+def test_fast_paths_render_as_the_plain_sandbox(tmp_path: Path, source: str) -> None:
+    for memo in (False, True):
+        t = _template(tmp_path, source, memo=memo)
+        for body in _FAST_BODIES:
+            assert _same(t, body) != "error", source
 
 
 def test_a_body_calling_the_clock_is_never_served_from_the_memo(tmp_path: Path) -> None:
@@ -310,13 +369,16 @@ def test_a_body_raising_stores_nothing(tmp_path: Path) -> None:
         "{% set ns = namespace() %}{{ ns.__class__.__mro__ }}",
         "{{ messages.append(1) }}",
         "{% for m in messages %}{{ m.update({'a': 1}) }}{% endfor %}",
+        "{% for m in messages %}{{ loop._iterable.__class__.__mro__ }}{% endfor %}",
+        "{% for m in messages %}{{ loop.__init__.__globals__ }}{% endfor %}",
+        "{% set ns = namespace() %}{{ ns._Namespace__attrs.__class__.__mro__ }}",
+        "{% set ns = namespace() %}{{ ns.__getattr__.__globals__ }}",
+        "{% set ns = namespace() %}{% set ns._x = 1 %}",
     ],
 )
 def test_unsafe_attributes_fail_on_the_fast_path(tmp_path: Path, source: str) -> None:
     memo = _template(tmp_path, source)
-    path = tmp_path / "fast.jinja"
-    path.write_text(source)
-    fast = load_chat_template(None, str(path), None)
+    fast = _template(tmp_path, source, memo=False)
     body = {"messages": [{"role": "user", "content": "x"}]}
     for t, plain in ((memo, False), (fast, False), (fast, True)):
         with pytest.raises(RenderError) as info:
