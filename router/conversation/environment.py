@@ -88,6 +88,24 @@ def _raise_exception(message: Any) -> NoReturn:
     raise jinja2.TemplateError(message)
 
 
+def _tojson_plain(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """``transformers``' own ``tojson`` (the plain environment's)."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+_JSON = json.JSONEncoder(ensure_ascii=False)
+_c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
+_c_encode_basestring = getattr(json.encoder, "c_encode_basestring", None)
+
+
 def _tojson(
     value: Any,
     ensure_ascii: bool = False,
@@ -95,9 +113,23 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    if (
+        ensure_ascii
+        or indent is not None
+        or separators is not None
+        or sort_keys
+        or _c_make_encoder is None
+        or _c_encode_basestring is None
+    ):
+        return _tojson_plain(value, ensure_ascii, indent, separators, sort_keys)
+    # the defaults (nearly every call): what json.dumps does, without building an encoder
+    # object and its closures per call
+    if isinstance(value, str):
+        return str(_c_encode_basestring(value))
+    encode = _c_make_encoder(
+        {}, _JSON.default, _c_encode_basestring, None, ": ", ", ", False, False, True
     )
+    return "".join(encode(value, 0))
 
 
 def _strftime_now(fmt: str) -> str:
@@ -500,7 +532,7 @@ def chat_environment(fast: bool = True) -> ImmutableSandboxedEnvironment:
         lstrip_blocks=True,
         extensions=[_GenerationTag, jinja2.ext.loopcontrols],
     )
-    env.filters["tojson"] = _tojson
+    env.filters["tojson"] = _tojson if fast else _tojson_plain
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _DictConstructor()

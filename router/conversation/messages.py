@@ -219,9 +219,10 @@ def _message(msg: Any, fmt: ContentFormat) -> dict[str, Any]:
         parts = out["content"]
         if isinstance(parts, list) and all(p.get("type") == "text" for p in parts):
             out["content"] = "\n".join(p["text"] for p in parts)
-    for key in ("name", "task"):
-        if isinstance(msg.get(key), str):
-            out[key] = msg[key]
+    if "name" in msg or "task" in msg:
+        for key in ("name", "task"):
+            if isinstance(msg.get(key), str):
+                out[key] = msg[key]
     if role == "developer":
         out["tools"] = msg.get("tools")
     return out

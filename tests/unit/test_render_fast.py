@@ -353,6 +353,24 @@ def test_a_body_raising_stores_nothing(tmp_path: Path) -> None:
     assert sum(len(s) for s in _stores(t)) == 1  # the user message's iteration only
 
 
+_any_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(st.characters(codec="utf-8")),
+    lambda inner: (
+        st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(max_size=3) | st.integers(-2, 2) | st.none(), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
+
+
+@given(value=_any_json)
+def test_tojson_is_transformers_tojson(value: Any) -> None:
+    from router.conversation.environment import _tojson, _tojson_plain
+
+    assert _tojson(value) == _tojson_plain(value) == json.dumps(value, ensure_ascii=False)
+    assert _tojson(value, indent=1) == json.dumps(value, ensure_ascii=False, indent=1)
+
+
 # --- the sandbox on every path ----------------------------------------------------------
 
 
