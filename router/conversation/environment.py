@@ -60,6 +60,12 @@ import jinja2.parser
 import jinja2.tests
 import jinja2.utils
 from jinja2.compiler import CodeGenerator, Frame, optimizeconst
+from jinja2.idtracking import (
+    VAR_LOAD_ALIAS,
+    VAR_LOAD_PARAMETER,
+    VAR_LOAD_RESOLVE,
+    VAR_LOAD_UNDEFINED,
+)
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import missing
@@ -356,13 +362,48 @@ class _ChatCodeGenerator(CodeGenerator):
                 self.write(", ")
             self.visit(kwarg, frame)
 
+    _hoisted: dict[str, str] | None = None
+
     def visit_For(self, node: jinja2.nodes.For, frame: Frame, **kwargs: Any) -> None:
+        if not (node.recursive or node.test is not None or self.environment.is_async):
+            # the names the loop's frame resolves from the context at every iteration
+            # (those the body may read before it sets them): the context cannot change
+            # while the loop runs (only top-level sets write it), so resolve them once
+            probe = frame.inner()
+            probe.symbols.analyze_node(node, for_branch="body")
+            hoisted = {}
+            for action, param in probe.symbols.loads.values():
+                if action == VAR_LOAD_RESOLVE and param != "loop":
+                    hoisted[param] = name = self.temporary_identifier()
+                    self.writeline(f"{name} = {self.get_resolve_func()}({param!r})")
+            self._hoisted = hoisted
         memo = node.body[0] if len(node.body) == 1 else None
         if memo is not None and memo_slot(memo) is not None:
             # the loop-invariant part of the memo key, computed at the first iteration
             memo.memo_invariant_var = self.temporary_identifier()  # type: ignore[attr-defined]
             self.writeline(f"{memo.memo_invariant_var} = missing")  # type: ignore[attr-defined]
         super().visit_For(node, frame, **kwargs)
+        self._hoisted = None
+
+    def enter_frame(self, frame: Frame) -> None:
+        hoisted, self._hoisted = self._hoisted, None
+        if not (frame.loop_frame and hoisted):
+            super().enter_frame(frame)
+            return
+        undefs = []
+        for target, (action, param) in frame.symbols.loads.items():
+            if action == VAR_LOAD_RESOLVE and param in hoisted:
+                self.writeline(f"{target} = {hoisted[param]}")
+            elif action == VAR_LOAD_RESOLVE:
+                self.writeline(f"{target} = {self.get_resolve_func()}({param!r})")
+            elif action == VAR_LOAD_ALIAS:
+                self.writeline(f"{target} = {param}")
+            elif action == VAR_LOAD_UNDEFINED:
+                undefs.append(target)
+            elif action != VAR_LOAD_PARAMETER:
+                raise NotImplementedError("unknown load instruction")
+        if undefs:
+            self.writeline(f"{' = '.join(undefs)} = missing")
 
     def visit_ScopedEvalContextModifier(
         self, node: jinja2.nodes.ScopedEvalContextModifier, frame: Frame

@@ -305,12 +305,20 @@ _FAST_PATH_SOURCES = [
     "{{ messages[0].get('nope', 'dflt') }}{{ messages[0].keys() | list }}"
     "{{ messages[0].content.replace('a', 'b', 1) }}{{ 'x'.join(['a', 'b']) }}",
     "{% set ns = namespace(startswith=1) %}{{ ns.startswith }}{{ messages.count(1) }}",
+    # names a loop resolves from the context (once per loop): read before and after a set
+    "{% for m in messages %}[{{ content }}{% set content = m.content %}{{ content }}"
+    "{% for c in m.content %}({{ x }}{% set x = c %}{{ x }}){% endfor %}{{ x }}]{% endfor %}"
+    "{{ content }}{% set content = 'top' %}{% for m in messages %}{{ content }}{% endfor %}",
     # namespaces
     "{% set ns = namespace(a=1, b=messages) %}{% for m in messages %}{% set ns.a = ns.a + 1 %}"
     "{% endfor %}{{ ns.a }}{{ ns.b | length }}{{ ns.c }}{{ ns.c is defined }}",
 ]
-_FAST_BODIES = [
+_FAST_BODIES: list[dict[str, Any]] = [
     {"messages": [{"role": "user", "content": "abc"}]},
+    {
+        "messages": [{"role": "user", "content": "ab"}, {"role": "user", "content": "c"}],
+        "chat_template_kwargs": {"content": "K", "x": 1},
+    },
     {
         "messages": [
             {"role": "system", "content": " a b "},
