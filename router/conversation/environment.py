@@ -309,10 +309,19 @@ class _ChatCodeGenerator(CodeGenerator):
     @optimizeconst
     def visit_Getitem(self, node: jinja2.nodes.Getitem, frame: Frame) -> None:
         arg = node.arg
-        if self.environment.is_async or not (
-            isinstance(arg, jinja2.nodes.Const) and type(arg.value) is str
-        ):
+        if self.environment.is_async or isinstance(arg, jinja2.nodes.Slice):
             super().visit_Getitem(node, frame)
+            return
+        if not (isinstance(arg, jinja2.nodes.Const) and type(arg.value) is str):
+            # ``seq[i]`` with an int in range on a list: the item (the sandbox's getitem
+            # tries obj[i] first); the pair is built in order, the object first, and
+            # read from the tuple (the index expression may reuse the other names)
+            self.write("(_gt_[0][_gt_[1]] if type((_gt_ := (")
+            self.visit(node.node, frame)
+            self.write(", ")
+            self.visit(arg, frame)
+            self.write("))[0]) is list and type(_gt_[1]) is int and ")
+            self.write("-len(_gt_[0]) <= _gt_[1] < len(_gt_[0]) else environment.getitem(*_gt_))")
             return
         key = arg.value
         self.write(f"(_cv_[{key!r}] if (type(_cv_ := ")

@@ -299,6 +299,12 @@ _FAST_PATH_SOURCES = [
     "{% if messages[0].nope %}yes{% elif messages[0].role %}role{% endif %}"
     "{% if messages[0].content %}c{% else %}none{% endif %}",
     "{% if messages[0].nope is defined and messages[0].nope.deeper %}x{% endif %}",
+    # items by computed index: lists in and out of range, negative, bools, other types
+    "{% for m in messages %}{{ messages[loop.index0 - 1].role }}|{{ messages[loop.index0 + 1] }}"
+    "|{{ messages[loop.index0 + 1].role if not loop.last }}{% endfor %}"
+    "{{ messages[-1].content }}{{ messages[-9] }}{{ messages[true] is defined }}{{ messages[0.0] }}"
+    "{{ messages[0].content[1] }}{{ messages[0].content[-1] }}{{ (1, 2)[1] }}"
+    "{{ messages[messages[0]['role'] == 'user'] }}{{ messages[0][0] }}",
     # str and dict methods, and the sandbox's own for other objects
     "{{ messages[0].content.startswith('a') }}{{ messages[0].content.split('b') }}"
     "{{ messages[0].content.strip().upper() }}{{ messages[0].get('role') }}"
