@@ -28,9 +28,16 @@ cases plain JSON values make common inline, with the sandbox's results:
 * ``obj.name`` on a plain ``dict`` for a name that is not a ``dict`` attribute: jinja
   tries ``getattr`` (which can only raise) then ``obj[name]``; this goes to ``obj[name]``
   (``message.role`` compiles to ``v["role"] if type(v) is dict and "role" in v else
-  environment.getattr(v, "role")``); ``obj["name"]`` likewise;
-* ``loop.<flag>`` on jinja's ``LoopContext`` (its public attributes, all safe) and
-  ``ns.<name>`` on a namespace (its attributes dict, ``_`` names never);
+  environment.getattr(v, "role")``), and an absent key to the undefined the sandbox
+  would make (``False`` when an ``if``/``elif`` test is only that attribute);
+  ``obj["name"]`` likewise, and ``seq[i]`` on a list with an int in range;
+* ``x.name is defined`` on a dict is whether it holds the key (and not an undefined);
+* ``loop`` over a list or tuple is a ``LoopContext`` that indexes the sequence and sets
+  ``first`` and ``last`` per iteration (:class:`_SeqLoop`), and ``loop.<flag>`` on it is
+  read directly; ``ns.<name>`` reads the namespace's attributes dict (``_`` names never);
+* a loop resolves the context names its body may read before it sets them once, before
+  the loop (jinja resolves them at every iteration; the context cannot change meanwhile:
+  only top-level ``set`` writes it);
 * a call of a ``str`` method that neither formats nor mutates (``startswith``,
   ``split``, ``strip``, ...) or of ``dict.get``/``items``/``keys``/``values`` on a value of
   exactly that type is a direct call (the sandbox's ``call`` would only check that the
@@ -39,9 +46,12 @@ cases plain JSON values make common inline, with the sandbox's results:
   name (jinja's checks are ``isinstance`` and name tests), so the answer is memoized per
   (type, name), up to a bound, and an attribute known safe is returned directly
   (``format`` and ``format_map`` excepted: jinja wraps those);
-* the loops :mod:`.memo` can prove get the per-iteration render memo.
+* ``tojson`` with its default arguments calls ``json.dumps``'s C encoder directly;
+* with ``compile_template(..., memo=True)``, the loops :mod:`.memo` can prove get the
+  per-iteration render memo (opt-in: see there).
 
-Underscore names and mutating methods still go through the sandbox on every path.
+Each shortcut gives what the plain environment gives (``tests/unit/test_render_fast.py``
+holds them equal for random conversations and for each shortcut on its own). Underscore names and mutating methods still go through the sandbox on every path.
 """
 
 from __future__ import annotations
