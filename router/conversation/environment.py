@@ -51,7 +51,8 @@ cases plain JSON values make common inline, with the sandbox's results:
   per-iteration render memo (opt-in: see there).
 
 Each shortcut gives what the plain environment gives (``tests/unit/test_render_fast.py``
-holds them equal for random conversations and for each shortcut on its own). Underscore names and mutating methods still go through the sandbox on every path.
+holds them equal for random conversations and for each shortcut on its own).
+Underscore names and mutating methods still go through the sandbox on every path.
 """
 
 from __future__ import annotations
