@@ -4,8 +4,8 @@ Opt-in (``load_chat_template(..., memo=True)``): with the environment's inline f
 paths, keying an iteration (evaluating its key expressions, freezing the message,
 hashing it) costs about as much as rendering it for the templates measured (Qwen's and
 Mistral's bodies are a few comparisons and concatenations per message), so requests
-render without it; ``bench/render_bench.py`` keeps measuring it. It pays for templates
-whose loop bodies are expensive per message.
+render without it; ``bench/render_bench.py`` keeps measuring it. It could pay for a
+template whose loop body costs more per message (none is measured here).
 
 A chat template spends nearly all its time in ``{% for message in messages %}``, and a
 conversation's next turn resends every earlier message: most loop iterations of a request
@@ -14,7 +14,9 @@ module proves, from the template's AST, what a loop body's output can depend on,
 compiled template then keys each iteration on exactly those values and reuses the output
 stored under an equal key.
 
-What an iteration can depend on (the analysis, :func:`install_memos`):
+Only loops over the messages are considered (``messages`` and names set from it, as
+:mod:`.content_format` finds them). What an iteration can depend on (the analysis,
+:func:`install_memos`):
 
 * the loop variable's value (the message), as a whole;
 * every *outer read*: a name the body reads that the iteration has not (certainly)
@@ -22,7 +24,10 @@ What an iteration can depend on (the analysis, :func:`install_memos`):
   the outer loop's flags (``loop.first``, ``loop.last``, ``loop.index0``, ...). These
   are keyed as the largest side-effect-free expressions around them that read nothing
   the iteration computes: ``loop.index0 > ns.last_query_index`` is keyed as one boolean,
-  ``messages[loop.index0 - 1].role != "tool"`` as another, not as the whole list;
+  ``messages[loop.index0 - 1].role != "tool"`` as another, not as the whole list (a
+  condition that reads the message too, ``message.role == "system" and not
+  loop.first``, is keyed whole); a name the body sets on some path only is keyed with
+  the value it had before the body;
 * nothing else: locals are computed from those, filters and tests are jinja's own pure
   ones (never ``random``), and every callable a body can reach comes from a key value
   (JSON values' methods, the environment's pure globals, checked by identity at run
@@ -39,7 +44,7 @@ the memo; an iteration whose body raises stores nothing.
 
 Keys compare type-strictly (``1``, ``1.0`` and ``True`` are different keys; so are
 ``0.0`` and ``-0.0``), so equal keys mean equal inputs, and equal inputs give equal
-output: the memo never changes what is rendered, and ``tests/unit/test_render_memo.py``
+output: the memo never changes what is rendered, and ``tests/unit/test_render_fast.py``
 checks that against the plain jinja2 sandbox for random conversations.
 
 The store is bounded: two generations of at most ``MEMO_ENTRIES`` each (a hit moves an
