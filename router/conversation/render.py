@@ -152,7 +152,9 @@ def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -
         isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
     ):
         raise RenderError("invalid", "documents is not a list of objects")
-    chat = [_for_template(m) for m in prepared.conversation]
+    # a prepared message of two keys is {"role": str, "content": str or parts}: nothing
+    # to drop or alias
+    chat = [m if len(m) == 2 else _for_template(m) for m in prepared.conversation]
     final = None
     if prepared.continue_final_message:
         final = _tag_final(chat, prepared.template.source)

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.conversation import ChatTemplate, RenderError, load_chat_template, render_prompt
+from router.conversation.messages import prepare_chat
 
 from .conversation_support import MISTRAL_CONFIG, MISTRAL_JINJA, qwen_dir
 
@@ -383,6 +384,39 @@ def test_tojson_is_transformers_tojson(value: Any) -> None:
 
     assert _tojson(value) == _tojson_plain(value) == json.dumps(value, ensure_ascii=False)
     assert _tojson(value, indent=1) == json.dumps(value, ensure_ascii=False, indent=1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    messages=st.lists(
+        st.dictionaries(
+            st.sampled_from(["role", "content", "name", "tool_call_id", "tools"]),
+            st.one_of(_text, st.none(), st.sampled_from(["user", "developer", "tool"])),
+            max_size=3,
+        )
+        | st.fixed_dictionaries(
+            {"content": _text, "role": st.sampled_from(["user", "assistant", "developer"])}
+        ),
+        max_size=4,
+    ),
+    which=st.sampled_from(["qwen", "mistral"]),
+)
+def test_the_inline_message_preparation_is_vllms(
+    qwen_fast: ChatTemplate, mistral_fast: ChatTemplate, messages: list[Any], which: str
+) -> None:
+    """prepare_chat's inline case builds what _message builds, keys in the same order."""
+    from router.conversation.messages import _message
+
+    template = qwen_fast if which == "qwen" else mistral_fast
+    fmt = template.templates["default"].content_format
+    try:
+        expected = [list(_message(m, fmt).items()) for m in messages]
+    except RenderError:
+        with pytest.raises(RenderError):
+            prepare_chat({"messages": messages}, template)
+        return
+    got = prepare_chat({"messages": messages}, template).conversation
+    assert [list(m.items()) for m in got] == expected
 
 
 # --- the sandbox on every path ----------------------------------------------------------
