@@ -543,6 +543,13 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
         self.memo_stores: list[MemoStore] = []
         self.memo_key: Callable[..., Any] = lambda *_: None
 
+    def make_globals(self, d: Any) -> dict[str, Any]:
+        # a template's globals as one dict, not jinja's ChainMap over the environment's
+        # (the same names and values: these are set before any template is compiled,
+        # and never after): every render merges them into its context, and a ChainMap
+        # makes that a Python-level walk (about 10 us a render)
+        return {**self.globals, **(d or {})}
+
     def _generate(self, *args: Any, **kwargs: Any) -> str:
         # compiled templates build their loops with _loop_context (the module's first
         # line imports jinja's runtime names; ours replace LoopContext right after it)
