@@ -70,6 +70,12 @@ class _Route:
     base: str
     lora: str | None
     template: ChatTemplate
+    unsalted: ChainKey
+    """``chain_root(base, None, lora)``: the root of every request without a cache_salt."""
+
+    @classmethod
+    def of(cls, base: str, lora: str | None, template: ChatTemplate) -> _Route:
+        return cls(base, lora, template, chain_root(base, None, lora))
 
 
 class ConversationKeys:
@@ -86,11 +92,11 @@ class ConversationKeys:
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
         self._chunk = chunk_bytes
-        self._routes: dict[str, _Route] = {m: _Route(m, None, t) for m, t in templates.items()}
+        self._routes: dict[str, _Route] = {m: _Route.of(m, None, t) for m, t in templates.items()}
         for adapter, base in (lora_adapters or {}).items():
             if base not in templates:
                 raise ValueError(f"LoRA adapter {adapter!r}: no template for its model {base!r}")
-            self._routes.setdefault(adapter, _Route(base, adapter, templates[base]))
+            self._routes.setdefault(adapter, _Route.of(base, adapter, templates[base]))
         self._rendered: dict[str, int] = {}
         self._failures: dict[tuple[str, RenderReason], int] = {}
         self._no_template = 0
@@ -146,7 +152,7 @@ class ConversationKeys:
         except RenderError as exc:
             self._failed(model, exc)
             return None
-        root = chain_root(route.base, salt, route.lora)
+        root = route.unsalted if salt is None else chain_root(route.base, salt, route.lora)
         self._rendered[model] = self._rendered.get(model, 0) + 1
         return RequestChain(chain_keys(data, root, self._chunk), len(data), route.base, route.lora)
 

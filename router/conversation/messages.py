@@ -219,9 +219,10 @@ def _message(msg: Any, fmt: ContentFormat) -> dict[str, Any]:
         parts = out["content"]
         if isinstance(parts, list) and all(p.get("type") == "text" for p in parts):
             out["content"] = "\n".join(p["text"] for p in parts)
-    for key in ("name", "task"):
-        if isinstance(msg.get(key), str):
-            out[key] = msg[key]
+    if "name" in msg or "task" in msg:
+        for key in ("name", "task"):
+            if isinstance(msg.get(key), str):
+                out[key] = msg[key]
     if role == "developer":
         out["tools"] = msg.get("tools")
     return out
@@ -298,7 +299,20 @@ def prepare_chat(body: Mapping[str, Any], chat_template: ChatTemplate) -> Prepar
     merged.update((k, v) for k, v in request_kwargs.items() if v not in _UNSET)
     tools = merged.pop("tools", None)
     template = chat_template.select(tools is not None)
-    conversation = [_message(m, template.content_format) for m in messages]
+    fmt = template.content_format
+    conversation = [
+        # the common message, {"role", "content": text} and nothing else, rebuilt inline
+        # (what _message gives it, without the call)
+        {"role": m["role"], "content": m["content"]}
+        if type(m) is dict
+        and len(m) == 2
+        and type(m.get("content")) is str
+        and type(m.get("role")) is str
+        and fmt == "string"
+        and m["role"] != "developer"
+        else _message(m, fmt)
+        for m in messages
+    ]
     docs = merged.pop("documents", None)
     agp = merged.pop("add_generation_prompt")
     cfm = merged.pop("continue_final_message")

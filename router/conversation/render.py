@@ -56,11 +56,16 @@ _CONFLICTS = ("messages", "conversation")
 _CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
 
 
-def _alias_reasoning(message: dict[str, Any]) -> dict[str, Any]:
-    for field in _REASONING_FIELDS:
-        reasoning = message.get(field)
-        if reasoning is not None:
-            return {"thinking": reasoning, **message, "reasoning_content": reasoning}
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` without its ``None`` values, reasoning aliased (a copy only if either
+    changes it: the prepared messages are the request's own)."""
+    if None in message.values():  # JSON values: == None only for None itself
+        message = {k: v for k, v in message.items() if v is not None}
+    if "reasoning_content" in message or "thinking" in message or "reasoning" in message:
+        for field in _REASONING_FIELDS:
+            reasoning = message.get(field)
+            if reasoning is not None:
+                return {"thinking": reasoning, **message, "reasoning_content": reasoning}
     return message
 
 
@@ -100,14 +105,18 @@ def _cut_at_tag(rendered: str, final: str) -> str:
     return rendered[:at].rstrip()
 
 
-def render_prompt(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
-    """The prompt text the engine renders for the chat completion ``body``.
+def render_prompt(
+    chat_template: ChatTemplate, body: Mapping[str, Any], *, plain: bool = False
+) -> str:
+    """The prompt text the engine renders for the chat completion ``body``; ``plain``:
+    with the template compiled in jinja's plain sandbox (no shortcuts, no memo: the
+    reference the fast path is tested and measured against).
 
     Raises:
         RenderError: the request cannot be rendered (see :mod:`.errors` for the reasons).
     """
     try:
-        return _render(chat_template, body)
+        return _render(chat_template, body, plain)
     except RenderError:
         raise
     except jinja2.TemplateError as exc:
@@ -118,7 +127,7 @@ def render_prompt(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
         raise RenderError("error", f"{type(exc).__name__}: {exc}") from None
 
 
-def _render(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
+def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
     prepared = prepare_chat(body, chat_template)
     if not prepared.conversation:
         raise RenderError("invalid", "empty conversation")
@@ -143,14 +152,14 @@ def _render(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str:
         isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
     ):
         raise RenderError("invalid", "documents is not a list of objects")
-    chat = [
-        _alias_reasoning({k: v for k, v in m.items() if v is not None})
-        for m in prepared.conversation
-    ]
+    # a prepared message of two keys is {"role": str, "content": str or parts}: nothing
+    # to drop or alias
+    chat = [m if len(m) == 2 else _for_template(m) for m in prepared.conversation]
     final = None
     if prepared.continue_final_message:
         final = _tag_final(chat, prepared.template.source)
-    rendered = prepared.template.template.render(
+    compiled = prepared.template.plain if plain else prepared.template.template
+    rendered = compiled.render(
         messages=chat,
         tools=tools,
         documents=documents,
