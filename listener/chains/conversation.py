@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from bus.events import KvEvent
-from bus.prompt_chain import ChainKey, ChainState, chain_root, extend
+from bus.prompt_chain import ChainKey, chain_root, extend_pieces
 from bus.salt import caller_salt
 from listener.token_bytes import TokenBytes, UnmappedToken
 
@@ -156,23 +156,6 @@ class ChainBlock(TrackedBlock):
         while c is not None:
             yield c
             c = c.chain_next
-
-
-def _partial(b: ChainBlock, chunk_bytes: int) -> bytes | None:
-    """The bytes after ``b``'s last full chunk (None when a node they come from lost them)."""
-    need = b.chain_length % chunk_bytes
-    pieces: list[bytes] = []
-    n: ChainBlock | None = b
-    while need:
-        if n is None or n.chain_data is None:
-            return None
-        data = n.chain_data
-        pieces.append(data)
-        need -= len(data)
-        n = n.chain_parent
-    assert need == 0
-    pieces.reverse()
-    return b"".join(pieces)
 
 
 class ConversationLedger:
@@ -376,12 +359,25 @@ class ConversationLedger:
     ) -> bool:
         """Set the state of ``b``, whose block completes one chunk or more, with its keys
         counted (in ``tier``); False, having set nothing, when the partial chunk in front
-        of it is lost."""
-        partial = b"" if parent is None else _partial(parent, self.chunk_bytes)
-        if partial is None:
-            return False
-        new, keys = extend(ChainState(ChainKey(key), partial, length), data, self.chunk_bytes)
-        b.chain_key, b.chain_data, b.chain_length = new.key, new.partial, new.length
+        of it is lost.
+
+        The partial chunk is the ``chain_data`` of the ancestors back to the one that
+        crossed the last boundary (the rope), gathered here and hashed with the block's
+        bytes in one join (``extend_pieces``)."""
+        need = length % self.chunk_bytes
+        pieces = [data]
+        n = parent
+        while need:  # newest piece first
+            if n is None or n.chain_data is None:
+                return False
+            piece = n.chain_data
+            pieces.append(piece)
+            need -= len(piece)
+            n = n.chain_parent
+        assert need == 0
+        pieces.reverse()
+        keys, rest = extend_pieces(ChainKey(key), pieces, self.chunk_bytes)
+        b.chain_key, b.chain_data, b.chain_length = keys[-1], rest, length + len(data)
         b.chain_keys = refs = self._refs(keys, length, ids, at_start, start_tokens)
         touched = self.touched
         if tier == "gpu":
@@ -402,15 +398,20 @@ class ConversationLedger:
         at_start: bool,
         start_tokens: int,
     ) -> tuple[ChainRef, ...]:
-        """The refs of ``keys``, completed by a block whose bytes start at ``length``."""
+        """The refs of ``keys``, completed by a block whose bytes start at ``length``.
+
+        A key another path holds already has its ref (and token count): the block's token
+        ends are computed only for a new one."""
         c = self.chunk_bytes
-        ends = self.table.ends(ids, at_start)
+        ends: list[int] | None = None
         boundary = (length // c + 1) * c - length  # first chunk end, within the block
         out: list[ChainRef] = []
         refs = self.refs
         for k in keys:
             r = refs.get(k)
             if r is None:
+                if ends is None:
+                    ends = self.table.ends(ids, at_start)
                 r = refs[k] = ChainRef(k, start_tokens + bisect_right(ends, boundary))
             out.append(r)
             boundary += c
