@@ -249,18 +249,18 @@ class ConversationLedger:
         except (IndexError, TypeError):
             self.unmapped()
             return
-        length = parent.chain_length
-        key = parent.chain_key
-        if length % self.chunk_bytes + len(data) < self.chunk_bytes:
-            b.chain_key = key
+        length, size, c = parent.chain_length, len(data), self.chunk_bytes
+        if length % c + size < c:
+            b.chain_key = parent.chain_key
             b.chain_keys = _NO_KEYS
             b.chain_data = data
-            b.chain_length = length + len(data)
+            b.chain_length = length + size
         else:
+            key = parent.chain_key
             assert key is not None
             if not self._completing(b, parent, key, length, data, ids, False, tier, b.start):
                 return
-            data = b.chain_data  # type: ignore[assignment]
+            size = len(b.chain_data)  # type: ignore[arg-type]
         b.chain_tier, b.chain_after, b.chain_used = tier, False, False
         b.chain_parent, b.chain_child, b.chain_prev = parent, None, None
         first = b.chain_next = parent.chain_child
@@ -270,8 +270,8 @@ class ConversationLedger:
         parent.chain_used = True
         self.live += 1
         self._holders.append(b)
-        self.retained += len(data)
-        if self.retained > self.max_retained_bytes:
+        retained = self.retained = self.retained + size
+        if retained > self.max_retained_bytes:
             self._enforce()
 
     def copy(self, twin: ChainBlock, b: ChainBlock) -> None:
