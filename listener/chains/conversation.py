@@ -57,8 +57,9 @@ stores, never a copy of the partial chunk.
 **Memory.** Nodes exist only for tracked blocks (``max_tracked_blocks`` bounds them). Each
 node keeps fewer than ``chunk_bytes`` bytes of ``chain_data``; those count against
 ``max_retained_bytes``, and beyond it nodes lose them, oldest first with a second chance
-for those extended since (a clock): such a node keeps its keys, but nothing that needs the
-bytes derives from it or from below it within the chunk.
+for those extended since (a clock sweeping the tracked blocks, down to three quarters of
+the bound): such a node keeps its keys, but nothing that needs the bytes derives from it or
+from below it within the chunk.
 Hence at all times, per source::
 
     retained chain bytes <= min(max_retained_bytes, max_tracked_blocks * (chunk_bytes - 1))
@@ -67,7 +68,6 @@ Hence at all times, per source::
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
@@ -186,11 +186,11 @@ class ConversationLedger:
         self._pieces = settings.table.table
         self.refs: dict[bytes, ChainRef] = {}
         self.touched: dict[ChainRef, None] = {}
-        self._holders: deque[ChainBlock] = deque()
-        """Nodes with ``chain_data``, oldest first, for the byte bound: a clock (second
-        chance) over creation order, ``chain_used`` set when a child derives from a node;
-        entries of nodes that lost their data are skipped, and compacted away once they
-        are half."""
+        self.blocks: Callable[[], Iterable[ChainBlock]] = tuple
+        """The source's tracked blocks, oldest first (the tracker sets it): what the byte
+        bound sweeps (``_enforce``). No queue of its own: a reference per node would keep
+        the blocks of withdrawn nodes alive until it is compacted, which costs the cyclic
+        GC more than the queue saves."""
         self.retained = 0
         """Bytes kept by all nodes (their ``chain_data``)."""
         self.live = 0
@@ -269,7 +269,6 @@ class ConversationLedger:
             first.chain_prev = b
         parent.chain_used = True
         self.live += 1
-        self._holders.append(b)
         retained = self.retained = self.retained + size
         if retained > self.max_retained_bytes:
             self._enforce()
@@ -419,24 +418,31 @@ class ConversationLedger:
 
     def _hold(self, b: ChainBlock) -> None:
         assert b.chain_data is not None
-        self._holders.append(b)
         self.retained += len(b.chain_data)
         if self.retained > self.max_retained_bytes:
             self._enforce()
 
     def _enforce(self) -> None:
-        holders = self._holders
-        while self.retained > self.max_retained_bytes and holders:
-            victim = holders.popleft()
-            if victim.chain_data is None:
-                continue  # withdrawn since
-            if victim.chain_used:  # extended since it was queued: a second chance
-                victim.chain_used = False
-                holders.append(victim)
-                continue
-            self.retained -= len(victim.chain_data)
-            victim.chain_data = None
-            self.counts["bytes_pruned"] += 1
+        """Over the byte bound: nodes lose their bytes, oldest first, down to three
+        quarters of the bound. A node extended since a sweep last passed it gets a second
+        chance (``chain_used``, cleared as the sweep passes; a second sweep finds it spent),
+        and one whose chunk just ended (no bytes) is left alone: it costs nothing and its
+        children still derive from it. A sweep walks the tracked blocks, so it runs at most
+        once per quarter of the bound's bytes."""
+        low = self.max_retained_bytes * 3 // 4
+        counts = self.counts
+        for _ in range(2):
+            for b in self.blocks():
+                if b.chain_key is None or not b.chain_data:
+                    continue
+                if b.chain_used:
+                    b.chain_used = False
+                    continue
+                self.retained -= len(b.chain_data)
+                b.chain_data = None
+                counts["bytes_pruned"] += 1
+                if self.retained <= low:
+                    return
 
     def _count(self, b: ChainBlock, sign: int) -> None:
         touched = self.touched
@@ -503,8 +509,6 @@ class ConversationLedger:
             n.chain_key = None
             n.chain_parent = n.chain_child = n.chain_next = n.chain_prev = None
             self.live -= 1
-        if len(self._holders) > 2 * self.live + 64:  # mostly entries of lost data
-            self._holders = deque(n for n in self._holders if n.chain_data is not None)
 
     def _demote(self, top: ChainBlock) -> None:
         """``top`` now has a non-GPU ancestor: it and its GPU descendants count as storage."""
@@ -525,7 +529,6 @@ class ConversationLedger:
         Blocks that still have a node are left as they are: they are gone too."""
         self.refs.clear()
         self.touched.clear()
-        self._holders.clear()
         self.retained = self.live = 0
 
     # -- announcing ---------------------------------------------------------------------
@@ -578,7 +581,6 @@ class ConversationLedger:
         """``blocks``: every tracked block. Recomputes refs, bytes and links."""
         refs: dict[bytes, list[int]] = {}
         retained = live = 0
-        holders = set()
         for n in blocks:
             assert isinstance(n, ChainBlock)
             if n.chain_key is None:  # no node (never, or withdrawn): no references left
@@ -600,13 +602,10 @@ class ConversationLedger:
                     not n.chain_data and c_len == 0
                 )
                 retained += len(n.chain_data)
-                holders.add(n)
             for r in n.chain_keys:
                 assert self.refs.get(r.key) is r
                 refs.setdefault(r.key, [0, 0])[n.chain_tier != "gpu"] += 1
         assert live == self.live and retained == self.retained
-        assert holders == {n for n in self._holders if n.chain_data is not None}
-        assert len(set(self._holders)) == len(self._holders) <= 2 * live + 64
         bound = min(self.max_retained_bytes, max_nodes * (self.chunk_bytes - 1))
         assert retained <= bound
         for key, r in self.refs.items():
