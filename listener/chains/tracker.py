@@ -136,7 +136,6 @@ class ChainTracker:
             self._block = ChainBlock
             self._conv = ConversationLedger(backend, emit, conversation, self._warn_once)
             self._blocks.chains = self._conv  # type: ignore[assignment]  # its blocks are ChainBlocks
-            self._conv.blocks = self._nodes.values  # type: ignore[assignment]
             self._blocks.chain_copy = self._chain_twin
 
     # Counters kept by the parts, readable here as before the split.
