@@ -108,7 +108,7 @@ class Publisher:
 
     def __init__(
         self, workdir: Path, tag: str, *, fmt: str = "vllm-0.33", salted: bool = True,
-        prefixes: int = 0, hwm: int = 100_000,
+        prefixes: int = 0, hwm: int = 100_000, token_ids: str = "simple",
     ) -> None:  # fmt: skip
         self.zmq_port = free_port()
         self.next_seq = 0
@@ -116,6 +116,7 @@ class Publisher:
             "-m", "harness.publisher", "--endpoint", f"tcp://*:{self.zmq_port}",
             "--format", fmt, "--hwm", str(hwm), "--backend", BACKEND,
             "--prefixes", str(prefixes), *(["--salted"] if salted else []),
+            "--token-ids", token_ids,
         )  # fmt: skip
         self.child = Child(f"{tag}-pub", cmd, log_dir=workdir, stdin=True)
         self.child.wait_ready()

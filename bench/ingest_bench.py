@@ -14,6 +14,14 @@ chain carries a router-issued cache salt, as vLLM shows it):
   keyed, pruning to ``max_tracked_blocks`` (100,000) once the burst passes it, hub, SSE.
   Variants: both vLLM encodings with a prefix per chain (every event grows its chain, so
   every drained backlog announces it), and 64 shared prefixes (few announcements).
+* **conversation keys**: the same salted burst with Qwen2 vocabulary token ids (the
+  publisher's ``--token-ids qwen2``), once to a listener with prefix keys only
+  (``M-salted-qwen``) and once to one in conversation mode (``M-salted-conv``:
+  ``conversation.enabled``, the source's ``tokenizer`` Qwen2's ``tokenizer.json`` and its
+  ``model``): every block's token bytes also extend its chain's conversation key chain, and
+  the chain keys are announced too. ``conv/prefix-only`` (printed under the table) is the
+  listener CPU per event of the one over the other, paired per round: the real-process
+  counterpart of ``ingest_pipeline_bench``'s ``conv/full`` (target <= 1.5x).
 
 Timing (``t0`` = just before the burst is triggered): bare events/s = events decoded /
 (its last frame - t0); listener events/s = ``/stats`` ``events`` delta / (first 20 ms poll
@@ -49,6 +57,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.sim.tokenizer import bundled_qwen2_json
+
 from ._kvstack import (
     BACKEND,
     Child,
@@ -64,6 +74,7 @@ from ._kvstack import (
 from ._table import fmt_float, median, paired_ratio, render_table, verdict
 
 TARGET_RATIO = 0.40
+TARGET_CONV = 1.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +212,8 @@ class Variant:
     label: str
     fmt: str
     prefixes: int = 0  # distinct prefix keys (0: one per chain)
+    token_ids: str = "simple"  # the publisher's --token-ids
+    conversation: bool = False  # the listener computes conversation keys
 
 
 VARIANTS: dict[str, Variant] = {
@@ -209,8 +222,14 @@ VARIANTS: dict[str, Variant] = {
         Variant("M-salted", "M (vllm-0.33), salted chains", "vllm-0.33"),
         Variant("A-salted", "A (vllm-0.23.0), salted chains", "vllm-0.23.0"),
         Variant("M-salted-64", "M, salted, 64 shared prefixes", "vllm-0.33", prefixes=64),
+        Variant("M-salted-qwen", "M, salted, Qwen2 ids, prefix keys", "vllm-0.33",
+                token_ids="qwen2"),
+        Variant("M-salted-conv", "M, salted, Qwen2 ids, conversation keys", "vllm-0.33",
+                token_ids="qwen2", conversation=True),
     )
-}
+}  # fmt: skip
+CONV_PAIR = ("M-salted-conv", "M-salted-qwen")
+"""The conversation variant and the prefix-only one it is compared with."""
 
 
 @dataclass
@@ -221,7 +240,9 @@ class Cell:
 
 
 def _publisher(v: Variant, args: argparse.Namespace, workdir: Path, tag: str) -> Publisher:
-    return Publisher(workdir, tag, fmt=v.fmt, prefixes=v.prefixes, hwm=args.hwm)
+    return Publisher(
+        workdir, tag, fmt=v.fmt, prefixes=v.prefixes, hwm=args.hwm, token_ids=v.token_ids
+    )
 
 
 def run_baseline(v: Variant, args: argparse.Namespace, workdir: Path, tag: str) -> dict[str, Any]:
@@ -274,9 +295,12 @@ def run_listener(v: Variant, args: argparse.Namespace, workdir: Path, tag: str) 
     lst: Listener | None = None
     sse: Child | None = None
     try:
-        cfg = listener_config(
-            pub.connect_endpoint, top={"subscriber_queue_size": args.subscriber_queue}
-        )
+        top: dict[str, Any] = {"subscriber_queue_size": args.subscriber_queue}
+        source: dict[str, Any] = {}
+        if v.conversation:
+            top["conversation"] = {"enabled": True}
+            source = {"tokenizer": str(bundled_qwen2_json()), "model": "sim"}
+        cfg = listener_config(pub.connect_endpoint, top=top, source=source)
         lst = listener = Listener(cfg, workdir, tag)
         warm_up(
             lambda: pub.burst(1, args.events_per_batch), lambda: listener.source()["frames"] > 0
@@ -334,6 +358,7 @@ def run_listener(v: Variant, args: argparse.Namespace, workdir: Path, tag: str) 
             "lost": gaps,
             "sse_lost": overflows + sres["errors"],
             "tracked_blocks": src["tracked_blocks"],
+            "chain_keys": src.get("chain_keys", 0),
             "rss_mib": rss_bytes(lst.pid) / 2**20,
             "pub_events_per_s": box.get("events_per_s") or float("nan"),
             "valid": events >= expected and gaps == 0,
@@ -427,7 +452,33 @@ def report(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
         }
     print(render_table(HEADERS, rows))
     print("\n" + LEGEND)
+    conv = conversation_cost(cells)
+    if conv is not None:
+        out["conv_vs_prefix_only"] = conv
+        print(
+            f"\nconversation keys ({CONV_PAIR[0]} over {CONV_PAIR[1]}, paired per round): "
+            f"listener CPU per event conv/prefix-only {conv['cpu_ratio']:.2f}x (target <= "
+            f"{TARGET_CONV}x: {verdict(conv['pass'])}), events/s {conv['rate_ratio']:.0%}, "
+            f"chain keys held at the end {conv['chain_keys']:.0f}"
+        )
     return out
+
+
+def conversation_cost(cells: list[Cell]) -> dict[str, Any] | None:
+    """The conversation variant against the prefix-only one of the same burst, round by
+    round (None unless both ran)."""
+    by_key = {c.variant.key: c for c in cells}
+    if not all(k in by_key for k in CONV_PAIR):
+        return None
+    conv, plain = (by_key[k].listener for k in CONV_PAIR)
+    pairs = [(c, p) for c, p in zip(conv, plain, strict=False) if c["valid"] and p["valid"]]
+    cpu = paired_ratio([c["cpu_s_per_1k"] for c, _ in pairs], [p["cpu_s_per_1k"] for _, p in pairs])
+    rate = paired_ratio(
+        [c["events_per_s"] for c, _ in pairs], [p["events_per_s"] for _, p in pairs]
+    )
+    ok = None if cpu != cpu else cpu <= TARGET_CONV
+    keys = median(c["chain_keys"] for c, _ in pairs) if pairs else float("nan")
+    return {"cpu_ratio": cpu, "rate_ratio": rate, "pass": ok, "chain_keys": keys}
 
 
 def bench(args: argparse.Namespace) -> list[Cell]:

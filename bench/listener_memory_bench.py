@@ -22,6 +22,14 @@ engine simulator's burst code), with no SSE subscriber:
 * ``keyed (salted chains)``: router-salted chains (the publisher's ``--salted``, one
   prefix per chain): every block keyed at once, no tokens kept; one
   ``cache_created`` per event goes into the hub's history ring (10,000 records).
+* ``keyed, conversation keys``: the same with Qwen2 vocabulary token ids (the publisher's
+  ``--token-ids qwen2``) to a listener in conversation mode (``conversation.enabled``,
+  Qwen2's ``tokenizer.json``): every block also keeps its node in its chain and the bytes
+  it adds after the last 1 KiB boundary, bounded by::
+
+      retained chain bytes <= min(max_retained_bytes, max_tracked_blocks * (chunk_bytes - 1))
+
+  (``chain bytes``: ``chain_retained_bytes`` at 100k and 150k, both within the bound).
 
 Measured: VmRSS (``/proc/<pid>/status``) of the listener right after start (empty: the
 baseline, the same process before ingestion), after exactly 100,000 blocks were stored
@@ -45,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from harness.sim.tokenizer import bundled_qwen2_json
+
 from ._kvstack import (
     BACKEND,
     Listener,
@@ -62,6 +72,8 @@ MAX_TRACKED = 100_000
 MAX_CHAIN_TOKENS = 16_384
 DEFAULT_RETAINED = 16_777_216
 MiB = 2**20
+CHAIN_BYTE_BOUND = min(64 * MiB, MAX_TRACKED * (1024 - 1))
+"""The conversation defaults: max_retained_bytes 64 MiB, chunk_bytes 1024."""
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class Scenario:
     label: str
     salted: bool  # False: unattributable chains stay pending; True: keyed at once
     max_retained_tokens: int = DEFAULT_RETAINED
+    conversation: bool = False  # Qwen2 token ids, the listener in conversation mode
 
     @property
     def token_bound(self) -> int:
@@ -84,6 +97,7 @@ SCENARIOS: dict[str, Scenario] = {
             "pending-1M", "pending, max_retained_tokens 1M", False, max_retained_tokens=1_000_000
         ),
         Scenario("keyed", "keyed (salted chains)", True),
+        Scenario("keyed-conv", "keyed, conversation keys", True, conversation=True),
     )
 }
 
@@ -122,16 +136,21 @@ def _settle_rss(pid: int, seconds: float = 1.0) -> int:
 
 
 def run_scenario(s: Scenario, args: argparse.Namespace, workdir: Path, tag: str) -> dict[str, Any]:
-    pub = Publisher(workdir, tag, salted=s.salted, hwm=args.hwm)
+    token_ids = "qwen2" if s.conversation else "simple"
+    pub = Publisher(workdir, tag, salted=s.salted, hwm=args.hwm, token_ids=token_ids)
     lst: Listener | None = None
     try:
-        extra = {
+        extra: dict[str, Any] = {
             "max_tracked_blocks": MAX_TRACKED,
             "max_chain_tokens": MAX_CHAIN_TOKENS,
             "max_retained_tokens": s.max_retained_tokens,
         }
         dead = None if s.salted else f"http://127.0.0.1:{free_port()}/detokenize"
-        cfg = listener_config(pub.connect_endpoint, detokenize_url=dead, source=extra)
+        top: dict[str, Any] = {}
+        if s.conversation:
+            top["conversation"] = {"enabled": True}
+            extra.update(tokenizer=str(bundled_qwen2_json()), model="sim")
+        cfg = listener_config(pub.connect_endpoint, detokenize_url=dead, top=top, source=extra)
         lst = Listener(cfg, workdir, tag)
         listener = lst
         lst.source()  # the HTTP server and the source are up
@@ -171,6 +190,12 @@ def run_scenario(s: Scenario, args: argparse.Namespace, workdir: Path, tag: str)
             "retained_ok": retained <= s.token_bound
             and int(src2["retained_tokens"]) <= s.token_bound,
             "retained_tokens_150k": int(src2["retained_tokens"]),
+            "chain_bytes": int(src1.get("chain_retained_bytes", 0)),
+            "chain_bytes_150k": int(src2.get("chain_retained_bytes", 0)),
+            "chain_ok": max(
+                int(src1.get("chain_retained_bytes", 0)), int(src2.get("chain_retained_bytes", 0))
+            )
+            <= CHAIN_BYTE_BOUND,
             "pending_blocks": int(src1["pending_blocks"]),
             "keyed_blocks": int(src1["keyed_blocks"]),
             "history_records": int(hub1["history"]),
@@ -206,6 +231,7 @@ def report(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
         "x4 B",
         "bound (x4 B)",
         "<=bound",
+        "chain bytes @100k/@150k",
         "RSS @150k",
         "tracked @150k",
         "<=100k",
@@ -230,7 +256,10 @@ def report(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
                 fmt_float(c.med("retained_tokens"), 0),
                 f"{fmt_float(c.med('retained_mib'), 1)} MiB",
                 f"{s.token_bound} ({4 * s.token_bound / MiB:.1f} MiB)",
-                verdict(bool(valid) and all(r["retained_ok"] for r in valid)),
+                verdict(bool(valid) and all(r["retained_ok"] and r["chain_ok"] for r in valid)),
+                f"{c.med('chain_bytes') / MiB:.1f} / {c.med('chain_bytes_150k') / MiB:.1f} MiB"
+                if s.conversation
+                else "-",
                 f"{fmt_float(c.med('rss_150k_mib'), 1)} MiB",
                 fmt_float(c.med("tracked_at_150k"), 0),
                 verdict(bool(valid) and all(r["pruned_ok"] for r in valid)),
@@ -245,7 +274,9 @@ def report(args: argparse.Namespace, cells: list[Cell]) -> dict[str, Any]:
     print(
         "B/block: (RSS @100k - RSS empty) / 100,000; meta B/block: the same without the token "
         "payload (retained tokens x 4 B); bound: min(max_retained_tokens, max_tracked_blocks x "
-        "max_chain_tokens) tokens; @150k: after 50,000 more blocks (pruning must hold "
+        "max_chain_tokens) tokens (and, with conversation keys, chain bytes <= "
+        f"min(max_retained_bytes, max_tracked_blocks x 1023) = {CHAIN_BYTE_BOUND / MiB:.1f} MiB); "
+        "@150k: after 50,000 more blocks (pruning must hold "
         "tracked_blocks <= 100,000); pruned: pruned_entries (blocks and token holders); "
         "history: records in the hub's resumption ring at 100k (history_size 10,000); "
         "lost: ZMQ gaps (must be 0)."

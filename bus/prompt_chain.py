@@ -49,6 +49,7 @@ __all__ = [
     "chain_keys",
     "chain_root",
     "extend",
+    "extend_pieces",
 ]
 
 ChainKey = NewType("ChainKey", bytes)
@@ -121,16 +122,37 @@ def extend(
     ``extend(extend(s, a), b)`` gives the same keys as ``extend(s, a + b)``, and from
     :meth:`ChainState.start` the same as :func:`chain_keys` (the listener's incremental pass).
     """
+    keys, rest = extend_pieces(state.key, (state.partial, data), chunk_bytes)
+    key = keys[-1] if keys else state.key
+    return ChainState(key, rest, state.length + len(data)), keys
+
+
+def extend_pieces(
+    key: ChainKey, pieces: Sequence[bytes], chunk_bytes: int = DEFAULT_CHUNK_BYTES
+) -> tuple[list[ChainKey], bytes]:
+    """The keys of the full chunks of ``b"".join(pieces)`` in a chain whose last key is
+    ``key`` (the root before the first chunk), and the bytes after the last of them.
+
+    :func:`extend` without the state objects, for a partial chunk kept in pieces (the
+    listener keeps a block's own bytes, not a copy of the partial chunk): the pieces are
+    joined once, behind the key, and the first chunk is hashed in place.
+
+    Raises:
+        ValueError: ``chunk_bytes`` < 1, or ``key`` is not ``KEY_BYTES`` long.
+    """
     if chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    buf = state.partial + data if state.partial else data
-    full = len(buf) - len(buf) % chunk_bytes
+    if len(key) != KEY_BYTES:
+        raise ValueError(f"a chain key is {KEY_BYTES} bytes, got {len(key)}")
+    buf = b"".join((key, *pieces))
+    n = len(buf) - KEY_BYTES
+    full = n - n % chunk_bytes
     if not full:
-        return ChainState(state.key, bytes(buf), state.length + len(data)), ()
-    keys: list[ChainKey] = []
-    key = bytes(state.key)
+        return [], buf[KEY_BYTES:]
     view = memoryview(buf)
-    for end in range(chunk_bytes, full + 1, chunk_bytes):
-        key = _hash(key + view[end - chunk_bytes : end])
-        keys.append(ChainKey(key))
-    return ChainState(ChainKey(key), bytes(view[full:]), state.length + len(data)), keys
+    k = _hash(view[: KEY_BYTES + chunk_bytes])
+    keys = [k]
+    for end in range(KEY_BYTES + 2 * chunk_bytes, KEY_BYTES + full + 1, chunk_bytes):
+        k = _hash(k + view[end - chunk_bytes : end])
+        keys.append(k)
+    return keys, buf[KEY_BYTES + full :]  # type: ignore[return-value]  # ChainKey is bytes

@@ -23,7 +23,7 @@ Commands, one a line; each is answered by one JSON line on stdout:
 Closing stdin ends the process. It prints ``READY`` once the PUB socket is bound.
 
 Run: ``python -m harness.publisher --endpoint 'tcp://*:5557' [--format vllm-0.33]
-[--salted [--prefixes 0] [--backend sim]] [--hwm 100000]``
+[--salted [--prefixes 0] [--backend sim]] [--token-ids simple|qwen2] [--hwm 100000]``
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from bus.salt import encode_salt
 
 from .sim.kv_events import CapturePublisher, KvEventPublisher, ZmqPublisher
 from .sim.kv_wire import get_format
-from .sim.tokenizer import SimpleTokenizer
+from .sim.tokenizer import Qwen2Tokenizer, SimpleTokenizer
 
 __all__ = [
     "DEFAULT_SALT_SECRET",
@@ -161,7 +161,8 @@ async def _serve(args: argparse.Namespace) -> None:
     secret = os.environ.get(SALT_ENV, "").encode() or DEFAULT_SALT_SECRET
     salt = (secret, args.backend, args.prefixes) if args.salted else None
     pub = ZmqPublisher(args.endpoint, hwm=args.hwm)
-    events = salted_publisher(pub, args.format, salt)
+    sample_ids = Qwen2Tokenizer().sample_ids if args.token_ids == "qwen2" else None
+    events = salted_publisher(pub, args.format, salt, sample_ids)
     events.start()
     print("READY", flush=True)
     loop = asyncio.get_running_loop()
@@ -187,6 +188,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--salted", action="store_true", help="salt every chain's first block")
     p.add_argument("--prefixes", type=int, default=0, help="distinct prefix keys (0: per chain)")
     p.add_argument("--backend", default="sim", help="the backend the salts are issued for")
+    p.add_argument(
+        "--token-ids", choices=("simple", "qwen2"), default="simple",
+        help="whose token ids the blocks carry: the simulator's simple tokenizer, or Qwen2's "
+        "vocabulary (every id maps through Qwen2's tokenizer.json: conversation keys)",
+    )  # fmt: skip
     asyncio.run(_serve(p.parse_args(argv)))
     return 0
 

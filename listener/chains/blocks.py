@@ -19,9 +19,9 @@ only when its last block goes. Hence at all times, per source::
 
     retained token IDs <= min(max_retained_tokens, max_tracked_blocks * max_chain_tokens)
 
-With conversation mode on, a block also has a ``chain`` node (``conversation``), which
-keeps at most one partial chunk of bytes, bounded by that module's ``max_retained_bytes``;
-dropping a block withdraws its node there.
+With conversation mode on, every block is a ``conversation.ChainBlock``, whose node in the
+conversation key chain keeps at most one partial chunk of bytes, bounded by that module's
+``max_retained_bytes``; dropping a block withdraws its node there.
 
 ``BlockStore`` owns the entries and these mechanics: adding a block, removing one (its
 pending subtree loses the text above it), moving a pending subtree out of PENDING
@@ -32,16 +32,15 @@ from __future__ import annotations
 
 from array import array
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from listener.engine_events import BlockHash
 
-from .conversation import ChainNode, ConversationLedger
 from .prefixes import Prefix, PrefixLedger
 from .states import KEYED, PENDING, TRANSITIONS, UNATTRIBUTED, BlockState, Cause, IllegalTransition
 
-__all__ = ["BlockKey", "BlockStore", "LruPolicy", "PruningPolicy", "TrackedBlock"]
+__all__ = ["BlockKey", "BlockStore", "ChainNodes", "LruPolicy", "PruningPolicy", "TrackedBlock"]
 
 BlockKey = tuple[int, int, str, BlockHash]
 """(dp_rank, group_idx, medium, engine hash)."""
@@ -55,7 +54,7 @@ class TrackedBlock:
 
     __slots__ = (
         "alive",
-        "chain",
+        "chain_key",
         "children",
         "depth",
         "dirty",
@@ -90,8 +89,9 @@ class TrackedBlock:
         self.frontier: TrackedBlock | None = None
         self.insufficient = False
         self.dirty: dict[TrackedBlock, None] | None = None
-        self.chain: ChainNode | None = None
-        """Its place in the conversation key chain (conversation mode only)."""
+        self.chain_key: bytes | None = None
+        """Conversation mode: the last full chunk's key of the block's node in its key
+        chain (``conversation.ChainBlock``); None while it has none."""
 
     def transition(self, cause: Cause, prefix: Prefix | None = None) -> BlockState:
         """Change state for ``cause`` as ``TRANSITIONS`` says; returns the new state.
@@ -165,6 +165,15 @@ class LruPolicy:
         self._holders.clear()
 
 
+class ChainNodes(Protocol):
+    """The conversation keys' side of the store (``conversation.ConversationLedger``, whose
+    blocks are its ``ChainBlock``s): told when a block with a chain node goes."""
+
+    def drop(self, b: TrackedBlock, copy: TrackedBlock | None) -> None: ...
+    def clear(self) -> None: ...
+    def check_invariants(self, blocks: Iterable[TrackedBlock], max_nodes: int) -> None: ...
+
+
 class BlockStore:
     """The tracked blocks of one source, within the entry and token bounds.
 
@@ -205,10 +214,10 @@ class BlockStore:
         self.unattributed_chains = 0
         """Chains given up since start: one per ``unattribute``, and one per block born
         UNATTRIBUTED that does not extend an unattributed chain."""
-        self.chains: ConversationLedger | None = None
+        self.chains: ChainNodes | None = None
         """Conversation keys (when on): a dropped block's node is withdrawn there."""
-        self.chain_copy: Callable[[BlockKey], ChainNode | None] = lambda key: None
-        """The live chain node of a copy of the block ``key`` in another medium."""
+        self.chain_copy: Callable[[BlockKey], TrackedBlock | None] = lambda key: None
+        """A copy of the block ``key`` in another medium that has a live chain node."""
 
     def add(self, b: TrackedBlock) -> None:
         """Track the new block ``b`` (its state, links and tokens set), then the bounds."""
@@ -241,8 +250,8 @@ class BlockStore:
         del self.nodes[b.key]
         b.alive = False
         self.policy.removed(b)
-        if b.chain is not None:
-            self.chains.drop(b.chain, self.chain_copy(b.key))  # type: ignore[union-attr]
+        if b.chain_key is not None:  # conversation mode: b is a ChainBlock
+            self.chains.drop(b, self.chain_copy(b.key))  # type: ignore[union-attr]
         state = b.state
         self.counts[state] -= 1
         if state == KEYED:  # no tokens, parent or children (see settle): only the counts
@@ -361,8 +370,6 @@ class BlockStore:
         assert retained <= bound and len(self.nodes) <= self.max_tracked_blocks
         self._ledger.check_invariants(refs)
         if self.chains is not None:
-            self.chains.check_invariants(
-                {k: b.chain for k, b in self.nodes.items()}, self.max_tracked_blocks
-            )
+            self.chains.check_invariants(self.nodes.values(), self.max_tracked_blocks)
         else:
-            assert all(b.chain is None for b in self.nodes.values())
+            assert all(b.chain_key is None for b in self.nodes.values())

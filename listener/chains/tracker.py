@@ -46,7 +46,7 @@ from listener.engine_events import (
 
 from .attribution import AttributionJobs, ChainAttributor
 from .blocks import BlockKey, BlockStore, LruPolicy, PruningPolicy, TrackedBlock
-from .conversation import ChainNode, ConversationLedger, ConversationSettings
+from .conversation import ChainBlock, ConversationLedger, ConversationSettings
 from .prefixes import PrefixLedger
 from .states import KEYED, PENDING, UNATTRIBUTED
 
@@ -142,9 +142,13 @@ class ChainTracker:
         self.failed_events = 0
         self._on_fault = on_fault
         self._conv: ConversationLedger | None = None
+        self._block: type[TrackedBlock] = TrackedBlock
+        """The class of new blocks: ``ChainBlock`` (a block with its chain node) in
+        conversation mode."""
         if conversation is not None:
+            self._block = ChainBlock
             self._conv = ConversationLedger(backend, emit, conversation, self._warn_once)
-            self._blocks.chains = self._conv
+            self._blocks.chains = self._conv  # type: ignore[assignment]  # its blocks are ChainBlocks
             self._blocks.chain_copy = self._chain_twin
 
     # Counters kept by the parts, readable here as before the split.
@@ -290,7 +294,7 @@ class ChainTracker:
         depth = start + bs
         tier = "gpu" if medium == _GPU else "storage"
         p = prev.prefix
-        b = TrackedBlock(key, start, depth, tier, state, p)  # born in the parent's state
+        b = self._block(key, start, depth, tier, state, p)  # born in the parent's state
         nodes[key] = b
         self._counts[state] += 1
         lru = self._lru
@@ -312,10 +316,8 @@ class ChainTracker:
                     p.storage_hw = depth
             self._touched[p] = None
         conv = self._conv
-        if conv is not None:
-            pc = prev.chain
-            if pc is not None:
-                b.chain = conv.child(pc, ev.token_ids, tier, start)
+        if conv is not None and prev.chain_key is not None:
+            conv.child(prev, b, ev.token_ids)  # type: ignore[arg-type]
         if len(nodes) > self.max_tracked_blocks:
             blocks = self._blocks
             victim = self._policy.victim()  # one in, one out
@@ -391,47 +393,51 @@ class ChainTracker:
             )
             if self._conv is not None and last.alive:
                 ids = ev.token_ids[begin:offset] if exact else None
-                last.chain = self._chain_of(last, parent, ev, ids, root_event and i == 0)
+                self._chain_of(last, parent, ev, ids, root_event and i == 0)  # type: ignore[arg-type]
         if last is not None and last.alive and last.state == PENDING:
             self._jobs.mark_dirty(last)
 
     def _chain_of(
         self,
-        b: TrackedBlock,
-        parent: TrackedBlock | None,
+        b: ChainBlock,
+        parent: ChainBlock | None,
         ev: BlockStored,
         ids: list[int] | None,
         first: bool,
-    ) -> ChainNode | None:
-        """The chain node of the new block ``b`` (see ``conversation``), or None."""
+    ) -> None:
+        """Give the new block ``b`` its chain node (see ``conversation``), if it can have one."""
         conv = self._conv
         assert conv is not None
         if ids is None:
             if ev.token_ids:
                 conv.mismatch()
-                return None
+                return
             twin = self._chain_twin(b.key)  # no tokens: a copy of a block we know?
             if twin is not None:
-                return conv.copy(twin, b.tier)
+                conv.copy(twin, b)
+                return
         if ids and min(ids) < 0:  # the ZMQ decoders refuse these; trtllm's JSON may not
             conv.unmapped()
-            return None
+            return
         if parent is not None:
-            pc = parent.chain
-            return None if pc is None else conv.child(pc, ids, b.tier, b.start)
+            if parent.chain_key is not None:
+                conv.child(parent, b, ids)
+            return
         if first:
-            return conv.start(ids, b.tier, ev.cache_salt, ev.lora_name, ev.lora_id)
+            conv.start(b, ids, ev.cache_salt, ev.lora_name, ev.lora_id)
+            return
         twin = self._chain_twin(b.key)
-        return None if twin is None else conv.copy(twin, b.tier)
+        if twin is not None:
+            conv.copy(twin, b)
 
-    def _chain_twin(self, key: BlockKey) -> ChainNode | None:
-        """The live chain node of the same block in another medium."""
+    def _chain_twin(self, key: BlockKey) -> ChainBlock | None:
+        """The same block in another medium, if it has a live chain node."""
         dp, group, medium, h = key
         for m in self._media.get((dp, group), ()):
             if m != medium:
                 t = self._nodes.get((dp, group, m, h))
-                if t is not None and t.chain is not None and t.chain.live:
-                    return t.chain
+                if t is not None and t.chain_key is not None:
+                    return t  # type: ignore[return-value]
         return None
 
     def _twin(self, key: BlockKey) -> TrackedBlock | None:
@@ -482,7 +488,7 @@ class ChainTracker:
                 state = UNATTRIBUTED if frontier is not None and frontier.insufficient else PENDING
             if state == UNATTRIBUTED:
                 self._blocks.unattributed_chains += 1
-        b = TrackedBlock(key, start, depth, tier, state, prefix)
+        b = self._block(key, start, depth, tier, state, prefix)
         if state == PENDING:
             b.tokens, b.frontier = tokens, frontier
             if parent is None:

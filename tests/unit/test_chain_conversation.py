@@ -391,6 +391,21 @@ def test_byte_bound_takes_the_least_recently_extended_state() -> None:
     check(tracker, router)
 
 
+def test_byte_bound_leaves_a_node_whose_chunk_just_ended_derivable() -> None:
+    """A node right after a chunk boundary keeps no bytes, so the bound has nothing to take
+    from it: the chain still extends from there once everything before it lost its bytes."""
+    tracker, router = make(max_retained_bytes=40)
+    first = stored(b"A" * C)  # 8 blocks: 28 bytes kept, the last block's chunk ends
+    tracker.apply(batch(first))
+    tracker.apply(batch(stored(b"B" * 28)))  # 56 bytes > 40: the oldest bytes go
+    check(tracker, router)
+    assert tracker.stats()["chain_bytes_pruned"] > 0
+    assert tracker.stats()["chain_retained_bytes"] <= 40
+    tracker.apply(batch(stored(b"C" * C, int(first.block_hashes[-1]))))
+    assert set(expected(b"A" * C + b"C" * C)) <= set(router.keys)
+    check(tracker, router)
+
+
 def test_pruning_an_entry_withdraws_its_keys() -> None:
     tracker, router = make(max_tracked_blocks=20)
     tracker.apply(batch(stored(TEXT[:64])))  # 16 blocks, 2 keys

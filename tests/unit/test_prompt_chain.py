@@ -7,6 +7,7 @@ xxhash called directly, so the file cannot drift from the documented recurrence.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from bus.prompt_chain import (
     chain_keys,
     chain_root,
     extend,
+    extend_pieces,
 )
 
 GOLDEN = json.loads(
@@ -85,6 +87,38 @@ def test_extending_in_pieces_equals_one_pass(text: bytes, cuts: list[int], chunk
     assert state.length == len(text)
     assert len(state.partial) == len(text) % chunk and text.endswith(state.partial)
     assert state.key == (keys[-1] if keys else root)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    text=st.binary(max_size=3000),
+    cut=st.integers(0, 3000),
+    splits=st.lists(st.integers(0, 3000), max_size=8),
+    chunk=st.sampled_from([1, 7, 64, DEFAULT_CHUNK_BYTES]),
+)
+def test_extending_by_pieces_equals_one_pass(
+    text: bytes, cut: int, splits: list[int], chunk: int
+) -> None:
+    """The listener's rope: a chain state whose partial chunk is kept in pieces, extended
+    by one block, gives the one-pass keys and exactly the bytes after the last key."""
+    root = chain_root("model", "salt")
+    cut = min(cut, len(text))
+    before = chain_keys(text[:cut], root, chunk)
+    key = before[-1] if before else root
+    tail = text[len(before) * chunk :]  # the partial chunk in front of the block, then it
+    bounds = [0, *sorted(min(s, len(tail)) for s in splits), len(tail)]
+    pieces = [tail[a:b] for a, b in itertools.pairwise(bounds)]
+    keys, rest = extend_pieces(key, pieces, chunk)
+    assert before + keys == chain_keys(text, root, chunk)
+    assert rest == text[len(text) - len(text) % chunk :]
+
+
+def test_extend_pieces_refuses_a_bad_key_or_chunk_size() -> None:
+    with pytest.raises(ValueError, match="16 bytes"):
+        extend_pieces(ChainKey(b"short"), [b"x" * 2048])
+    with pytest.raises(ValueError, match="chunk_bytes"):
+        extend_pieces(chain_root("m"), [b"abc"], 0)
+    assert extend_pieces(chain_root("m"), [], 4) == ([], b"")
 
 
 @settings(max_examples=100, deadline=None)
