@@ -11,12 +11,11 @@ number of messages, so this is the expensive shape).
 new conversation (its text tagged with a fresh number), right after an untimed call on
 the same conversation's previous turn (the body without its last two messages), as a
 conversation's next request follows its last one; so no cache of any kind sees a body
-twice. Three columns, same bodies, interleaved rounds:
+twice. Two columns, same bodies, interleaved rounds:
 
 * ``plain``: the template compiled in jinja's plain ``ImmutableSandboxedEnvironment``
   (the reference the fast path is tested against, and the cost before it);
-* ``fast``: as the router renders (the environment's inline fast paths);
-* ``memo``: fast plus the per-iteration render memo (``load_chat_template(memo=True)``).
+* ``fast``: as the router renders (the environment's inline fast paths).
 
 Rows besides, on one body (not per path): ``orjson.loads`` of the body's bytes (what
 the router pays on every request anyway), ``extract_prefix_key`` (the prefix-key path's
@@ -213,13 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from tokenizers import Tokenizer
 
     d = qwen_files()
-    files = (str(d / "tokenizer_config.json"), None, str(d / "tokenizer.json"))
-    template = load_chat_template(*files)
-    variants = {
-        "plain": _plain(template),
-        "fast": template,
-        "memo": load_chat_template(*files, memo=True),
-    }
+    template = load_chat_template(str(d / "tokenizer_config.json"), None, str(d / "tokenizer.json"))
+    variants = {"plain": _plain(template), "fast": template}
     keys = {name: ConversationKeys({MODEL: t}, chunk_bytes=1024) for name, t in variants.items()}
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
 
@@ -233,8 +227,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Every render_prompt/chain() call is a distinct body (a new conversation), timed "
         "right after the same conversation's previous turn (its last two messages fewer).\n"
         "plain: jinja's plain immutable sandbox (the reference); fast: as requests are "
-        "rendered (the environment's fast paths); memo: fast plus the per-iteration "
-        "render memo (load_chat_template(memo=True))."
+        "rendered (the environment's fast paths)."
     )
     for shape, size in [(sh, n) for sh in ("chat", "agent") for n in SIZES]:
         build = chat if shape == "chat" else conversation
@@ -282,7 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             med = median(per) * 1e6
             results.append({"shape": shape, "tokens": tokens, "case": label, "us": med})
-            rows.append([label, "-", fmt_float(med, 1), "-", "-", "-"])
+            rows.append([label, "-", fmt_float(med, 1), "-", "-"])
         for label, timings in (("render_prompt", render_t), ("chain() (all of it)", chain_t)):
             meds = {n: median(per) * 1e6 for n, per in zip(names, timings, strict=True)}
             ratio = paired_ratio(timings[1], timings[0])
@@ -305,7 +298,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     label,
                     fmt_float(meds["plain"], 1),
                     fmt_float(meds["fast"], 1),
-                    fmt_float(meds["memo"], 1),
                     fmt_float(ratio, 2) + "x",
                     verdict(ok),
                 ]
@@ -314,9 +306,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"\n{shape}: {tokens} tokens, {len(data)} bytes rendered, "
             f"{len(body['messages'])} messages, body {len(raw)} bytes"
         )
-        print(
-            render_table(["case", "plain us", "fast us", "memo us", "fast/plain", "budget"], rows)
-        )
+        print(render_table(["case", "plain us", "fast us", "fast/plain", "budget"], rows))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"budget_us_8k": BUDGET_US_8K, "results": results}, f, indent=2)

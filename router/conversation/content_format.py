@@ -28,7 +28,7 @@ from typing import Literal
 
 import jinja2.nodes as nodes
 
-__all__ = ["ContentFormat", "detect_content_format", "message_lists", "refers_to"]
+__all__ = ["ContentFormat", "detect_content_format"]
 
 ContentFormat = Literal["string", "openai"]
 
@@ -54,7 +54,7 @@ def _is_member(node: nodes.Node, name: str, key: str) -> bool:
     return False
 
 
-def refers_to(node: nodes.Node, name: str, key: str | None = None) -> bool:
+def _refers_to(node: nodes.Node, name: str, key: str | None = None) -> bool:
     """``node`` is ``name`` (or ``name[key]``), possibly filtered, tested or sliced."""
     while True:
         if isinstance(node, nodes.Filter):
@@ -76,7 +76,7 @@ def _target_name(node: nodes.Node) -> str:
     return node.name
 
 
-def message_lists(root: nodes.Template) -> list[str]:
+def _message_lists(root: nodes.Template) -> list[str]:
     """``messages`` and every name assigned from it, transitively."""
     found = ["messages"]
     queue = ["messages"]
@@ -84,7 +84,7 @@ def message_lists(root: nodes.Template) -> list[str]:
     while queue:
         current = queue.pop(0)
         for assign in root.find_all(nodes.Assign):
-            if refers_to(assign.node, current):
+            if _refers_to(assign.node, current):
                 name = _target_name(assign.target)
                 found.append(name)
                 if name not in seen:
@@ -96,14 +96,14 @@ def message_lists(root: nodes.Template) -> list[str]:
 def _loops_over(root: nodes.Template, names: list[str], key: str | None) -> Iterator[str]:
     """Loop variables of ``for`` loops over one of ``names`` (or their ``key``)."""
     for loop in root.find_all(nodes.For):
-        if any(refers_to(loop.iter, name, key) for name in names):
+        if any(_refers_to(loop.iter, name, key) for name in names):
             yield _target_name(loop.target)
 
 
 def detect_content_format(ast: nodes.Template) -> ContentFormat:
     """vLLM's "auto" content format of the template whose parsed AST is ``ast``."""
     try:
-        message_vars = list(_loops_over(ast, message_lists(ast), None))
+        message_vars = list(_loops_over(ast, _message_lists(ast), None))
         for _ in _loops_over(ast, message_vars, "content"):
             return "openai"
     except _GiveUp:

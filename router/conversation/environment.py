@@ -46,9 +46,7 @@ cases plain JSON values make common inline, with the sandbox's results:
   name (jinja's checks are ``isinstance`` and name tests), so the answer is memoized per
   (type, name), up to a bound, and an attribute known safe is returned directly
   (``format`` and ``format_map`` excepted: jinja wraps those);
-* ``tojson`` with its default arguments calls ``json.dumps``'s C encoder directly;
-* with ``compile_template(..., memo=True)``, the loops :mod:`.memo` can prove get the
-  per-iteration render memo (opt-in: see there).
+* ``tojson`` with its default arguments calls ``json.dumps``'s C encoder directly.
 
 Each shortcut gives what the plain environment gives (``tests/unit/test_render_fast.py``
 holds them equal for random conversations and for each shortcut on its own).
@@ -59,7 +57,6 @@ from __future__ import annotations
 
 import copy
 import json
-from collections.abc import Callable
 from datetime import datetime
 from keyword import iskeyword as is_python_keyword
 from typing import Any, NoReturn
@@ -80,8 +77,6 @@ from jinja2.idtracking import (
 from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import missing
-
-from .memo import MemoStore, install_memos, key_function, memo_slot
 
 __all__ = ["chat_environment", "compile_template"]
 
@@ -265,7 +260,7 @@ def _has_call(node: jinja2.nodes.Node) -> bool:
 
 
 class _ChatCodeGenerator(CodeGenerator):
-    """Inline fast paths for plain values, and the render memo (see the module header)."""
+    """Inline fast paths for plain values (see the module header)."""
 
     @optimizeconst
     def visit_Getattr(self, node: jinja2.nodes.Getattr, frame: Frame) -> None:
@@ -397,11 +392,6 @@ class _ChatCodeGenerator(CodeGenerator):
                     hoisted[param] = name = self.temporary_identifier()
                     self.writeline(f"{name} = {self.get_resolve_func()}({param!r})")
             self._hoisted = hoisted
-        memo = node.body[0] if len(node.body) == 1 else None
-        if memo is not None and memo_slot(memo) is not None:
-            # the loop-invariant part of the memo key, computed at the first iteration
-            memo.memo_invariant_var = self.temporary_identifier()  # type: ignore[attr-defined]
-            self.writeline(f"{memo.memo_invariant_var} = missing")  # type: ignore[attr-defined]
         super().visit_For(node, frame, **kwargs)
         self._hoisted = None
 
@@ -424,55 +414,6 @@ class _ChatCodeGenerator(CodeGenerator):
                 raise NotImplementedError("unknown load instruction")
         if undefs:
             self.writeline(f"{' = '.join(undefs)} = missing")
-
-    def visit_ScopedEvalContextModifier(
-        self, node: jinja2.nodes.ScopedEvalContextModifier, frame: Frame
-    ) -> None:
-        slot = memo_slot(node)
-        if slot is None:
-            super().visit_ScopedEvalContextModifier(node, frame)
-            return
-        # a memoized loop body: skipped when the store has this iteration's output
-        key, out, buf = (self.temporary_identifier() for _ in range(3))
-        inv = node.memo_invariant_var  # type: ignore[attr-defined]
-        count = node.memo_invariant  # type: ignore[attr-defined]
-        store = f"environment.memo_stores[{slot}]"
-        self.writeline("try:")
-        self.indent()
-        self.writeline(f"if {inv} is missing:")
-        self.indent()
-        self.writeline(f"{inv} = environment.memo_key((")
-        for option in node.options[:count]:
-            self.visit(option.value, frame)
-            self.write(", ")
-        self.write("))")
-        self.outdent()
-        self.writeline(f"{key} = None if {inv} is None else environment.memo_key((")
-        for option in node.options[count:]:
-            self.visit(option.value, frame)
-            self.write(", ")
-        self.write(f"), {inv})")
-        self.outdent()
-        self.writeline("except Exception:")
-        self.indent()
-        self.writeline(f"{key} = None")
-        self.outdent()
-        self.writeline(f"{out} = None if {key} is None else {store}.get({key})")
-        self.writeline(f"if {out} is None:")
-        self.indent()
-        outer = frame.buffer
-        frame.buffer = buf
-        self.writeline(f"{buf} = []")
-        self.blockvisit(node.body, frame)
-        frame.buffer = outer
-        self.writeline(f"{out} = concat({buf})")
-        self.writeline(f"if {key} is not None:")
-        self.indent()
-        self.writeline(f"{store}.put({key}, {out})")
-        self.outdent(2)
-        self.start_write(frame, node)
-        self.write(out)
-        self.end_write(frame)
 
 
 class _SeqLoop(LoopContext):
@@ -540,8 +481,6 @@ class _ChatSandbox(ImmutableSandboxedEnvironment):
     def __init__(self, **options: Any) -> None:
         super().__init__(**options)
         self._safety: dict[tuple[type, str], bool] = {}
-        self.memo_stores: list[MemoStore] = []
-        self.memo_key: Callable[..., Any] = lambda *_: None
 
     def make_globals(self, d: Any) -> dict[str, Any]:
         # a template's globals as one dict, not jinja's ChainMap over the environment's
@@ -608,22 +547,13 @@ def chat_environment(fast: bool = True) -> ImmutableSandboxedEnvironment:
     return env
 
 
-_PURE_GLOBALS = ("raise_exception", "dict", "namespace", "range")
-
-
 def compile_template(
-    env: ImmutableSandboxedEnvironment, ast: jinja2.nodes.Template, *, memo: bool
-) -> tuple[jinja2.Template, tuple[int, ...]]:
-    """``ast`` compiled in ``env`` (a fresh environment per template), with the render
-    memo of :mod:`.memo` on the loops it can prove (``memo`` and a fast environment);
-    returns the template and the memoized loops' line numbers. ``ast`` is not changed."""
+    env: ImmutableSandboxedEnvironment, ast: jinja2.nodes.Template
+) -> jinja2.Template:
+    """``ast`` compiled in ``env`` (a fresh environment per template); ``ast`` is not
+    changed."""
     tree = copy.deepcopy(ast)
     for node in tree.find_all(jinja2.nodes.If):
         if isinstance(node.test, jinja2.nodes.Getattr):
             node.test.truth_only = True  # type: ignore[attr-defined]
-    if not (memo and isinstance(env, _ChatSandbox)):
-        return env.from_string(tree), ()
-    lines = install_memos(tree, env.filters, env.tests)
-    env.memo_stores = [MemoStore() for _ in lines]
-    env.memo_key = key_function({n: env.globals[n] for n in _PURE_GLOBALS})
-    return env.from_string(tree), tuple(lines)
+    return env.from_string(tree)

@@ -109,8 +109,8 @@ def render_prompt(
     chat_template: ChatTemplate, body: Mapping[str, Any], *, plain: bool = False
 ) -> str:
     """The prompt text the engine renders for the chat completion ``body``; ``plain``:
-    with the template compiled in jinja's plain sandbox (no shortcuts, no memo: the
-    reference the fast path is tested and measured against).
+    with the template compiled in jinja's plain sandbox (no shortcuts: the reference
+    the fast path is tested and measured against).
 
     Raises:
         RenderError: the request cannot be rendered (see :mod:`.errors` for the reasons).

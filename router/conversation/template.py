@@ -58,13 +58,11 @@ class CompiledTemplate:
     name: str
     source: str
     template: jinja2.Template
-    """Compiled with the fast environment and the render memo (what requests use)."""
+    """Compiled with the fast environment (what requests use)."""
     content_format: ContentFormat
     plain: jinja2.Template
     """The same source in jinja's plain immutable sandbox: the reference ``template``
     is tested against, and the bench's baseline."""
-    memoized_loops: tuple[int, ...] = ()
-    """Line numbers of the loops the render memo covers (:mod:`.memo`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,18 +133,18 @@ def _config_templates(config: Any, path: str) -> dict[str, str]:
     raise TemplateLoadError(field, f"{path!r}: chat_template is neither a string nor a list")
 
 
-def _compile(name: str, source: str, field: str, path: str, memo: bool) -> CompiledTemplate:
+def _compile(name: str, source: str, field: str, path: str) -> CompiledTemplate:
     env = chat_environment()
     try:
         ast = env.parse(source)
-        template, memoized = compile_template(env, ast, memo=memo)
+        template = compile_template(env, ast)
         plain = chat_environment(fast=False).from_string(source)
     except jinja2.TemplateSyntaxError as exc:
         where = f"template {name!r} " if name != "default" else "template "
         raise TemplateLoadError(
             field, f"{path!r}: {where}line {exc.lineno}: {exc.message}"
         ) from None
-    return CompiledTemplate(name, source, template, detect_content_format(ast), plain, memoized)
+    return CompiledTemplate(name, source, template, detect_content_format(ast), plain)
 
 
 def _stamp(path: str | None) -> tuple[str, int, int] | None:
@@ -163,18 +161,13 @@ def load_chat_template(
     tokenizer_config: str | None = None,
     chat_template: str | None = None,
     tokenizer: str | None = None,
-    *,
-    memo: bool = False,
 ) -> ChatTemplate:
-    """Load and compile a model's template from the configured paths; ``memo``: with the
-    per-iteration render memo of :mod:`.memo` (off by default: with the environment's
-    fast paths, keying an iteration costs about what rendering it does for the
-    templates measured, ``bench/render_bench.py``).
+    """Load and compile a model's template from the configured paths.
 
     Raises:
         TemplateLoadError: a file that does not load; ``field`` names which.
     """
-    return _load(_stamp(tokenizer_config), _stamp(chat_template), _stamp(tokenizer), memo)
+    return _load(_stamp(tokenizer_config), _stamp(chat_template), _stamp(tokenizer))
 
 
 @functools.lru_cache(maxsize=64)
@@ -182,7 +175,6 @@ def _load(
     tokenizer_config: tuple[str, int, int] | None,
     chat_template: tuple[str, int, int] | None,
     tokenizer: tuple[str, int, int] | None,
-    memo: bool,
 ) -> ChatTemplate:
     if tokenizer_config is None and chat_template is None:
         raise TemplateLoadError(
@@ -208,11 +200,11 @@ def _load(
             text = _read(path, "chat_template").decode()
         except UnicodeDecodeError as exc:
             raise TemplateLoadError("chat_template", f"{path!r} is not UTF-8: {exc}") from None
-        compiled = {"default": _compile("default", text, "chat_template", path, memo)}
+        compiled = {"default": _compile("default", text, "chat_template", path)}
     else:
         assert tokenizer_config is not None
         path = tokenizer_config[0]
-        compiled = {n: _compile(n, s, "tokenizer_config", path, memo) for n, s in sources.items()}
+        compiled = {n: _compile(n, s, "tokenizer_config", path) for n, s in sources.items()}
     normalizer = Normalizer(None)
     if tokenizer is not None:
         path = tokenizer[0]

@@ -1,8 +1,8 @@
-"""The fast rendering path (the environment's inline shortcuts, and the opt-in
-per-iteration render memo) renders every request exactly as jinja's plain immutable
-sandbox does, across the turns of random conversations, for both template families; each
-shortcut on its own; loops the memo's analysis cannot prove are not memoized; the sandbox
-still refuses unsafe attributes on every path."""
+"""The fast rendering path (the environment's inline shortcuts) renders every request
+exactly as jinja's plain immutable sandbox does, across the turns of random
+conversations, for both template families; each shortcut on its own; loop bodies that
+carry state, break, or read names they may set; the sandbox still refuses unsafe
+attributes on every path."""
 
 from __future__ import annotations
 
@@ -25,25 +25,12 @@ QWEN = qwen_dir()
 @pytest.fixture(scope="module")
 def qwen() -> ChatTemplate:
     return load_chat_template(
-        str(QWEN / "tokenizer_config.json"), None, str(QWEN / "tokenizer.json"), memo=True
-    )
-
-
-@pytest.fixture(scope="module")
-def mistral() -> ChatTemplate:
-    return load_chat_template(str(MISTRAL_CONFIG), str(MISTRAL_JINJA), None, memo=True)
-
-
-@pytest.fixture(scope="module")
-def qwen_fast() -> ChatTemplate:
-    """The default: fast paths, no memo."""
-    return load_chat_template(
         str(QWEN / "tokenizer_config.json"), None, str(QWEN / "tokenizer.json")
     )
 
 
 @pytest.fixture(scope="module")
-def mistral_fast() -> ChatTemplate:
+def mistral() -> ChatTemplate:
     return load_chat_template(str(MISTRAL_CONFIG), str(MISTRAL_JINJA), None)
 
 
@@ -58,11 +45,6 @@ def _same(template: ChatTemplate, body: dict[str, Any]) -> str:
     fast = _outcome(template, body, plain=False)
     assert fast == _outcome(template, body, plain=True)
     return fast[1]
-
-
-def _stores(template: ChatTemplate) -> list[Any]:
-    env: Any = template.templates["default"].template.environment
-    return list(env.memo_stores)
 
 
 # --- random conversations, turn after turn ----------------------------------------------
@@ -124,27 +106,19 @@ _conversation = st.fixed_dictionaries(
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     conv=_conversation,
-    which=st.sampled_from(["qwen", "mistral", "qwen_fast", "mistral_fast"]),
+    which=st.sampled_from(["qwen", "mistral"]),
     step=st.integers(1, 3),
 )
 def test_every_turn_renders_as_the_plain_sandbox(
     qwen: ChatTemplate,
     mistral: ChatTemplate,
-    qwen_fast: ChatTemplate,
-    mistral_fast: ChatTemplate,
     conv: dict[str, Any],
     which: str,
     step: int,
 ) -> None:
     """Turn after turn of one conversation (each a prefix of the next, as clients resend
-    them), fast paths alone and with the memo shared by every example: the same bytes as
-    jinja's plain sandbox, or the same failure."""
-    template = {
-        "qwen": qwen,
-        "mistral": mistral,
-        "qwen_fast": qwen_fast,
-        "mistral_fast": mistral_fast,
-    }[which]
+    them): the same bytes as jinja's plain sandbox, or the same failure."""
+    template = qwen if which == "qwen" else mistral
     messages = conv["messages"]
     for end in range(1, len(messages) + 1, step):
         body = {**conv, "messages": messages[:end]}
@@ -152,26 +126,7 @@ def test_every_turn_renders_as_the_plain_sandbox(
         _same(template, {**body, "add_generation_prompt": False})
 
 
-@pytest.mark.parametrize("which", ["qwen", "mistral"])
-def test_a_conversations_next_turn_reuses_the_earlier_messages(
-    qwen: ChatTemplate, mistral: ChatTemplate, which: str
-) -> None:
-    template = qwen if which == "qwen" else mistral
-    assert template.templates["default"].memoized_loops
-    msgs: list[dict[str, Any]] = [{"role": "system", "content": "memo reuse ✓"}]
-    for turn in range(6):
-        msgs += [
-            {"role": "user", "content": f"question {turn} ü"},
-            {"role": "assistant", "content": f"answer {turn}"},
-        ]
-    msgs.append({"role": "user", "content": "last"})
-    _same(template, {"messages": msgs[:-2]})
-    before = sum(s.hits for s in _stores(template))
-    _same(template, {"messages": msgs})
-    assert sum(s.hits for s in _stores(template)) - before >= 8
-
-
-def test_keys_are_type_strict(qwen: ChatTemplate) -> None:
+def test_numbers_equal_in_python_render_apart(qwen: ChatTemplate) -> None:
     """1, 1.0 and True (equal in Python) and 0.0 and -0.0 render differently as JSON."""
     outs = set()
     for value in ("1", "1.0", "true", "0.0", "-0.0"):
@@ -195,13 +150,13 @@ def test_keys_are_type_strict(qwen: ChatTemplate) -> None:
     assert len(outs) == 5
 
 
-# --- what the analysis refuses, and what it keys --------------------------------------
+# --- loop bodies: state between iterations, control flow, names they may set --------
 
 
-def _template(tmp_path: Path, source: str, memo: bool = True) -> ChatTemplate:
-    path = tmp_path / f"t{abs(hash(source))}{memo}.jinja"
+def _template(tmp_path: Path, source: str) -> ChatTemplate:
+    path = tmp_path / f"t{abs(hash(source))}.jinja"
     path.write_text(source)
-    return load_chat_template(None, str(path), None, memo=memo)
+    return load_chat_template(None, str(path), None)
 
 
 _MSGS = [
@@ -222,7 +177,7 @@ _MSGS = [
         "{% for m in messages %}{{ loop.cycle('x', 'y') }}{{ m.content }}{% endfor %}",
         "{% for m in messages %}{{ loop.changed(m.role) }}{{ m.content }}{% endfor %}",
         "{% for m in messages %}{% set l = loop %}{{ l.index }}{% endfor %}",
-        # control flow out of the memoized body
+        # control flow out of the loop's body
         "{% for m in messages %}{{ m.content }}{% if loop.index > 2 %}{% break %}{% endif %}"
         "{% endfor %}",
         "{% for m in messages %}{% if m.role == 'user' %}{% continue %}{% endif %}"
@@ -234,19 +189,7 @@ _MSGS = [
         # a recursive loop, a filtered loop, a tuple target
         "{% for m in messages recursive %}{{ m.content }}{% endfor %}",
         "{% for m in messages if m.role == 'user' %}{{ m.content }}{{ loop.index }}{% endfor %}",
-    ],
-)
-def test_unprovable_loops_are_not_memoized(tmp_path: Path, source: str) -> None:
-    t = _template(tmp_path, source)
-    assert t.templates["default"].memoized_loops == ()
-    for end in range(1, len(_MSGS) + 1):
-        _same(t, {"messages": _MSGS[:end]})
-
-
-@pytest.mark.parametrize(
-    "source",
-    [
-        # maybe-assigned names keyed with their value before the body
+        # names set on some paths only, read with their value before the body
         "{% for m in messages %}{% if m.role == 'user' %}{% set y = m.content %}{% endif %}"
         "{{ y }}|{% endfor %}",
         # the target reassigned on one branch, read with an outer value after it
@@ -262,17 +205,12 @@ def test_unprovable_loops_are_not_memoized(tmp_path: Path, source: str) -> None:
         "{% endif %}{{ c }}{{ loop.last }}{% endfor %}{% endfor %}",
     ],
 )
-def test_memoized_loops_render_as_the_plain_sandbox(tmp_path: Path, source: str) -> None:
+def test_loop_bodies_render_as_the_plain_sandbox(tmp_path: Path, source: str) -> None:
     t = _template(tmp_path, source)
-    assert t.templates["default"].memoized_loops
-    for x in ("p", "q", "p"):
+    for x in ("p", "q"):
         for end in range(1, len(_MSGS) + 1):
             body = {"messages": _MSGS[:end], "chat_template_kwargs": {"x": x, "y": x + "!"}}
             _same(t, body)
-    assert any(s.hits for s in _stores(t))
-    fast = _template(tmp_path, source, memo=False)
-    for end in range(1, len(_MSGS) + 1):
-        _same(fast, {"messages": _MSGS[:end], "chat_template_kwargs": {"x": "p", "y": "q"}})
 
 
 # --- the inline fast paths, one by one --------------------------------------------------
@@ -338,34 +276,9 @@ _FAST_BODIES: list[dict[str, Any]] = [
 
 @pytest.mark.parametrize("source", _FAST_PATH_SOURCES)
 def test_fast_paths_render_as_the_plain_sandbox(tmp_path: Path, source: str) -> None:
-    for memo in (False, True):
-        t = _template(tmp_path, source, memo=memo)
-        for body in _FAST_BODIES:
-            assert _same(t, body) != "error", source
-
-
-def test_a_body_calling_the_clock_is_never_served_from_the_memo(tmp_path: Path) -> None:
-    t = _template(
-        tmp_path, "{% for m in messages %}{{ strftime_now('%f') }}{{ m.content }}{% endfor %}"
-    )
-    assert t.templates["default"].memoized_loops  # provable, but never keyable at run time
-    for _ in range(3):
-        render_prompt(t, {"messages": _MSGS})
-    assert all(len(s) == 0 and s.hits == 0 for s in _stores(t))
-
-
-def test_a_body_raising_stores_nothing(tmp_path: Path) -> None:
-    t = _template(
-        tmp_path,
-        "{% for m in messages %}{% if m.role == 'x' %}{{ raise_exception('no') }}{% endif %}"
-        "{{ m.content }}{% endfor %}",
-    )
-    body = {"messages": [{"role": "user", "content": "a"}, {"role": "x", "content": "b"}]}
-    for _ in range(2):
-        with pytest.raises(RenderError) as info:
-            render_prompt(t, body)
-        assert info.value.reason == "template"
-    assert sum(len(s) for s in _stores(t)) == 1  # the user message's iteration only
+    t = _template(tmp_path, source)
+    for body in _FAST_BODIES:
+        assert _same(t, body) != "error", source
 
 
 _any_json = st.recursive(
@@ -402,12 +315,12 @@ def test_tojson_is_transformers_tojson(value: Any) -> None:
     which=st.sampled_from(["qwen", "mistral"]),
 )
 def test_the_inline_message_preparation_is_vllms(
-    qwen_fast: ChatTemplate, mistral_fast: ChatTemplate, messages: list[Any], which: str
+    qwen: ChatTemplate, mistral: ChatTemplate, messages: list[Any], which: str
 ) -> None:
     """prepare_chat's inline case builds what _message builds, keys in the same order."""
     from router.conversation.messages import _message
 
-    template = qwen_fast if which == "qwen" else mistral_fast
+    template = qwen if which == "qwen" else mistral
     fmt = template.templates["default"].content_format
     try:
         expected = [list(_message(m, fmt).items()) for m in messages]
@@ -443,10 +356,9 @@ def test_the_inline_message_preparation_is_vllms(
     ],
 )
 def test_unsafe_attributes_fail_on_the_fast_path(tmp_path: Path, source: str) -> None:
-    memo = _template(tmp_path, source)
-    fast = _template(tmp_path, source, memo=False)
+    t = _template(tmp_path, source)
     body = {"messages": [{"role": "user", "content": "x"}]}
-    for t, plain in ((memo, False), (fast, False), (fast, True)):
+    for plain in (False, True):
         with pytest.raises(RenderError) as info:
             render_prompt(t, body, plain=plain)
         assert info.value.reason == "error"
