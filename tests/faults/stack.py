@@ -129,7 +129,11 @@ class FaultStack:
             self.redis = RedisServer("redis-server")
             await asyncio.to_thread(self.redis.start)
             kv["backend"] = "redis"
-            rconf["response_cache"] = {"redis": {"url": self.redis.url}}
+            # The fallback's monitor PINGs every second (the default is 30 s): recovery
+            # time is bounded below by this period.
+            rconf["response_cache"] = {
+                "redis": {"url": self.redis.url, "health_check_interval_ms": 1000}
+            }
         self.router = await self._launcher.start(rconf, env={SALT_ENV: SECRET})
         # Pin the ports, so a restarted router is where clients and probes look.
         self.router.config["server"]["listen"] = self.router.url.removeprefix("http://")
