@@ -250,6 +250,14 @@ async def _start_redis(s: FaultStack) -> None:
     await s.start_redis()
 
 
+async def _pause_redis(s: FaultStack) -> None:
+    await s.pause_redis()
+
+
+async def _resume_redis(s: FaultStack) -> None:
+    await s.resume_redis()
+
+
 async def _nothing(s: FaultStack) -> None:
     return None
 
@@ -297,6 +305,13 @@ ROWS: dict[str, Row] = {
             _start_engine,
         ),
         Row(
+            "engine-kill/no-replay",
+            "sim-1 SIGKILL 2 s, restart empty; no replay socket",
+            StackOptions(replay=False),
+            _kill_engine,
+            _start_engine,
+        ),
+        Row(
             "router-kill/memory",
             "router SIGKILL 2 s, restart (memory index)",
             StackOptions(),
@@ -305,6 +320,23 @@ ROWS: dict[str, Row] = {
             unavoidable=True,
             router_restarts=True,
             notes=("one router replica: requests while it is down have nowhere to go",),
+        ),
+        Row(
+            "router-kill/redis",
+            "router SIGKILL 2 s, restart (Redis index, kept)",
+            StackOptions(index="redis"),
+            _kill_router,
+            _start_router,
+            unavoidable=True,
+            router_restarts=True,
+            notes=("one router replica: requests while it is down have nowhere to go",),
+        ),
+        Row(
+            "redis-pause",
+            "Redis SIGSTOP 2 s, SIGCONT (commands time out, data kept)",
+            StackOptions(index="redis"),
+            _pause_redis,
+            _resume_redis,
         ),
         Row(
             "redis-kill",

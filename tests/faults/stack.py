@@ -17,6 +17,8 @@ here: ``truth`` asks every engine, ``index`` peeks the router's index over gRPC
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,6 +199,17 @@ class FaultStack:
         """Same port, empty (no persistence): what a Redis restarted without a volume is."""
         assert self.redis is not None
         await asyncio.to_thread(self.redis.start)
+
+    def _redis_signal(self, sig: signal.Signals) -> None:
+        assert self.redis is not None and self.redis._proc is not None
+        os.kill(self.redis._proc.pid, sig)
+
+    async def pause_redis(self) -> None:
+        """SIGSTOP: connections stay open, commands time out (a hung or swapping Redis)."""
+        self._redis_signal(signal.SIGSTOP)
+
+    async def resume_redis(self) -> None:
+        self._redis_signal(signal.SIGCONT)
 
     # -- observation ---------------------------------------------------------------------
 

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import aiohttp
 import pytest
 
 from bus.prefix_key import extract_prefix_key
 from harness.sim.engine import SimConfig, SimEngine
+from harness.sim.fleet import SimFleet
 from harness.sim.held import HeldPrefixes
 from harness.sim.httpserver import Request, Response, dumps, loads
 
@@ -147,3 +149,26 @@ def test_memory_is_bounded_by_keys_and_blocks_per_key() -> None:
 def test_rejects_empty_bounds() -> None:
     with pytest.raises(ValueError):
         HeldPrefixes(set(), 1, max_keys=0)
+
+
+async def test_fleet_restart_comes_back_on_the_same_port_and_empty() -> None:
+    """What the fault matrix's engine rows rely on: a killed sim restarts where the
+    router and the listener look for it, holding nothing."""
+
+    async def held_at(url: str) -> dict[str, int]:
+        async with aiohttp.ClientSession() as s, s.get(url + "/sim/held-prefixes") as r:
+            doc: dict[str, int] = (await r.json())["held"]
+            return doc
+
+    async with SimFleet(n=1) as fleet:
+        url = fleet.urls[0]
+        b = body(long_system("restart"))
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=b) as r:
+            assert r.status == 200
+        assert key_hex(b) in await held_at(url)
+        with pytest.raises(RuntimeError):
+            await fleet.restart(0)  # still running
+        await fleet.kill(0)
+        await fleet.restart(0)
+        assert fleet.urls[0] == url
+        assert await held_at(url) == {}
