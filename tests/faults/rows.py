@@ -18,6 +18,11 @@ heal (start the process again on the same ports), then
   resync block was sent (its snapshot restates the state on purpose, its size is not
   reported apart).
 
+Notes under the table give, per row, the router's and the listener's resident memory at
+the baseline and at the end (a row of seconds shows growth, it cannot prove a bound), the
+truth and index sizes after settling, and the restarted listener's own account (replayed
+batches, replay failures, gaps, engine restarts, orphan blocks).
+
 Each row is its own oracle: nothing is compared with a previous run.
 """
 
@@ -150,6 +155,7 @@ async def run_row(row: Row, tmp: Path) -> RowResult:
         traffic.start()
         await _warm(stack, traffic)
         delivery = _Delivery(stack)
+        rss_before = stack.rss_mb()
         await delivery.sample()
         t_base = time.monotonic()
         await asyncio.sleep(BASELINE_S)
@@ -203,15 +209,26 @@ async def run_row(row: Row, tmp: Path) -> RowResult:
         pb, ph = p99(base), p99(hit)
         if pb is not None and ph is not None:
             result.p99_added_ms = (ph - pb) * 1000
+        rss_after = stack.rss_mb()
+        result.notes.append(
+            "RSS MB (baseline -> end): "
+            + ", ".join(
+                f"{n} {rss_before.get(n, 0):.0f} -> {mb:.0f}" for n, mb in sorted(rss_after.items())
+            )
+        )
         result.notes.append(
             f"truth after settling: {final.held} (key, backend) pairs held, {final.indexed} indexed"
+            f"; {await stack.listener_summary()}"
         )
     except Exception as e:
         result.error = f"{type(e).__name__}: {e}"
     finally:
         if traffic is not None and traffic._tasks:
             await traffic.stop()
-        await stack.close()
+        try:
+            await stack.close()
+        except Exception as e:  # e.g. a process that did not exit 0 on SIGTERM: a finding
+            result.error = result.error or f"teardown: {type(e).__name__}: {e}"
     return result
 
 

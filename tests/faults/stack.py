@@ -274,6 +274,31 @@ class FaultStack:
         index, entry_count = await self.index(universe)
         return compare(truth, index, entry_count)
 
+    def rss_mb(self) -> dict[str, float]:
+        """Resident memory of the router and the listener (the processes running now)."""
+        out: dict[str, float] = {}
+        for name, svc in (("router", self.router), ("listener", self.listener)):
+            if svc is None or not svc.running:
+                continue
+            try:
+                status = Path(f"/proc/{svc.proc.pid}/status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmRSS:"):
+                    out[name] = int(line.split()[1]) / 1024
+        return out
+
+    async def listener_summary(self) -> str:
+        """The running listener's own account of its sources (what explains a loss)."""
+        assert self.listener is not None
+        r = await http("GET", self.listener.url + "/stats", total_s=5)
+        assert r.status == 200, r
+        sources = r.json()["sources"].values()
+        fields = ("replayed_batches", "replay_failures", "gaps", "restarts", "orphan_blocks")
+        total = {f: sum(int(src.get(f, 0)) for src in sources) for f in fields}
+        return "listener (last process): " + ", ".join(f"{f} {n}" for f, n in total.items())
+
     async def delivered(self) -> dict[str, int]:
         """Per backend, events the router received so far (this router process)."""
         return {b["backend_name"]: int(b["events"]["received"]) for b in await self.kv_backends()}
