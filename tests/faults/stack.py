@@ -29,7 +29,7 @@ from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from harness.procs import free_port
 from harness.sim.fleet import SimFleet
-from tests.integration.conftest import RouterLauncher, RouterProc, http
+from tests.integration.conftest import RouterLauncher, RouterProc, http, wait_until
 from tests.integration.test_tier4_e2e import SALT_ENV, SECRET, Listener
 from tests.redis_fixture import RedisServer
 
@@ -232,8 +232,6 @@ class FaultStack:
         return data
 
     async def wait_connected(self, within: float = 20.0) -> None:
-        from tests.integration.conftest import wait_until
-
         async def connected() -> bool:
             return all(b["connection"]["connected"] for b in await self.kv_backends())
 
