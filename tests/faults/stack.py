@@ -4,9 +4,11 @@ Built from the integration tests' own launchers (``SimFleet``, the tier-4 ``List
 ``RouterLauncher``) in the tier-4 layout: each engine publishes vLLM KV events on its own
 ZMQ port (with a replay port unless a row turns it off), one listener serves them as SSE,
 the router pulls ``/events/<backend>`` into its KV index (memory, or Redis behind its
-memory fallback). Every backend takes router-issued cache salts, so the listener keys a
-chain from its first block and the engine's oracle (``GET /sim/held-prefixes``) and an
-exact listener agree block for block (see ``harness.sim.held``).
+memory fallback), or in push mode the listener dials the router's event bus (TLS from a
+fresh dev PKI, a bearer token, as ``tests/integration/push_stack.py`` sets it up). Every
+backend takes router-issued cache salts, so the listener keys a chain from its first block
+and the engine's oracle (``GET /sim/held-prefixes``) and an exact listener agree block for
+block (see ``harness.sim.held``).
 
 Every component can be killed (SIGKILL) and started again on the same ports, so a row
 heals the fault the way an operator's supervisor would. The truth and the index are read
@@ -27,9 +29,11 @@ import grpc
 
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from certs import dev_bundle
 from harness.procs import free_port
 from harness.sim.fleet import SimFleet
 from tests.integration.conftest import RouterLauncher, RouterProc, http, wait_until
+from tests.integration.push_stack import TOKEN_ENV, TOKENS, broker
 from tests.integration.test_tier4_e2e import SALT_ENV, SECRET, Listener
 from tests.redis_fixture import RedisServer
 
@@ -51,6 +55,9 @@ class StackOptions:
     index: str = "memory"
     #: Large enough that nothing is evicted in a row: every fault's effect is its own.
     capacity_blocks: int = 65_536
+    #: ``pull`` (the router reads SSE) or ``push`` (the listener dials the router's event
+    #: bus over TLS with a bearer token, as the push-mode integration tests set it up).
+    transport: str = "pull"
 
 
 class FaultStack:
@@ -103,13 +110,34 @@ class FaultStack:
             if o.replay:
                 src["replay_endpoint"] = f"tcp://127.0.0.1:{replay}"
             sources.append(src)
-        config = {"listen": "127.0.0.1:0", "salt_secret_env": SALT_ENV, "sources": sources}
-        self.listener = await Listener(config, self.tmp / "listener.yaml").start()
+        config: dict[str, Any] = {
+            "listen": "127.0.0.1:0",
+            "salt_secret_env": SALT_ENV,
+            "sources": sources,
+        }
+        push = o.transport == "push"
+        bus_port = free_port()
+        if push:
+            pki = dev_bundle(self.tmp / "pki", clients=["kv-a"])
+            config["event_bus"] = {
+                "url": f"https://localhost:{bus_port}",
+                "ca_file": str(pki["ca"].cert),
+                "client_id": "kv-a",
+                "reconnect_backoff": "50ms",
+                "drain_deadline": "5s",
+                "connect_timeout": "5s",
+                "credential_env": TOKEN_ENV,
+            }
+        self.listener = Listener(config, self.tmp / "listener.yaml")
+        self.listener.env[TOKEN_ENV] = TOKENS["kv-a"]
+        await self.listener.start()
         kv: dict[str, Any] = {
             "enabled": True,
             "salt_secret_env": SALT_ENV,
             "event_sources": [
-                {
+                {"backend_name": name, "transport": "event_bus", "reconnect_interval_ms": 100}
+                if push
+                else {
                     "backend_name": name,
                     "endpoint": f"{self.listener.url}/events/{name}",
                     "reconnect_interval_ms": 100,
@@ -127,6 +155,15 @@ class FaultStack:
             ],
             "kv_cache_index": kv,
         }
+        if push:
+            rconf["dynamo"] = {
+                "event_bus": {
+                    "enabled": True,
+                    "listen": f"127.0.0.1:{bus_port}",
+                    "tls": {"cert": str(pki["server"].cert), "key": str(pki["server"].key)},
+                    "brokers": [broker("kv-a", self.names)],
+                }
+            }
         if o.index == "redis":
             self.redis = RedisServer("redis-server")
             await asyncio.to_thread(self.redis.start)
