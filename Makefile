@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 
-.PHONY: run test lint proto bench clean
+.PHONY: run test lint proto bench faults clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -56,6 +56,12 @@ bench: $(VENV)/.installed-dev
 	$(PY) -m bench.affinity_bench
 	$(PY) -m bench.fleet_bench
 	$(PY) -m bench.ingest_pipeline_bench
+
+# The fault matrix (tests/faults/): real processes under traffic, one fault per row, each
+# compared with the engines' own account of what they hold. Minutes, not part of `make test`;
+# prints one table and writes it to tests/faults/RESULTS.md.
+faults: $(VENV)/.installed-dev
+	FAULTS_COMMAND="make faults" $(PY) -m tests.faults
 
 clean:
 	rm -rf $(VENV) build *.egg-info

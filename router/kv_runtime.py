@@ -35,6 +35,7 @@ from .gemini.usage import cached_tokens_of
 from .ingest import KvEventConsumerManager, StreamOpener
 from .kvindex import (
     CHAIN_KEY_PREFIX,
+    FallbackKvIndex,
     IndexStats,
     InstrumentedKvIndex,
     apply_event,
@@ -126,6 +127,13 @@ class KvRuntime:
             ),
         )
         self._cleanup: asyncio.Task[None] | None = None
+        self._resync: asyncio.Task[None] | None = None
+        self.index_resyncs = 0
+        """Times every stream was started over because a Redis index came back."""
+        for idx in (self.index, self.chain_index):
+            inner = idx.inner if idx is not None else None
+            if isinstance(inner, FallbackKvIndex):
+                inner.on_recovered = self._index_recovered
         sc = kv.scoring
         log.info(
             "KV scorer: overlap_weight=%g load_weight=%g health_weight=%g "
@@ -166,10 +174,29 @@ class KvRuntime:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._cleanup, log=log)
+        await cancel_and_wait(self._resync, log=log)
         await self.consumers.stop()
         await self.index.close()
         if self.chain_index is not None:
             await self.chain_index.close()
+
+    def _index_recovered(self) -> None:
+        """Redis serves the index again after an outage. If it restarted empty, every entry
+        written before the outage is gone, and resuming the streams would not bring them
+        back (each listener only sends what follows the router's position): start every
+        stream over, so each listener sends ``resync`` and its snapshot. Runs once at a
+        time; a Redis that kept its data costs one snapshot per backend."""
+        if self._resync is not None and not self._resync.done():
+            return
+        self.index_resyncs += 1
+        self._resync = asyncio.get_running_loop().create_task(self._resync_streams())
+
+    async def _resync_streams(self) -> None:
+        backends = await self.consumers.resync()
+        log.warning(
+            "KV index: Redis serves again; resyncing %d event stream(s) from snapshots",
+            len(backends),
+        )
 
     async def _cleanup_loop(self) -> None:
         while True:

@@ -32,6 +32,10 @@ Engine-side features for the KV-event listener (all off by default):
   (:mod:`harness.sim.kv_events`); ``POST /reset_prefix_cache`` (vLLM), ``/flush_cache``
   (SGLang) and ``/sim/reset`` send ``AllBlocksCleared``; ``POST /sim/burst`` publishes
   synthetic batches for ingestion benchmarks.
+
+``GET /sim/held-prefixes`` is the fault tests' oracle (:mod:`harness.sim.held`): the router
+prefix keys of the requests served, those whose blocks are still cached, computed with the
+router's own key function.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from http import HTTPStatus
 from typing import Any
 
 from .chat_template import ChatTemplateError, anthropic_to_openai
+from .held import HeldPrefixes
 from .httpserver import (
     JSONDecodeError,
     Request,
@@ -381,6 +386,7 @@ class SimEngine:
         )
         if self.advisor is not None:
             self.advisor.attach(self.cache)
+        self.held = HeldPrefixes(self.cache, cfg.capacity_blocks)
         self.requests = 0
         self.errors = 0
         self.in_flight = 0
@@ -402,6 +408,7 @@ class SimEngine:
             ("GET", "/sim/last-request"): self._last_request,
             ("GET", "/sim/last-headers"): self._last_headers,
             ("POST", "/sim/burst"): self._burst,
+            ("GET", "/sim/held-prefixes"): self._held_prefixes,
             ("POST", "/detokenize"): self._detokenize,
             ("POST", "/v1/detokenize"): self._detokenize,
             ("POST", "/reset_prefix_cache"): self._reset_prefix_cache,
@@ -627,20 +634,21 @@ class SimEngine:
         salt: str | None = None,
         session: str | None = None,
         reply: _Reply | None = None,
+        key: bytes | None = None,
     ) -> tuple[int, int, int, _Decoder]:
         """Run the cache model on the prompt; returns (cached, total, newly stored tokens)
-        and the decoder that caches ``reply``'s tokens as they are generated."""
+        and the decoder that caches ``reply``'s tokens as they are generated. The
+        sequence's blocks are recorded under the request's prefix ``key`` (the oracle)."""
         tokens = self.tokenizer.encode(prompt)
         out = reply.token_ids if reply is not None and self.cache_output else []
-        seq = self.cache.sequence([*tokens, *out], salt, len(tokens)) if out else None
+        full = self.cache.sequence([*tokens, *out], salt, len(tokens))
+        seq = full if out else None
         self._salt = salt
         try:
-            if seq is None:
-                cached, total = self.cache.lookup_and_insert(tokens, salt)
-            else:
-                cached, total = self.cache.prefill(seq)
+            cached, total = self.cache.prefill(full)
         finally:
             self._salt = None
+        self.held.served(key, full.hashes)
         if self.advisor is not None:
             self.advisor.prefilled(tokens, salt, cached, session)
         return cached, total, self.cache.last_stored_tokens, _Decoder(self, seq, len(out))
@@ -715,7 +723,8 @@ class SimEngine:
             raise ApiError(400, str(e)) from None
         session = req.headers.get("x-session-id") or body.get("user")
         session = session if isinstance(session, str) else None
-        cached, total, _, decoder = self._prefill(prompt, salt, session, reply)
+        key = self.held.key_of(body)
+        cached, total, _, decoder = self._prefill(prompt, salt, session, reply, key)
         await self._model_latency(total - cached)
         answer = reply.answer
         calls = reply.tool_calls
@@ -880,7 +889,8 @@ class SimEngine:
         if self.cache_output:
             chat, chat_tools = anthropic_to_openai(system, messages, tools)
             reply.token_ids = self.tokenizer.reply_tokens(prompt, chat, chat_tools, reply.message)
-        cached, total, stored, decoder = self._prefill(prompt, salt, None, reply)
+        key = self.held.key_of(body)
+        cached, total, stored, decoder = self._prefill(prompt, salt, None, reply, key)
         await self._model_latency(total - cached)
         # Anthropic only writes cache where the request asks for it (cache_control); the
         # three input counters partition the prompt.
@@ -1101,6 +1111,13 @@ class SimEngine:
 
     async def _stats(self, req: Request) -> Response:
         return json_response(self.stats(), headers=self._headers)
+
+    async def _held_prefixes(self, req: Request) -> Response:
+        """The prefix keys this engine truly holds (:mod:`harness.sim.held`): what a fault
+        test compares the router's index with, never the listener's view of it."""
+        return json_response(
+            dict(self.held.report(), backend=self.config.name), headers=self._headers
+        )
 
     async def _reset(self, req: Request) -> Response:
         self._clear_cache()

@@ -155,6 +155,16 @@ class SimFleet:
         """SIGKILL one sim, to test how the router copes with a backend that vanishes."""
         await self.sims[index].child.kill()
 
+    async def restart(self, index: int) -> SimProcess:
+        """Start sim ``index`` again after it stopped or was killed, on the same HTTP port
+        and the same options (its KV-event ports too): an engine restart as the router and
+        the listener see it, with an empty cache and a publisher counting from 0 again."""
+        old = self.sims[index]
+        if old.running:
+            raise RuntimeError(f"{old.name} is still running")
+        self.sims[index] = await self._spawn(index, port=old.port)
+        return self.sims[index]
+
     # -- accessors --------------------------------------------------------------------------
 
     @property
@@ -201,7 +211,7 @@ class SimFleet:
 
     # -- internals --------------------------------------------------------------------------
 
-    async def _spawn(self, index: int) -> SimProcess:
+    async def _spawn(self, index: int, port: int = 0) -> SimProcess:
         assert self._tmp is not None
         name = self._names[index]
         opts: dict[str, Any] = {**self._opts, **self._overrides.get(index, {})}
@@ -211,7 +221,7 @@ class SimFleet:
             "--host",
             self.host,
             "--port",
-            "0",
+            str(port),
             "--name",
             name,
             "--die-with-parent",

@@ -137,6 +137,26 @@ class KvEventConsumerManager:
             if src.backend_name not in self._consumers:
                 self._spawn(src, carry.get(src.backend_name))
 
+    async def resync(self) -> list[str]:
+        """Start every running stream over without its last event ID, so each listener
+        answers ``resync`` + snapshot and the backend's entries are rebuilt whole. For an
+        index that lost what it held (a Redis restarted empty): resuming would only bring
+        what came after the router's position. Counters carry over; returns the backends.
+        """
+        if not self._started:
+            return []
+        old = dict(self._consumers)
+        await self._cancel(list(old))
+        for name, consumer in old.items():
+            self._spawn(consumer.source, None)
+            new = self._consumers.get(name)
+            if new is not None:
+                stats = consumer.stats
+                stats.last_event_id = None
+                stats.connected = False
+                new.stats = stats
+        return list(old)
+
     def stats(self) -> dict[str, ConsumerStats]:
         """A copy of every running consumer's counters, by backend name."""
         return {name: copy.copy(c.stats) for name, c in self._consumers.items()}

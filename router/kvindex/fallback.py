@@ -24,7 +24,10 @@ index's own:
   (removals not replayed are left to the TTL). Then the fallback is emptied and Redis
   serves again, with no await between the last replay round and the flag, so no write
   falls between the two stores. A Redis that restarted empty is refilled by what this
-  instance saw during the outage and, afterwards, by new events.
+  instance saw during the outage and, afterwards, by new events; what was written before
+  the outage only the listeners still know, so ``on_recovered`` (called at every switch
+  back) lets the owner ask them again (``router.kv_runtime`` restarts every event stream
+  from a snapshot).
 * **Stats**: while Redis serves, Redis' own; during the outage the fallback's counts, with
   ``fallback_active`` set (Redis is not probed).
 
@@ -36,7 +39,7 @@ propagates.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from router.redis import FallbackSupervisor, SupervisedStore
 
@@ -69,6 +72,7 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
         fallback: InMemoryKvIndex,
         *,
         monitor_interval_s: float = 30.0,
+        on_recovered: Callable[[], None] | None = None,
     ) -> None:
         """
         Args:
@@ -76,8 +80,11 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
             fallback: serves while Redis is unusable; its ``max_entries`` sizes the replay
                 log (twice as many pairs).
             monitor_interval_s: PING period while the fallback is active.
+            on_recovered: called (without awaiting) when Redis serves again after an
+                outage; settable later as ``on_recovered``.
         """
         self.kind = primary.kind
+        self.on_recovered = on_recovered
         self._primary = primary
         self._fallback = fallback
         self._supervisor = FallbackSupervisor(
@@ -142,6 +149,11 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
     def _switch_back(self) -> str:
         self._fallback.drop_all()
         self._primary.forget_counts()
+        if self.on_recovered is not None:
+            try:
+                self.on_recovered()
+            except Exception:  # the switch back must happen whatever the hook does
+                log.exception("KV index on_recovered callback failed")
         return "outage changes replayed"
 
     async def _replay_round(self) -> bool:

@@ -735,3 +735,30 @@ async def test_manager_runs_one_consumer_per_source_and_restarts(h: Harness) -> 
     assert mgr.stats() == {}
     assert len(sessions) == 1 and sessions[0].closed
     await mgr.stop()  # idempotent
+
+
+async def test_manager_resync_starts_every_stream_over_from_a_snapshot(h: Harness) -> None:
+    hub = EventHub(backends=[B], epoch="e1")
+    lst = await h.listener(hub)
+    src = EventSourceConfig(backend_name=B, endpoint=f"http://127.0.0.1:{lst.port}/events/{B}")
+    rec = Recorder()
+    mgr = KvEventConsumerManager([src], rec, backoff_factory=lambda s: RecordingBackoff())
+    assert await mgr.resync() == []  # not started: nothing to do
+    await mgr.start()
+    try:
+        await wait_until(lambda: len(rec.events) == 1, "the first resync")
+        hub.publish(B, created(1))
+        await wait_until(lambda: len(rec.events) == 2, "the event")
+        assert mgr.stats()[B].last_event_id == "e1-1"
+        # An index that lost its entries asks for everything again: a resumed stream
+        # would send nothing (the router is at the listener's head).
+        assert await mgr.resync() == [B]
+        await wait_until(lambda: len(rec.events) == 3, "a second resync block")
+        assert rec.events[2].event == "resync" and rec.events[2].reason == "no_event_id"
+        assert hub.stats()["backends"][B]["resync_blocks"] == 2
+        st = mgr.stats()[B]
+        assert st.processed == 3 and st.connected  # counters carried over
+        hub.publish(B, created(2))
+        await wait_until(lambda: len(rec.events) == 4, "live again after the resync")
+    finally:
+        await mgr.stop()

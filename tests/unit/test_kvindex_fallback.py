@@ -348,3 +348,41 @@ async def test_query_many_and_predictions_through_an_outage() -> None:
         assert [state(r) for r in rows] == [{"a": (10, GPU)}, {"b": (5, GPU)}]
     finally:
         await idx.close()
+
+
+async def test_on_recovered_is_called_at_each_switch_back_and_only_then() -> None:
+    """A Redis that restarted empty lost what was written before the outage; the hook is
+    how the owner learns it must ask the listeners again (router.kv_runtime)."""
+    primary, idx = flaky()
+    calls: list[bool] = []
+    idx.on_recovered = lambda: calls.append(idx.fallback_active)
+    try:
+        await idx.upsert(P(1), "a", 1, GPU)
+        assert calls == []
+        primary.down = True
+        await idx.upsert(P(2), "a", 2, GPU)
+        assert await idx.try_recover() is False and calls == []
+        primary.down = False
+        assert await idx.try_recover() is True
+        assert calls == [False]  # called once, with Redis already serving
+        assert await idx.try_recover() is True and calls == [False]
+    finally:
+        await idx.close()
+
+
+async def test_a_failing_on_recovered_does_not_stop_the_switch_back() -> None:
+    primary, idx = flaky()
+
+    def boom() -> None:
+        raise RuntimeError("hook failed")
+
+    idx.on_recovered = boom
+    try:
+        primary.down = True
+        await idx.upsert(P(1), "a", 1, GPU)
+        primary.down = False
+        assert await idx.try_recover() is True
+        assert not idx.fallback_active
+        assert state(primary.lookup(P(1))) == {"a": (1, GPU)}
+    finally:
+        await idx.close()

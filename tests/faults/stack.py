@@ -1,0 +1,339 @@
+"""The stack a fault row runs on: engines, the KV listener and the router, real processes.
+
+Built from the integration tests' own launchers (``SimFleet``, the tier-4 ``Listener``,
+``RouterLauncher``) in the tier-4 layout: each engine publishes vLLM KV events on its own
+ZMQ port (with a replay port unless a row turns it off), one listener serves them as SSE,
+the router pulls ``/events/<backend>`` into its KV index (memory, or Redis behind its
+memory fallback), or in push mode the listener dials the router's event bus (TLS from a
+fresh dev PKI, a bearer token, as ``tests/integration/push_stack.py`` sets it up). Every
+backend takes router-issued cache salts, so the listener keys a chain from its first block
+and the engine's oracle (``GET /sim/held-prefixes``) and an exact listener agree block for
+block (see ``harness.sim.held``).
+
+Every component can be killed (SIGKILL) and started again on the same ports, so a row
+heals the fault the way an operator's supervisor would. The truth and the index are read
+here: ``truth`` asks every engine, ``index`` peeks the router's index over gRPC
+(``KvIndex.Query``, which reads without touching LRU order or hit counts).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
+from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
+from certs import dev_bundle
+from harness.procs import free_port
+from harness.sim.fleet import SimFleet
+from tests.integration.conftest import RouterLauncher, RouterProc, http, wait_until
+from tests.integration.push_stack import TOKEN_ENV, TOKENS, broker
+from tests.integration.test_tier4_e2e import SALT_ENV, SECRET, Listener
+from tests.redis_fixture import RedisServer
+
+from .record import Comparison, compare, pairs
+
+__all__ = ["FaultStack", "StackOptions"]
+
+MODEL = "demo-model"
+
+
+@dataclass(frozen=True)
+class StackOptions:
+    engines: int = 2
+    #: Engines keep a replay buffer and the listener asks it for gaps.
+    replay: bool = True
+    #: Batches each engine keeps for replay (vLLM's ``buffer_steps``).
+    buffer_steps: int = 10_000
+    #: ``memory`` or ``redis`` (a private redis-server this stack owns).
+    index: str = "memory"
+    #: Large enough that nothing is evicted in a row: every fault's effect is its own.
+    capacity_blocks: int = 65_536
+    #: ``pull`` (the router reads SSE) or ``push`` (the listener dials the router's event
+    #: bus over TLS with a bearer token, as the push-mode integration tests set it up).
+    transport: str = "pull"
+
+
+class FaultStack:
+    def __init__(self, opts: StackOptions, tmp: Path) -> None:
+        self.opts = opts
+        self.tmp = tmp
+        self.names = [f"sim-{i + 1}" for i in range(opts.engines)]
+        self.fleet: SimFleet | None = None
+        self.listener: Listener | None = None
+        self.router: RouterProc | None = None
+        self.redis: RedisServer | None = None
+        self._launcher = RouterLauncher(tmp)
+        self._channel: grpc.aio.Channel | None = None
+        self.stub: pb_grpc.KvIndexStub | None = None
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    async def start(self) -> FaultStack:
+        o = self.opts
+        ports = [(free_port(), free_port()) for _ in self.names]
+        overrides: dict[int, dict[str, Any]] = {}
+        for i, (pub, replay) in enumerate(ports):
+            overrides[i] = {
+                "kv_events": f"tcp://*:{pub}",
+                "kv_events_buffer_steps": o.buffer_steps,
+                "capacity_blocks": o.capacity_blocks,
+            }
+            if o.replay:
+                overrides[i]["kv_events_replay"] = f"tcp://*:{replay}"
+        self.fleet = await SimFleet(
+            n=len(self.names),
+            model=MODEL,
+            names=self.names,
+            tokenizer="qwen2",
+            kv_events_format="vllm-0.33",
+            overrides=overrides,
+        ).start()
+        sources = []
+        for name, url, (pub, replay) in zip(self.names, self.fleet.urls, ports, strict=True):
+            src: dict[str, Any] = {
+                "backend_name": name,
+                "engine": "vllm",
+                "zmq_endpoint": f"tcp://127.0.0.1:{pub}",
+                "zmq_mode": "connect",
+                "allowed_publishers": ["127.0.0.1"],
+                "detokenize_endpoint": f"{url}/detokenize",
+                "model": MODEL,
+                "chat_template": "chatml",
+            }
+            if o.replay:
+                src["replay_endpoint"] = f"tcp://127.0.0.1:{replay}"
+            sources.append(src)
+        config: dict[str, Any] = {
+            "listen": "127.0.0.1:0",
+            "salt_secret_env": SALT_ENV,
+            "sources": sources,
+        }
+        push = o.transport == "push"
+        bus_port = free_port()
+        if push:
+            pki = dev_bundle(self.tmp / "pki", clients=["kv-a"])
+            config["event_bus"] = {
+                "url": f"https://localhost:{bus_port}",
+                "ca_file": str(pki["ca"].cert),
+                "client_id": "kv-a",
+                "reconnect_backoff": "50ms",
+                "drain_deadline": "5s",
+                "connect_timeout": "5s",
+                "credential_env": TOKEN_ENV,
+            }
+        self.listener = Listener(config, self.tmp / "listener.yaml")
+        self.listener.env[TOKEN_ENV] = TOKENS["kv-a"]
+        await self.listener.start()
+        kv: dict[str, Any] = {
+            "enabled": True,
+            "salt_secret_env": SALT_ENV,
+            "event_sources": [
+                {"backend_name": name, "transport": "event_bus", "reconnect_interval_ms": 100}
+                if push
+                else {
+                    "backend_name": name,
+                    "endpoint": f"{self.listener.url}/events/{name}",
+                    "reconnect_interval_ms": 100,
+                }
+                for name in self.names
+            ],
+        }
+        rconf: dict[str, Any] = {
+            "server": {"grpc_listen": "127.0.0.1:0"},
+            "selection_strategy": "RoundRobin",
+            "prefix_routing": {"enabled": True},
+            "backends": [
+                {"name": n, "url": u, "type": "vllm", "models": [MODEL], "cache_salt": True}
+                for n, u in zip(self.names, self.fleet.urls, strict=True)
+            ],
+            "kv_cache_index": kv,
+        }
+        if push:
+            rconf["dynamo"] = {
+                "event_bus": {
+                    "enabled": True,
+                    "listen": f"127.0.0.1:{bus_port}",
+                    "tls": {"cert": str(pki["server"].cert), "key": str(pki["server"].key)},
+                    "brokers": [broker("kv-a", self.names)],
+                }
+            }
+        if o.index == "redis":
+            self.redis = RedisServer("redis-server")
+            await asyncio.to_thread(self.redis.start)
+            kv["backend"] = "redis"
+            # The fallback's monitor PINGs every second (the default is 30 s): recovery
+            # time is bounded below by this period.
+            rconf["response_cache"] = {
+                "redis": {"url": self.redis.url, "health_check_interval_ms": 1000}
+            }
+        self.router = await self._launcher.start(rconf, env={SALT_ENV: SECRET})
+        # Pin the ports, so a restarted router is where clients and probes look.
+        self.router.config["server"]["listen"] = self.router.url.removeprefix("http://")
+        self.router.config["server"]["grpc_listen"] = self.router.grpc_address
+        self._open_grpc()
+        await self.wait_connected()
+        return self
+
+    def _open_grpc(self) -> None:
+        assert self.router is not None
+        self._channel = grpc.aio.insecure_channel(self.router.grpc_address)
+        self.stub = pb_grpc.KvIndexStub(self._channel)
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+        try:
+            await self._launcher.close()
+        finally:
+            if self.listener is not None and self.listener.running:
+                await self.listener.stop()
+            if self.fleet is not None:
+                await self.fleet.stop()
+            if self.redis is not None:
+                await asyncio.to_thread(self.redis.close)
+
+    # -- faults and heals ----------------------------------------------------------------
+
+    async def kill_listener(self) -> None:
+        assert self.listener is not None
+        await self.listener.kill()
+
+    async def start_listener(self) -> None:
+        assert self.listener is not None
+        await self.listener.start()
+
+    async def kill_engine(self, i: int) -> None:
+        assert self.fleet is not None
+        await self.fleet.kill(i)
+
+    async def start_engine(self, i: int) -> None:
+        assert self.fleet is not None
+        await self.fleet.restart(i)
+
+    async def kill_router(self) -> None:
+        assert self.router is not None
+        await self.router.kill()
+
+    async def start_router(self) -> None:
+        assert self.router is not None
+        if self._channel is not None:
+            await self._channel.close()
+        await self.router.start()
+        self._open_grpc()
+
+    async def kill_redis(self) -> None:
+        assert self.redis is not None
+        await asyncio.to_thread(self.redis.kill)
+
+    async def start_redis(self) -> None:
+        """Same port, empty (no persistence): what a Redis restarted without a volume is."""
+        assert self.redis is not None
+        await asyncio.to_thread(self.redis.start)
+
+    def _redis_signal(self, sig: signal.Signals) -> None:
+        assert self.redis is not None and self.redis._proc is not None
+        os.kill(self.redis._proc.pid, sig)
+
+    async def pause_redis(self) -> None:
+        """SIGSTOP: connections stay open, commands time out (a hung or swapping Redis)."""
+        self._redis_signal(signal.SIGSTOP)
+
+    async def resume_redis(self) -> None:
+        self._redis_signal(signal.SIGCONT)
+
+    # -- observation ---------------------------------------------------------------------
+
+    async def kv_backends(self) -> list[dict[str, Any]]:
+        assert self.router is not None
+        r = await http(
+            "GET", self.router.url + "/admin/kv-index/backends", headers=self.router.admin_headers
+        )
+        assert r.status == 200, r
+        data: list[dict[str, Any]] = r.json()["backends"]
+        return data
+
+    async def kv_stats(self) -> dict[str, Any]:
+        assert self.router is not None
+        r = await http(
+            "GET", self.router.url + "/admin/kv-index/stats", headers=self.router.admin_headers
+        )
+        assert r.status == 200, r
+        data: dict[str, Any] = r.json()
+        return data
+
+    async def wait_connected(self, within: float = 20.0) -> None:
+        async def connected() -> bool:
+            return all(b["connection"]["connected"] for b in await self.kv_backends())
+
+        await wait_until(connected, within=within, what="the router's event consumers")
+
+    async def truth(self) -> dict[str, set[str]]:
+        """``{backend: keys it holds}`` from every running engine (a dead one holds none)."""
+        assert self.fleet is not None
+        out: dict[str, set[str]] = {}
+        for sim in self.fleet:
+            if not sim.running:
+                out[sim.name] = set()
+                continue
+            r = await http("GET", sim.url + "/sim/held-prefixes", total_s=5)
+            assert r.status == 200, r
+            out[sim.name] = set(r.json()["held"])
+        return out
+
+    async def index(self, keys: set[str]) -> tuple[set[tuple[str, str]], int]:
+        """(key, backend) pairs the router's index holds for ``keys``, and its entry count."""
+        assert self.stub is not None
+        stub = self.stub
+        out: set[tuple[str, str]] = set()
+
+        async def one(key: str) -> None:
+            reply = await stub.Query(pb.QueryRequest(prefix_hash=key), timeout=5)
+            out.update((key, e.backend) for e in reply.entries)
+
+        await asyncio.gather(*(one(k) for k in keys))
+        entry_count = int((await self.kv_stats())["index"]["entry_count"])
+        return out, entry_count
+
+    async def compare(self, keys: set[str]) -> Comparison:
+        """The router's index against the engines' truth over ``keys`` and every key an
+        engine holds."""
+        truth = pairs(await self.truth())
+        universe = set(keys) | {k for k, _ in truth}
+        index, entry_count = await self.index(universe)
+        return compare(truth, index, entry_count)
+
+    def rss_mb(self) -> dict[str, float]:
+        """Resident memory of the router and the listener (the processes running now)."""
+        out: dict[str, float] = {}
+        for name, svc in (("router", self.router), ("listener", self.listener)):
+            if svc is None or not svc.running:
+                continue
+            try:
+                status = Path(f"/proc/{svc.proc.pid}/status").read_text()
+            except OSError:
+                continue
+            for line in status.splitlines():
+                if line.startswith("VmRSS:"):
+                    out[name] = int(line.split()[1]) / 1024
+        return out
+
+    async def listener_summary(self) -> str:
+        """The running listener's own account of its sources (what explains a loss)."""
+        assert self.listener is not None
+        r = await http("GET", self.listener.url + "/stats", total_s=5)
+        assert r.status == 200, r
+        sources = r.json()["sources"].values()
+        fields = ("replayed_batches", "replay_failures", "gaps", "restarts", "orphan_blocks")
+        total = {f: sum(int(src.get(f, 0)) for src in sources) for f in fields}
+        return "listener (last process): " + ", ".join(f"{f} {n}" for f, n in total.items())
+
+    async def delivered(self) -> dict[str, int]:
+        """Per backend, events the router received so far (this router process)."""
+        return {b["backend_name"]: int(b["events"]["received"]) for b in await self.kv_backends()}
