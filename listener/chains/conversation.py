@@ -267,7 +267,6 @@ class ConversationLedger:
             assert key is not None
             if not self._completing(b, parent, key, length, data, ids, False, tier, b.start):
                 return
-            size = len(b.chain_data)  # type: ignore[arg-type]
         b.chain_tier, b.chain_after, b.chain_used = tier, False, False
         b.chain_parent, b.chain_child, b.chain_prev = parent, None, None
         first = b.chain_next = parent.chain_child
@@ -276,17 +275,7 @@ class ConversationLedger:
             first.chain_prev = b
         parent.chain_used = True
         self.live += 1
-        if size:
-            last = self._newest
-            b.chain_older, b.chain_newer = last, None
-            if last is None:
-                self._oldest = b
-            else:
-                last.chain_newer = b
-            self._newest = b
-            retained = self.retained = self.retained + size
-            if retained > self.max_retained_bytes:
-                self._enforce()
+        self._hold(b)
 
     def copy(self, twin: ChainBlock, b: ChainBlock) -> None:
         """Give ``b``, a copy of ``twin``'s block (announced without its parent), the same

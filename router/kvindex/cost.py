@@ -265,8 +265,9 @@ class ConversationScorer:
         band = self.chunk_bytes * view.tokens_per_byte
         tied = [b for c, b in costs if c < best_cost + band]
         if len(tied) > 1:
-            deepest = max(self._credited(view, view.held.get(b.name)) for b in tied)
-            tied = [b for b in tied if self._credited(view, view.held.get(b.name)) == deepest]
+            credited = [self._credited(view, view.held.get(b.name)) for b in tied]
+            deepest = max(credited)
+            tied = [b for b, c in zip(tied, credited, strict=True) if c == deepest]
         if len(tied) > 1:
             return self._preferred(view, tied), "tie"
         return tied[0], "chosen"
