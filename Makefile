@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 
-.PHONY: run test lint proto bench faults clean
+.PHONY: run test lint proto bench faults faults-slow clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -62,6 +62,10 @@ bench: $(VENV)/.installed-dev
 # prints one table and writes it to tests/faults/RESULTS.md.
 faults: $(VENV)/.installed-dev
 	FAULTS_COMMAND="make faults" $(PY) -m tests.faults
+
+# Every row, the slow ones too (partitions of minutes): writes tests/faults/RESULTS-slow.md.
+faults-slow: $(VENV)/.installed-dev
+	FAULTS_COMMAND="make faults-slow" $(PY) -m tests.faults --slow --out tests/faults/RESULTS-slow.md
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,7 @@
-"""``python -m tests.faults [ROW ...] [--out PATH]``: run the fault matrix, print its table
-and write it, with the command that made it, to ``tests/faults/RESULTS.md`` (``--out -``:
-print only). Rows run one after another, each on its own fresh stack."""
+"""``python -m tests.faults [ROW ...] [--slow] [--out PATH]``: run the fault matrix (the
+rows not marked slow, unless ``--slow``), print its table and write it, with the command
+that made it, to ``tests/faults/RESULTS.md`` (``--out -``: print only).
+Rows run one after another, each on its own fresh stack."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ import sys
 import time
 from pathlib import Path
 
+from .procedure import options_doc, run_rows
 from .record import render_table
-from .rows import ROWS, options_doc, run_rows
+from .rows import ROWS
 
 HERE = Path(__file__).resolve().parent
 
@@ -25,14 +27,15 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m tests.faults", description=__doc__)
     p.add_argument("rows", nargs="*", help=f"rows to run (default: all): {', '.join(ROWS)}")
     p.add_argument("--out", default=str(HERE / "RESULTS.md"), help="'-': do not write")
+    p.add_argument("--slow", action="store_true", help="also the rows marked slow (minutes each)")
     args = p.parse_args(argv)
-    names = args.rows or list(ROWS)
+    names = args.rows or [n for n, r in ROWS.items() if args.slow or not r.slow]
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         p.error(f"unknown rows: {', '.join(unknown)}")
     logging.basicConfig(level=logging.WARNING)
     t0 = time.monotonic()
-    results = asyncio.run(run_rows(names))
+    results = asyncio.run(run_rows([ROWS[n] for n in names]))
     table = render_table(results)
     elapsed = time.monotonic() - t0
     sys.stdout.write(table)
@@ -46,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             f"Made by `{command.strip()}` on {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}"
             f" ({platform.python_implementation()} {platform.python_version()}, "
             f"{os.cpu_count()} cores, {elapsed:.0f} s). How each figure is measured: "
-            "`tests/faults/rows.py`. Phases (seconds): " + json.dumps(options_doc()) + ".",
+            "`tests/faults/procedure.py`. Phases (seconds): " + json.dumps(options_doc()) + ".",
             "",
             table,
         ]
