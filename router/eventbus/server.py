@@ -16,7 +16,7 @@ from bus.grpc_tls import has_extended_key_usage, server_credentials
 from bus.stream_data import decode_stream_request
 
 from ..config.models import EventBusConfig
-from .service import EventBusServicer
+from .service import EventBusServicer, lenient
 from .sessions import SessionRegistry
 
 __all__ = ["SERVICE_NAME", "EventBusConfigError", "EventBusServer", "method_handlers"]
@@ -38,18 +38,20 @@ _KEEPALIVE = (
 
 def method_handlers(servicer: EventBusServicer) -> dict[str, grpc.RpcMethodHandler]:
     """The EventBus method table, written out instead of ``add_EventBusServicer_to_server``
-    for one difference: Stream requests are read by ``bus.stream_data.decode_stream_request``,
-    which hands a data message's payload over without two protobuf copies. A unit test holds
-    it to the proto's service descriptor, so an RPC added there cannot be missed here."""
+        for one difference: Stream requests are read by ``bus.stream_data.decode_stream_request``,
+        which hands a data message's payload over without two protobuf copies; and both
+    deserializers are :func:`~.service.lenient`, so a message that does not parse is the
+    servicer's to refuse (INVALID_ARGUMENT). A unit test holds
+        it to the proto's service descriptor, so an RPC added there cannot be missed here."""
     return {
         "Session": grpc.stream_stream_rpc_method_handler(
             servicer.Session,
-            request_deserializer=pb.SessionRequest.FromString,
+            request_deserializer=lenient(pb.SessionRequest.FromString),
             response_serializer=pb.SessionResponse.SerializeToString,
         ),
         "Stream": grpc.stream_unary_rpc_method_handler(
             servicer.Stream,
-            request_deserializer=decode_stream_request,
+            request_deserializer=lenient(decode_stream_request),
             response_serializer=pb.StreamResponse.SerializeToString,
         ),
     }

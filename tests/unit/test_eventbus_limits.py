@@ -197,3 +197,68 @@ async def _welcomed_eventually(peer: Peer) -> Any:
             return await peer.welcomed()
         except (AssertionError, grpc.aio.AioRpcError):
             await asyncio.sleep(0.01)
+
+
+# -- messages that do not parse ------------------------------------------------------------
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+GARBAGE = b"\x08\xff\xff\xff"  # field 1 (hello / open) as a varint: the wrong wire type
+
+
+@pytest.mark.parametrize("method", ["Session", "Stream"])
+async def test_a_first_message_that_does_not_parse_is_invalid_argument(
+    bus: tuple[EventBusServer, bytes], method: str
+) -> None:
+    """Not UNKNOWN with a Python exception's text: the code the proto gives malformed
+    messages, and the parse error in words."""
+    server, ca = bus
+    assert server.port is not None
+    peer = Peer(server.port, ca)
+    path = f"/continuum.bus.v1.EventBus/{method}"
+    try:
+        call: Any = (
+            peer.channel.stream_stream(path, request_serializer=_raw, response_deserializer=_raw)
+            if method == "Session"
+            else peer.channel.stream_unary(
+                path, request_serializer=_raw, response_deserializer=_raw
+            )
+        )(metadata=peer.metadata)
+        await asyncio.wait_for(call.initial_metadata(), TIMEOUT)
+        await call.write(GARBAGE)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(call.read() if method == "Session" else call, TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "does not parse" in (err.value.details() or "")
+    finally:
+        await peer.channel.close()
+
+
+async def test_a_session_message_after_the_hello_that_does_not_parse_is_invalid_argument(
+    bus: tuple[EventBusServer, bytes],
+) -> None:
+    """Not UNAVAILABLE ("session read failed"), which would tell the listener to retry."""
+    server, ca = bus
+    assert server.port is not None
+    peer = Peer(server.port, ca)
+    path = "/continuum.bus.v1.EventBus/Session"
+    try:
+        call: Any = peer.channel.stream_stream(
+            path, request_serializer=_raw, response_deserializer=pb.SessionResponse.FromString
+        )(metadata=peer.metadata)
+        await asyncio.wait_for(call.initial_metadata(), TIMEOUT)
+        hello = pb.Hello(client_id="kv-a", role=pb.ROLE_KV_LISTENER, sources=[A])
+        await call.write(pb.SessionRequest(hello=hello).SerializeToString())
+        first = await asyncio.wait_for(call.read(), TIMEOUT)
+        assert first.WhichOneof("kind") == "welcome"
+        await call.write(GARBAGE)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a Subscribe may come first
+            while await asyncio.wait_for(call.read(), TIMEOUT) is not grpc.aio.EOF:
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "a SessionRequest does not parse" in (err.value.details() or "")
+    finally:
+        await peer.channel.close()
