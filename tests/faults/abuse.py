@@ -378,10 +378,12 @@ class ReloadStorm(Abuser):
     are not UTF-8, by atomic rename and by writing in place; the heal writes the last
     valid config (``storm-final``) and waits for the router to serve it."""
 
-    def __init__(self, period_s: float = 0.05) -> None:
+    def __init__(self, period_s: float = 0.05, hold_every: int = 40, hold_s: float = 2.5) -> None:
         super().__init__()
         self.period_s = period_s
+        self.hold_every, self.hold_s = hold_every, hold_s
         self.final_seen: float | None = None
+        self.held: collections.Counter[str] = collections.Counter()
 
     async def start(self, stack: FaultStack) -> None:
         assert stack.router is not None
@@ -415,6 +417,18 @@ class ReloadStorm(Abuser):
                 f.truncate(0)
                 f.write(data)
 
+    async def _write_in_place_slowly(self, data: bytes) -> None:
+        """Truncate, then the bytes in two writes 20 ms apart: a file a poll can catch
+        empty or half-written."""
+        with self.path.open("r+b") as f:
+            f.truncate(0)
+            f.flush()
+            await asyncio.sleep(0.01)
+            f.write(data[: len(data) // 2])
+            f.flush()
+            await asyncio.sleep(0.02)
+            f.write(data[len(data) // 2 :])
+
     async def _storm(self, _: int) -> None:
         rng = random.Random(SEED)
         n = 0
@@ -432,9 +446,18 @@ class ReloadStorm(Abuser):
                 )
             else:
                 data = self._valid(str(n)).replace(b"storm-model", "störm-\u00e9".encode("latin-1"))
-            self._write(data, atomic)
-            self.counts[f"{kind} ({'rename' if atomic else 'in place'})"] += 1
-            await asyncio.sleep(self.period_s)
+            if atomic or rng.random() < 0.5:
+                self._write(data, atomic)
+                how = "rename" if atomic else "in place"
+            else:
+                await self._write_in_place_slowly(data)
+                how = "in place, slowly"
+            self.counts[f"{kind} ({how})"] += 1
+            if n % self.hold_every == 0:  # left alone long enough for a reload to see it
+                self.held["valid" if kind == "valid" else "invalid"] += 1
+                await asyncio.sleep(self.hold_s)
+            else:
+                await asyncio.sleep(self.period_s)
 
     async def _reloads(self) -> dict[str, float]:
         r = await http("GET", self.router.url + "/metrics", total_s=5)
@@ -473,6 +496,9 @@ class ReloadStorm(Abuser):
         return [
             f"ReloadStorm (a write every {self.period_s * 1000:.0f} ms): "
             + ", ".join(f"{k} {n}" for k, n in sorted(self.counts.items())),
+            f"files left alone for {self.hold_s:g} s (every {self.hold_every}th write):"
+            f" {dict(self.held)}, so expected {self.held['valid']} applied and"
+            f" {self.held['invalid']} rejected during the storm, then 1 applied (the last)",
             f"router reloads: {delta}; {final}",
         ]
 
