@@ -262,3 +262,32 @@ async def test_a_session_message_after_the_hello_that_does_not_parse_is_invalid_
         assert "a SessionRequest does not parse" in (err.value.details() or "")
     finally:
         await peer.channel.close()
+
+
+async def test_the_bus_keeps_per_stream_flow_control_windows_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's core takes in what the HTTP/2 window allows before the servicer refuses an
+    unauthenticated call; BDP probing would grow that window to megabytes per stream,
+    which a flood of refused calls with large first messages turns into resident memory
+    (the fault matrix's ``abuse/bus-preauth`` row shows it)."""
+    import router.eventbus.server as server_module
+
+    seen: list[Any] = []
+    real = server_module.start_server
+
+    async def recording(*args: Any, options: Any = (), **kw: Any) -> Any:
+        seen.extend(options)
+        return await real(*args, options=options, **kw)
+
+    monkeypatch.setattr(server_module, "start_server", recording)
+    pki = dev_bundle(tmp_path)
+    cfg = EventBusConfig(
+        enabled=True,
+        listen="127.0.0.1:0",
+        tls=EventBusTlsConfig(cert=str(pki["server"].cert), key=str(pki["server"].key)),
+    )
+    server = EventBusServer(cfg, SessionRegistry(brokers(), [A]))
+    await server.start()
+    await server.stop(0)
+    assert ("grpc.http2.bdp_probe", 0) in seen
