@@ -131,17 +131,23 @@ class Peer:
         return await call.code(), await call.details() or ""
 
 
-@pytest.fixture
-async def bus(tmp_path: Path) -> AsyncIterator[tuple[EventBusServer, bytes]]:
-    pki = dev_bundle(tmp_path)
+def _server(
+    pki: dict[str, Any], max_sessions: int = 256, max_streams: int = 4096
+) -> EventBusServer:
     cfg = EventBusConfig(
         enabled=True,
         listen="127.0.0.1:0",
         tls=EventBusTlsConfig(cert=str(pki["server"].cert), key=str(pki["server"].key)),
-        max_sessions=1,
-        max_streams=1,
+        max_sessions=max_sessions,
+        max_streams=max_streams,
     )
-    server = EventBusServer(cfg, SessionRegistry(brokers(), [A]))
+    return EventBusServer(cfg, SessionRegistry(brokers(), [A]))
+
+
+@pytest.fixture
+async def bus(tmp_path: Path) -> AsyncIterator[tuple[EventBusServer, bytes]]:
+    pki = dev_bundle(tmp_path)
+    server = _server(pki, max_sessions=1, max_streams=1)
     await server.start()
     try:
         yield server, pki["ca"].cert.read_bytes()
@@ -281,13 +287,7 @@ async def test_the_bus_keeps_per_stream_flow_control_windows_small(
         return await real(*args, options=options, **kw)
 
     monkeypatch.setattr(server_module, "start_server", recording)
-    pki = dev_bundle(tmp_path)
-    cfg = EventBusConfig(
-        enabled=True,
-        listen="127.0.0.1:0",
-        tls=EventBusTlsConfig(cert=str(pki["server"].cert), key=str(pki["server"].key)),
-    )
-    server = EventBusServer(cfg, SessionRegistry(brokers(), [A]))
+    server = _server(dev_bundle(tmp_path))
     await server.start()
     await server.stop(0)
     assert ("grpc.http2.bdp_probe", 0) in seen

@@ -602,17 +602,22 @@ async def test_malformed_frames_and_undecodable_payloads_are_counted(
     assert len(decode_logs) == 1 and len(malformed_logs) == 1
 
 
+def _replaying(
+    engine_factory: Callable[..., FakeEngine],
+) -> tuple[FakeEngine, Recorder, ZmqSource]:
+    engine = engine_factory()
+    rec = Recorder()
+    config = ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
+    return engine, rec, rec.source(config)
+
+
 async def test_an_unusable_batch_under_a_real_seq_is_followed_by_a_replay_of_the_buffer(
     engine_factory: Callable[..., FakeEngine],
 ) -> None:
     """Garbage a peer slipped in under the engine's next sequence number resyncs (the
     backend's whole state is forgotten, good earlier batches too); the next live batch
     then fetches the engine's whole buffer, the real batch for that number among it."""
-    engine = engine_factory()
-    rec = Recorder()
-    source = rec.source(
-        ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
-    )
+    engine, rec, source = _replaying(engine_factory)
     async with running(source):
         await engine.subscribed()
         await engine.publish()  # 0
@@ -641,11 +646,7 @@ async def test_a_bad_batch_in_the_engines_own_buffer_costs_one_replay(
 ) -> None:
     """The replay brings the bad batch back: it resyncs again but does not ask for the
     buffer again, so live delivery goes on after one replay."""
-    engine = engine_factory()
-    rec = Recorder()
-    source = rec.source(
-        ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
-    )
+    engine, rec, source = _replaying(engine_factory)
     async with running(source):
         await engine.subscribed()
         await engine.publish()  # 0
