@@ -81,8 +81,8 @@ class Abuser:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for t in done:
-            if not t.cancelled() and t.exception() is not None:
-                self.counts[f"abuser crashed: {type(t.exception()).__name__}"] += 1
+            if not t.cancelled() and (exc := t.exception()) is not None:
+                self.counts[f"abuser crashed: {type(exc).__name__}: {exc}"[:160]] += 1
 
     @property
     def stopping(self) -> bool:

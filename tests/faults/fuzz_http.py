@@ -3,9 +3,9 @@ body) a client could send the router, most of them wrong."""
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
-import orjson
 from hypothesis import strategies as st
 
 __all__ = ["requests"]
@@ -60,7 +60,7 @@ def _shaped(draw: Any) -> bytes:
     }
     for k in draw(st.lists(st.sampled_from(FIELDS), max_size=4)):
         body[k] = draw(json_value)
-    return orjson.dumps(body)
+    return json.dumps(body).encode()
 
 
 @st.composite
@@ -69,7 +69,7 @@ def bodies(draw: Any) -> bytes:
     if kind == 0:
         return b""
     if kind == 1:
-        return orjson.dumps(draw(json_value))
+        return json.dumps(draw(json_value)).encode()
     if kind == 2:
         return _shaped(draw)
     if kind == 3:  # numbers no float holds
