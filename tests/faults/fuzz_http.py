@@ -10,6 +10,8 @@ from hypothesis import strategies as st
 
 __all__ = ["requests"]
 
+#: Not the admin API's clearing endpoints: the stack's router has no admin token (open on
+#: loopback by design), so a POST there is an operator's, obeyed, and empties the index.
 PATHS = (
     "/v1/chat/completions",
     "/v1/completions",
@@ -21,8 +23,7 @@ PATHS = (
     "/metrics",
     "/admin/backends",
     "/admin/kv-index/stats",
-    "/admin/kv-index/clear",
-    "/admin/response-cache/invalidate",
+    "/admin/response-cache/stats",
     "/v1beta/models/demo-model:generateContent",
     "/",
 )

@@ -5,8 +5,6 @@ request failed, memory bounded, and the abused process alive at the end (the not
 
 from __future__ import annotations
 
-import os
-
 from .abuse import (
     BusFlood,
     BusFuzz,
@@ -24,9 +22,6 @@ from .stack import FaultStack, StackOptions
 __all__ = ["ABUSE"]
 
 ABUSE_S = 10.0
-ADMIN_TOKEN_ENV = "CONTINUUM_FAULTS_ADMIN_TOKEN"
-# The router inherits this process's environment (the launcher reads the token from it).
-os.environ.setdefault(ADMIN_TOKEN_ENV, "faults-admin-token-" + "0123456789" * 3)
 
 
 def _row(name: str, fault: str, opts: StackOptions, campaign: Campaign, **kw: object) -> Row:
@@ -104,9 +99,7 @@ ABUSE: tuple[Row, ...] = (
     _row(
         "abuse/fuzz-http",
         "router: 400 hypothesis HTTP requests (fixed seed), wrong shapes, deep, bad UTF-8",
-        # An admin token, as in production: the fuzzer's admin requests (a POST to
-        # /admin/kv-index/clear among them) must be refused, not obeyed.
-        StackOptions(router_server={"admin_token_env": ADMIN_TOKEN_ENV}),
+        StackOptions(),
         Campaign(HttpFuzz),
         fault_s=1.0,
     ),
