@@ -29,6 +29,7 @@ __all__ = [
     "parse_duration",
     "parse_hostport",
     "parse_validated",
+    "parse_yaml",
     "read_yaml",
     "validation_issues",
     "yaml_path",
@@ -178,9 +179,17 @@ def read_yaml(path: str | Path) -> Any:
     """Parse a YAML file; ConfigError names the line and column of a syntax error."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise ConfigError([ConfigIssue("error", "(file)", f"cannot read {path}: {exc}")]) from None
+    return parse_yaml(data, path)
+
+
+def parse_yaml(data: bytes, path: str | Path) -> Any:
+    """Parse a YAML file's bytes (read once by a caller that also hashes them); ConfigError
+    says when they are not UTF-8 or not YAML."""
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(
             [ConfigIssue("error", "(file)", f"{path}: not UTF-8 text (byte {exc.start})")]

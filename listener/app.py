@@ -109,7 +109,7 @@ class SourceRuntime:
             max_retained_tokens=src.max_retained_tokens,
             policy=SaePruningPolicy() if src.pruning_policy == "saecache" else None,
             conversation=conversation,
-            on_fault=self._on_resync,
+            on_fault=self._on_fault,
         )
         hub.add_backend(self.name, self.tracker.snapshot)
         self.transports: list[ZmqSource | TrtllmPoller] = []
@@ -164,6 +164,14 @@ class SourceRuntime:
         the tracker failed on): forget, then tell subscribers."""
         self.tracker.reset()
         self.hub.resync(self.name, reason, self.tracker.snapshot())
+
+    def _on_fault(self, reason: str) -> None:
+        """An event the tracker failed on: resync, and learn the state again from the
+        engine's replay buffer where there is one."""
+        self._on_resync(reason)
+        for t in self.transports:
+            if isinstance(t, ZmqSource):
+                t.relearn()
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = {"engine": self.src.engine}

@@ -33,6 +33,16 @@ reconnects, so a reconnect is just another chance to see a gap. For each live ba
   baseline; with a replay endpoint the restarted engine's batches ``0..s-1`` (lost to the
   slow-joiner rule) are fetched first.
 
+A resync for a batch that arrived unusable (``decode_error``, ``malformed_event``,
+``callback_error``, or :meth:`ZmqSource.relearn` after the batch callback's own fault)
+forgets the backend's whole state, blocks of good earlier batches too. With a replay
+endpoint the source then learns it again: ``last_seq`` is forgotten, so the next live
+batch fetches the engine's whole buffer first, as after a listener start. The engine's
+copy of the batch is replayed too: an unusable message that a hostile or broken peer
+slipped in under a real sequence number is replaced by the real one. Faults during a
+replay resync without learning again, so an engine whose own buffer holds a bad batch
+costs one replay, not one per batch.
+
 Access control: ``allowed_publishers`` (IPs, CIDRs, hostnames). In bind mode a ZAP handler
 on ``inproc://zeromq.zap.01`` of the source's private context accepts only listed peer
 addresses (the SUB socket sets a ZAP domain and enforces it, so the check fails closed);
@@ -111,6 +121,8 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 _ZAP_DOMAIN = b"continuum"
 _DRAIN_BATCH = 64
 _MAX_LOGGED_DENIED = 64
+_RELEARN = frozenset(("decode_error", "malformed_event", "callback_error"))
+"""Resyncs after which the engine's buffer is fetched again (see the module docstring)."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -197,6 +209,8 @@ class ZmqSourceStats:
     """Live batches dropped because replay had already delivered them."""
     restarts: int = 0
     resyncs: int = 0
+    relearns: int = 0
+    """Resyncs after which the engine's whole buffer was fetched again (replay endpoint)."""
     publishers_denied: int = 0
     """Connections refused by the ZAP handler (bind mode)."""
     callback_errors: int = 0
@@ -358,6 +372,7 @@ class ZmqSource:
         self._bound_endpoint: str | None = None
         self._decode_error_logged = False
         self._malformed_logged = False
+        self._replaying = False
         self._callback_error_logged = False
 
     # -- public surface ----------------------------------------------------------------------
@@ -365,6 +380,15 @@ class ZmqSource:
     @property
     def last_seq(self) -> int | None:
         return self._last_seq
+
+    def relearn(self) -> None:
+        """After a resync: with a replay endpoint, fetch the engine's whole buffer before
+        the next live batch (no-op without one, or during a replay)."""
+        if self.config.replay_endpoint is None or self._replaying:
+            return
+        self.stats.relearns += 1
+        self._last_seq = None
+        self._dup_floor = None
 
     @property
     def bound_endpoint(self) -> str | None:
@@ -637,6 +661,7 @@ class ZmqSource:
         """
         assert self._ctx is not None and self.config.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
+        self._replaying = True
         try:
             dealer.setsockopt(zmq.LINGER, 0)
             dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
@@ -663,6 +688,7 @@ class ZmqSource:
                 await self._deliver(seq, payload)
                 expected = seq + 1
         finally:
+            self._replaying = False
             dealer.close(0)
 
     # -- hand-off ----------------------------------------------------------------------------
@@ -711,6 +737,8 @@ class ZmqSource:
     async def _resync(self, reason: str) -> None:
         self.stats.resyncs += 1
         await self._call(self._on_resync, reason, resync=False)
+        if reason in _RELEARN:
+            self.relearn()
 
     async def _call(self, fn: Callable[..., object], *args: object, resync: bool = True) -> None:
         """Call back; a failure is counted and, unless it was the resync itself, resyncs

@@ -9,16 +9,21 @@ sent the initial metadata at once: the listener waits for it before its first me
 call ends is reported by the peer's gRPC core as INTERNAL, hiding the status).
 
 Every refusal ends the call with a status code and a detail an operator can act on (the
-codes are listed in ``bus.proto``). A malformed call never affects other calls: each is
-its own task, and a failure in one ends only that one.
+codes are listed in ``bus.proto``). A message that does not parse reaches the servicer as
+:class:`Malformed` (the deserializers are wrapped by :func:`lenient`) and ends the call
+INVALID_ARGUMENT naming the parse error: left to gRPC, the parse error would end it
+UNKNOWN with a Python exception's text, or, after a Hello, look like a failed transport.
+A malformed call never affects other calls: each is its own task, and a failure in one
+ends only that one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import AsyncIterator
-from typing import Any, NoReturn
+from collections.abc import AsyncIterator, Callable
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 
@@ -31,12 +36,40 @@ from bus.tasks import cancel_and_wait
 from .auth import AuthError, Principal
 from .sessions import BusSession, ChannelClosed, SessionEnd, SessionRegistry
 
-__all__ = ["EventBusServicer"]
+__all__ = ["EventBusServicer", "Malformed", "lenient"]
 
 log = logging.getLogger("continuum.eventbus")
 
 _FIRST_TIMEOUT_S = 10.0
 """How long a new call may take to send its first message (Hello, StreamOpen)."""
+
+T = TypeVar("T")
+
+
+class Malformed:
+    """A request message that did not parse, in the message's place."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: str) -> None:
+        self.error = error
+
+
+def lenient(parse: Callable[[bytes], T]) -> Callable[[bytes], T | Malformed]:
+    """``parse`` as a request deserializer that hands a parse error to the servicer."""
+
+    @functools.wraps(parse)
+    def parse_or_malformed(raw: bytes) -> T | Malformed:
+        try:
+            return parse(raw)
+        except Exception as exc:  # DecodeError, or the copy-free decoder's own
+            return Malformed(f"{type(exc).__name__}: {exc}"[:200])
+
+    return parse_or_malformed
+
+
+def _unparsed(what: str, msg: Malformed) -> AuthError:
+    return AuthError(grpc.StatusCode.INVALID_ARGUMENT, f"{what} does not parse: {msg.error}")
 
 
 async def _abort(context: grpc.aio.ServicerContext[Any, Any], err: AuthError) -> NoReturn:
@@ -94,7 +127,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
         """The call's first message (Hello, StreamOpen), once the caller is authenticated."""
         try:
             async with asyncio.timeout(_FIRST_TIMEOUT_S):
-                return await anext(requests, None)
+                first = await anext(requests, None)
         except TimeoutError:
             await _abort(
                 context,
@@ -103,12 +136,15 @@ class EventBusServicer(pb_grpc.EventBusServicer):
                     f"no first message within {_FIRST_TIMEOUT_S:g} s",
                 ),
             )
+        if isinstance(first, Malformed):
+            await _abort(context, _unparsed("the call's first message", first))
+        return first
 
     # -- Session -------------------------------------------------------------------------
 
     async def Session(
         self,
-        request_iterator: AsyncIterator[pb.SessionRequest],
+        request_iterator: AsyncIterator[pb.SessionRequest | Malformed],
         context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
     ) -> None:
         await self._admit("Session", context)
@@ -119,7 +155,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
 
     async def _session(
         self,
-        request_iterator: AsyncIterator[pb.SessionRequest],
+        request_iterator: AsyncIterator[pb.SessionRequest | Malformed],
         context: grpc.aio.ServicerContext[pb.SessionRequest, pb.SessionResponse],
     ) -> None:
         principal = await self._principal(context)
@@ -159,11 +195,17 @@ class EventBusServicer(pb_grpc.EventBusServicer):
             await cancel_and_wait(reader)
             self.sessions.unregister(session)
 
-    async def _read(self, session: BusSession, requests: AsyncIterator[pb.SessionRequest]) -> None:
+    async def _read(
+        self, session: BusSession, requests: AsyncIterator[pb.SessionRequest | Malformed]
+    ) -> None:
         """The listener's side of a session: Draining, then half-close."""
         end = SessionEnd(grpc.StatusCode.OK, "the listener closed the session")
         try:
             async for req in requests:
+                if isinstance(req, Malformed):
+                    err = _unparsed("a SessionRequest", req)
+                    end = SessionEnd(err.code, err.detail)
+                    break
                 kind = req.WhichOneof("kind")
                 if kind == "draining":
                     self.sessions.draining(session)
@@ -184,7 +226,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
 
     async def Stream(
         self,
-        request_iterator: AsyncIterator[pb.StreamRequest | bytes],
+        request_iterator: AsyncIterator[pb.StreamRequest | bytes | Malformed],
         context: grpc.aio.ServicerContext[pb.StreamRequest, pb.StreamResponse],
     ) -> pb.StreamResponse:
         await self._admit("Stream", context)
@@ -195,7 +237,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
 
     async def _stream(
         self,
-        request_iterator: AsyncIterator[pb.StreamRequest | bytes],
+        request_iterator: AsyncIterator[pb.StreamRequest | bytes | Malformed],
         context: grpc.aio.ServicerContext[pb.StreamRequest, pb.StreamResponse],
     ) -> pb.StreamResponse:
         principal = await self._principal(context)
@@ -223,6 +265,9 @@ class EventBusServicer(pb_grpc.EventBusServicer):
                 # bus.stream_data hands a canonical data message over as its payload.
                 if isinstance(req, bytes):
                     data = req
+                elif isinstance(req, Malformed):
+                    channel.close("protocol error")
+                    await _abort(context, _unparsed("a StreamRequest", req))
                 else:
                     kind = req.WhichOneof("kind")
                     if kind == "close":

@@ -243,6 +243,10 @@ class SessionRegistry:
             raise AuthError(grpc.StatusCode.UNAVAILABLE, "the router is shutting down")
         if hello.role == pb.ROLE_UNSPECIFIED:
             raise AuthError(grpc.StatusCode.INVALID_ARGUMENT, "Hello.role is not set")
+        if hello.role not in pb.Role.values():  # proto3 keeps an unknown enum number as is
+            raise AuthError(
+                grpc.StatusCode.INVALID_ARGUMENT, f"Hello.role {hello.role} is not a Role"
+            )
         if hello.role != _ROLES[entry.role]:
             raise AuthError(
                 grpc.StatusCode.PERMISSION_DENIED,

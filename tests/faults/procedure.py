@@ -51,6 +51,7 @@ RECOVER_S = 15.0
 SETTLE_S = 15.0
 
 Step = Callable[[FaultStack], Awaitable[None]]
+Report = Callable[[FaultStack], Awaitable[list[str]]]
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,9 @@ class Row:
     fault_s: float = FAULT_S
     #: Minutes, not seconds: run by ``make faults-slow`` (``--slow``), not ``make faults``.
     slow: bool = False
+    #: The row's own account, added to its notes at the end (an abuse row: what the
+    #: abusers were answered, whether the abused process lived).
+    report: Report | None = None
 
 
 class _Delivery:
@@ -220,6 +224,8 @@ async def run_row(row: Row, tmp: Path) -> RowResult:
                 f"{n} {rss_before.get(n, 0):.0f} -> {mb:.0f}" for n, mb in sorted(rss_after.items())
             )
         )
+        if row.report is not None:
+            result.notes += await row.report(stack)
         result.notes.append(
             f"truth after settling: {final.held} (key, backend) pairs held, {final.indexed} indexed"
             f"; {await stack.listener_summary()}"

@@ -21,7 +21,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,15 @@ class StackOptions:
     #: ``pull`` (the router reads SSE) or ``push`` (the listener dials the router's event
     #: bus over TLS with a bearer token, as the push-mode integration tests set it up).
     transport: str = "pull"
+    #: Merged into the listener's YAML at its top level (an abuse row's SSE limits).
+    listener_extra: Mapping[str, Any] = field(default_factory=dict)
+    #: Merged into the router's ``server`` section (an abuse row's HTTP limits).
+    router_server: Mapping[str, Any] = field(default_factory=dict)
+    #: ``(backend, engine endpoint) -> endpoint the listener connects to`` for live events
+    #: (a row's proxy between the engine and the listener); None: the engine's own.
+    source_endpoint: Callable[[str, str], str] | None = None
+    #: Merged into every listener source (``max_frame_bytes``, say).
+    source_extra: Mapping[str, Any] = field(default_factory=dict)
 
 
 class FaultStack:
@@ -110,11 +120,17 @@ class FaultStack:
             if o.replay:
                 src["replay_endpoint"] = f"tcp://127.0.0.1:{replay}"
             sources.append(src)
+        if o.source_endpoint is not None:
+            for src in sources:
+                src["zmq_endpoint"] = o.source_endpoint(src["backend_name"], src["zmq_endpoint"])
+        for src in sources:
+            src.update(o.source_extra)
         config: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "salt_secret_env": SALT_ENV,
             "sources": sources,
         }
+        config.update(o.listener_extra)
         push = o.transport == "push"
         bus_port = free_port()
         if push:
@@ -155,6 +171,7 @@ class FaultStack:
             ],
             "kv_cache_index": kv,
         }
+        rconf["server"].update(o.router_server)
         if push:
             rconf["dynamo"] = {
                 "event_bus": {
@@ -337,3 +354,20 @@ class FaultStack:
     async def delivered(self) -> dict[str, int]:
         """Per backend, events the router received so far (this router process)."""
         return {b["backend_name"]: int(b["events"]["received"]) for b in await self.kv_backends()}
+
+    # -- for abuse rows --------------------------------------------------------------------
+
+    def bus_target(self) -> tuple[str, bytes]:
+        """(``host:port`` of the router's event bus, the CA certificate its TLS chains to)
+        in push mode, for a hostile peer that dials it."""
+        assert self.router is not None and self.listener is not None
+        listen = self.router.config["dynamo"]["event_bus"]["listen"]
+        ca = Path(self.listener.config["event_bus"]["ca_file"]).read_bytes()
+        return "localhost:" + listen.rsplit(":", 1)[1], ca
+
+    def alive(self) -> dict[str, bool]:
+        """Whether the router and the listener processes are still running."""
+        return {
+            "router": self.router is not None and self.router.running,
+            "listener": self.listener is not None and self.listener.running,
+        }

@@ -107,6 +107,11 @@ def _principal(registry: SessionRegistry, eid: str = "kv-a") -> Any:
             "Hello.role is not set",
         ),
         (hello(role=pb.ROLE_BROKER), grpc.StatusCode.PERMISSION_DENIED, "has role kv_listener"),
+        (
+            hello(role=pb.Role.ValueType(77)),
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "Hello.role 77 is not a Role",
+        ),
         (hello(cid="kv-b"), grpc.StatusCode.PERMISSION_DENIED, "is not the credential's"),
         (hello(sources=("x y",)), grpc.StatusCode.INVALID_ARGUMENT, "not a source id"),
         (hello(sources=(A, "vllm-9")), grpc.StatusCode.PERMISSION_DENIED, "'vllm-9' is not in"),

@@ -131,17 +131,23 @@ class Peer:
         return await call.code(), await call.details() or ""
 
 
-@pytest.fixture
-async def bus(tmp_path: Path) -> AsyncIterator[tuple[EventBusServer, bytes]]:
-    pki = dev_bundle(tmp_path)
+def _server(
+    pki: dict[str, Any], max_sessions: int = 256, max_streams: int = 4096
+) -> EventBusServer:
     cfg = EventBusConfig(
         enabled=True,
         listen="127.0.0.1:0",
         tls=EventBusTlsConfig(cert=str(pki["server"].cert), key=str(pki["server"].key)),
-        max_sessions=1,
-        max_streams=1,
+        max_sessions=max_sessions,
+        max_streams=max_streams,
     )
-    server = EventBusServer(cfg, SessionRegistry(brokers(), [A]))
+    return EventBusServer(cfg, SessionRegistry(brokers(), [A]))
+
+
+@pytest.fixture
+async def bus(tmp_path: Path) -> AsyncIterator[tuple[EventBusServer, bytes]]:
+    pki = dev_bundle(tmp_path)
+    server = _server(pki, max_sessions=1, max_streams=1)
     await server.start()
     try:
         yield server, pki["ca"].cert.read_bytes()
@@ -197,3 +203,91 @@ async def _welcomed_eventually(peer: Peer) -> Any:
             return await peer.welcomed()
         except (AssertionError, grpc.aio.AioRpcError):
             await asyncio.sleep(0.01)
+
+
+# -- messages that do not parse ------------------------------------------------------------
+
+
+def _raw(b: bytes) -> bytes:
+    return b
+
+
+GARBAGE = b"\x08\xff\xff\xff"  # field 1 (hello / open) as a varint: the wrong wire type
+
+
+@pytest.mark.parametrize("method", ["Session", "Stream"])
+async def test_a_first_message_that_does_not_parse_is_invalid_argument(
+    bus: tuple[EventBusServer, bytes], method: str
+) -> None:
+    """Not UNKNOWN with a Python exception's text: the code the proto gives malformed
+    messages, and the parse error in words."""
+    server, ca = bus
+    assert server.port is not None
+    peer = Peer(server.port, ca)
+    path = f"/continuum.bus.v1.EventBus/{method}"
+    try:
+        call: Any = (
+            peer.channel.stream_stream(path, request_serializer=_raw, response_deserializer=_raw)
+            if method == "Session"
+            else peer.channel.stream_unary(
+                path, request_serializer=_raw, response_deserializer=_raw
+            )
+        )(metadata=peer.metadata)
+        await asyncio.wait_for(call.initial_metadata(), TIMEOUT)
+        await call.write(GARBAGE)
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await asyncio.wait_for(call.read() if method == "Session" else call, TIMEOUT)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "does not parse" in (err.value.details() or "")
+    finally:
+        await peer.channel.close()
+
+
+async def test_a_session_message_after_the_hello_that_does_not_parse_is_invalid_argument(
+    bus: tuple[EventBusServer, bytes],
+) -> None:
+    """Not UNAVAILABLE ("session read failed"), which would tell the listener to retry."""
+    server, ca = bus
+    assert server.port is not None
+    peer = Peer(server.port, ca)
+    path = "/continuum.bus.v1.EventBus/Session"
+    try:
+        call: Any = peer.channel.stream_stream(
+            path, request_serializer=_raw, response_deserializer=pb.SessionResponse.FromString
+        )(metadata=peer.metadata)
+        await asyncio.wait_for(call.initial_metadata(), TIMEOUT)
+        hello = pb.Hello(client_id="kv-a", role=pb.ROLE_KV_LISTENER, sources=[A])
+        await call.write(pb.SessionRequest(hello=hello).SerializeToString())
+        first = await asyncio.wait_for(call.read(), TIMEOUT)
+        assert first.WhichOneof("kind") == "welcome"
+        await call.write(GARBAGE)
+        with pytest.raises(grpc.aio.AioRpcError) as err:  # a Subscribe may come first
+            while await asyncio.wait_for(call.read(), TIMEOUT) is not grpc.aio.EOF:
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+        assert "a SessionRequest does not parse" in (err.value.details() or "")
+    finally:
+        await peer.channel.close()
+
+
+async def test_the_bus_keeps_per_stream_flow_control_windows_small(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gRPC's core takes in what the HTTP/2 window allows before the servicer refuses an
+    unauthenticated call; BDP probing would grow that window to megabytes per stream,
+    which a flood of refused calls with large first messages turns into resident memory
+    (the fault matrix's ``abuse/bus-preauth`` row shows it)."""
+    import router.eventbus.server as server_module
+
+    seen: list[Any] = []
+    real = server_module.start_server
+
+    async def recording(*args: Any, options: Any = (), **kw: Any) -> Any:
+        seen.extend(options)
+        return await real(*args, options=options, **kw)
+
+    monkeypatch.setattr(server_module, "start_server", recording)
+    server = _server(dev_bundle(tmp_path))
+    await server.start()
+    await server.stop(0)
+    assert ("grpc.http2.bdp_probe", 0) in seen

@@ -26,10 +26,19 @@ class FakeRouter:
 
 @pytest.mark.parametrize(
     "content",
-    [b"selection_strategy: RoundRobin\n# \xe9\n", b"\xff\xfe\x00", b"selection_strategy: [\n"],
-    ids=["latin-1", "binary", "broken-yaml"],
+    [
+        b"selection_strategy: RoundRobin\n# \xe9\n",
+        b"\xff\xfe\x00",
+        b"selection_strategy: [\n",
+        b"",
+        b"# nothing but a comment\n",
+        b"\n  \n",
+    ],
+    ids=["latin-1", "binary", "broken-yaml", "empty", "comment", "blank"],
 )
 def test_an_unreadable_file_is_a_counted_rejection(tmp_path: Path, content: bytes) -> None:
+    """An empty file too: it is what a file written in place looks like between its
+    truncation and its write, and it would validate as a config without backends."""
     path = tmp_path / "router.yaml"
     path.write_bytes(content)
     outcomes: list[bool] = []
@@ -60,3 +69,38 @@ def test_a_good_file_is_a_counted_success(tmp_path: Path) -> None:
     assert ConfigReloader(path, router, on_outcome=outcomes.append).reload("SIGHUP")
     assert outcomes == [True]
     assert router.config.selection_strategy == "RoundRobin"
+
+
+def _backends(*names: str) -> bytes:
+    return "backends:\n".join(
+        [
+            "",
+            "".join(
+                f"  - {{name: {n}, url: 'http://127.0.0.1:9', type: vllm, models: [m]}}\n"
+                for n in names
+            ),
+        ]
+    ).encode()
+
+
+def test_the_watcher_applies_a_change_once_the_file_held_still_for_a_poll(
+    tmp_path: Path,
+) -> None:
+    """A file being rewritten (in place, piece by piece) is not applied half-way: a change
+    is reloaded only when one poll later the file still holds the same bytes, and then
+    exactly those bytes are applied."""
+    path = tmp_path / "router.yaml"
+    path.write_bytes(_backends("a", "b"))
+    outcomes: list[bool] = []
+    router = FakeRouter()
+    reloader = ConfigReloader(path, router, on_outcome=outcomes.append)
+
+    path.write_bytes(_backends("a"))  # the first half of a rewrite: valid, but not meant
+    assert reloader.poll() is None
+    path.write_bytes(_backends("a", "c"))  # the whole new file
+    assert reloader.poll() is None  # changed since the last poll: not settled yet
+    assert router.applied == []
+    assert reloader.poll() is True  # held still for a poll: applied
+    assert [b.name for b in router.config.backends] == ["a", "c"]
+    assert reloader.poll() is None  # nothing new
+    assert outcomes == [True]

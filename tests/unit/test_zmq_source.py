@@ -602,6 +602,70 @@ async def test_malformed_frames_and_undecodable_payloads_are_counted(
     assert len(decode_logs) == 1 and len(malformed_logs) == 1
 
 
+def _replaying(
+    engine_factory: Callable[..., FakeEngine],
+) -> tuple[FakeEngine, Recorder, ZmqSource]:
+    engine = engine_factory()
+    rec = Recorder()
+    config = ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
+    return engine, rec, rec.source(config)
+
+
+async def test_an_unusable_batch_under_a_real_seq_is_followed_by_a_replay_of_the_buffer(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    """Garbage a peer slipped in under the engine's next sequence number resyncs (the
+    backend's whole state is forgotten, good earlier batches too); the next live batch
+    then fetches the engine's whole buffer, the real batch for that number among it."""
+    engine, rec, source = _replaying(engine_factory)
+    async with running(source):
+        await engine.subscribed()
+        await engine.publish()  # 0
+        await engine.publish()  # 1
+        await eventually(lambda: rec.seqs() == [0, 1])
+        await engine.pub.send_multipart([b"", (2).to_bytes(8, "big"), b"\xc1"])  # not ours
+        await engine.publish(live=False)  # 2: the engine's own, only in its buffer
+        await engine.publish()  # 3
+        await eventually(lambda: rec.seqs()[-1:] == [3])
+    assert rec.items == [
+        ("batch", 0, 0),
+        ("batch", 1, 0),
+        ("resync", "decode_error"),
+        ("batch", 0, 0),
+        ("batch", 1, 0),
+        ("batch", 2, 0),
+        ("batch", 3, 0),
+    ]
+    assert engine.replay_requests == [0]
+    st = source.stats
+    assert (st.decode_errors, st.resyncs, st.relearns, st.restarts, st.gaps) == (1, 1, 1, 0, 0)
+
+
+async def test_a_bad_batch_in_the_engines_own_buffer_costs_one_replay(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    """The replay brings the bad batch back: it resyncs again but does not ask for the
+    buffer again, so live delivery goes on after one replay."""
+    engine, rec, source = _replaying(engine_factory)
+    async with running(source):
+        await engine.subscribed()
+        await engine.publish()  # 0
+        await engine.publish(payload=b"\xc1")  # 1: the engine's own bytes are bad
+        await engine.publish()  # 2
+        await engine.publish()  # 3
+        await eventually(lambda: rec.seqs()[-1:] == [3])
+    assert rec.items == [
+        ("batch", 0, 0),
+        ("resync", "decode_error"),
+        ("batch", 0, 0),
+        ("resync", "decode_error"),
+        ("batch", 2, 0),
+        ("batch", 3, 0),
+    ]
+    assert engine.replay_requests == [0]
+    assert (source.stats.resyncs, source.stats.relearns) == (2, 1)
+
+
 async def reconnected(engine: FakeEngine, monitor: zmq.asyncio.Socket | None) -> None:
     """Wait until the source's SUB is connected to ``engine`` again.
 
