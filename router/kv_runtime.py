@@ -41,6 +41,7 @@ from .kvindex import (
     apply_event,
     apply_events,
     build_kv_index,
+    end_resync,
 )
 from .kvindex.accuracy import PredictionAccuracy
 from .kvindex.cost import ConversationScorer
@@ -125,6 +126,7 @@ class KvRuntime:
             apply_many=functools.partial(
                 apply_events, self.index, offloading=offloading, chain_index=self.chain_index
             ),
+            end_resync=functools.partial(end_resync, self.index, self.chain_index),
         )
         self._cleanup: asyncio.Task[None] | None = None
         self._resync: asyncio.Task[None] | None = None

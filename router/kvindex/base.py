@@ -266,6 +266,16 @@ class KvIndex(abc.ABC):
 
         Returns the number of entries removed. O(prefixes): meant for rare events."""
 
+    async def begin_resync(self, backend: str) -> None:
+        """A snapshot of ``backend`` follows that replaces all its entries; its writes
+        until :meth:`end_resync` build the new state. By default the old state is dropped
+        now (an index only this router reads); a shared index keeps serving the old state
+        to every reader until ``end_resync`` swaps the new one in."""
+        await self.remove_backend(backend)
+
+    async def end_resync(self, backend: str) -> None:  # noqa: B027 - optional hook
+        """The snapshot begun by :meth:`begin_resync` is complete (a no-op by default)."""
+
     @abc.abstractmethod
     async def clear(self) -> int:
         """Drop everything. Returns the number of entries removed."""

@@ -302,6 +302,26 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
         self._pending_backends.add(backend)
         return self._fallback.drop_backend(backend)
 
+    async def begin_resync(self, backend: str) -> None:
+        """On Redis, the primary's generation swap; during an outage, as ``remove_backend``
+        (memory is this router's alone, and recovery resyncs every stream anyway)."""
+        if not self._supervisor.active:
+            try:
+                await self._primary.begin_resync(backend)
+                return
+            except KvIndexUnavailable as exc:
+                self._engage("begin_resync", exc)
+        await self.remove_backend(backend)
+
+    async def end_resync(self, backend: str) -> None:
+        if not self._supervisor.active:
+            try:
+                await self._primary.end_resync(backend)
+                return
+            except KvIndexUnavailable as exc:
+                self._engage("end_resync", exc)
+        self._primary.discard_resync(backend)
+
     async def clear(self) -> int:
         if not self._supervisor.active:
             try:
