@@ -304,4 +304,5 @@ def index_figures(st: IndexStats | None) -> dict[str, Any]:
         "total_hits": st.total_hits,
         "total_evictions": st.total_evictions,
         "fallback_active": bool(st.fallback_active),
+        "fallback_count": st.fallback_count,
     }

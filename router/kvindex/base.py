@@ -154,6 +154,8 @@ class IndexStats:
     """Expired entries dropped by lazy checks or ``cleanup_expired`` (this process only)."""
     fallback_active: bool = False
     """Redis only: the counts above are the in-memory fallback's."""
+    fallback_count: int = 0
+    """Redis only: switches to the in-memory fallback since start (outages)."""
 
 
 class KvIndexError(Exception):

@@ -38,6 +38,7 @@ propagates.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
@@ -345,7 +346,8 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
     async def stats(self) -> IndexStats:
         if not self._supervisor.active:
             try:
-                return await self._primary.stats()
+                st = await self._primary.stats()
+                return dataclasses.replace(st, fallback_count=self._supervisor.count)
             except KvIndexUnavailable as exc:
                 self._engage("stats", exc)
         fb = self._fallback.snapshot_stats()
@@ -357,6 +359,7 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
             total_evictions=fb.total_evictions,
             total_expired=self._primary.total_expired + fb.total_expired,
             fallback_active=True,
+            fallback_count=self._supervisor.count,
         )
 
     async def close(self) -> None:

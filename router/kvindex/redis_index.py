@@ -93,7 +93,7 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio import Redis
 
-from router.redis import UNAVAILABLE_ERRORS, glob_escape
+from router.redis import UNAVAILABLE_ERRORS, close_client, glob_escape
 
 from .base import (
     EMPTY,
@@ -695,7 +695,7 @@ class RedisKvIndex(KvIndex):
         """Close the client only if ``owns_redis``. Idempotent."""
         if self._owns_redis:
             self._owns_redis = False
-            await self._redis.aclose(close_connection_pool=True)
+            await close_client(self._redis)
 
     # ---- recovery (used by FallbackKvIndex) -------------------------------------------
 

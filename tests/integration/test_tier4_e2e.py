@@ -580,7 +580,7 @@ async def test_redis_index_is_shared_by_two_routers(
         client = Redis.from_url(redis_url)
         try:
             # The member names the backend's current generation (a resync swaps it).
-            gen = await client.hget(KEY_PREFIX + "#gens", "sim-1")
+            gen: bytes | None = await client.hget(KEY_PREFIX + "#gens", "sim-1")  # type: ignore[assignment]
             member = "sim-1" if gen is None else f"sim-1@{gen.decode()}"
             assert await client.zscore(KEY_PREFIX + prefix, member)
         finally:
