@@ -202,14 +202,6 @@ class PrefixRoutingConfig(_Section):
     """Force cache_control injection even for backends with auto injection off."""
 
 
-def _addresses(v: list[str]) -> list[str]:
-    for a in v:
-        _, port = parse_hostport(a)
-        if port == 0:
-            raise ValueError(f"{a!r}: port 0 cannot be dialled")
-    return v
-
-
 class SentinelConfig(_Section):
     """Where Redis Sentinel says the primary is (``response_cache.redis.mode: sentinel``)."""
 
@@ -229,40 +221,32 @@ class SentinelConfig(_Section):
     @field_validator("addresses")
     @classmethod
     def _addrs(cls, v: list[str]) -> list[str]:
-        return _addresses(v)
-
-
-class ClusterConfig(_Section):
-    """Redis Cluster (``response_cache.redis.mode: cluster``)."""
-
-    startup_nodes: Annotated[list[str], Field(min_length=1)]
-    """Some of the cluster's nodes, ``host:port`` each; the client learns the rest."""
-
-    @field_validator("startup_nodes")
-    @classmethod
-    def _nodes(cls, v: list[str]) -> list[str]:
-        return _addresses(v)
+        for a in v:
+            _, port = parse_hostport(a)
+            if port == 0:
+                raise ValueError(f"{a!r}: port 0 cannot be dialled")
+        return v
 
 
 class RedisConfig(_Section):
     """One Redis/Valkey connection pool, shared by the response cache and the KV index."""
 
-    mode: Literal["standalone", "sentinel", "cluster"] = "standalone"
+    mode: Literal["standalone", "sentinel"] = "standalone"
     """``standalone``: one server at ``url``; ``sentinel``: the primary Sentinel names
-    (``sentinel``), followed across failovers; ``cluster``: Redis Cluster (``cluster``)."""
+    (``sentinel``), followed across failovers. (Redis Cluster is not supported: the KV
+    index's scripts touch keys of many slots.)"""
     url: str = "redis://127.0.0.1:6379"
     """``redis://`` or ``rediss://`` (TLS); ``tls: true`` upgrades a ``redis://`` URL.
     Standalone only."""
     tls: bool = False
     username: str | None = None
-    """ACL user of the data nodes (sentinel and cluster modes; standalone: in ``url``)."""
+    """ACL user of the data nodes (sentinel mode; standalone: in ``url``, or here)."""
     password: str | None = None
-    """Password of the data nodes (sentinel and cluster modes; standalone: in ``url``)."""
+    """Password of the data nodes (sentinel mode; standalone: in ``url``, or here)."""
     tls_ca_file: str | None = None
     """PEM CA bundle that verifies the servers' certificates over TLS (default: the
     system's)."""
     sentinel: SentinelConfig | None = None
-    cluster: ClusterConfig | None = None
     pool_size: Annotated[int, Field(ge=1, le=1024)] = 8
     key_prefix: str = "cr:resp:"
     """Response cache key namespace; glob characters (``*?[]``) are rejected."""
@@ -284,19 +268,16 @@ class RedisConfig(_Section):
     @field_validator("key_prefix")
     @classmethod
     def _prefix(cls, v: str) -> str:
-        if any(c in v for c in "*?[]{}"):
-            raise ValueError("must not contain glob characters (* ? [ ]) or braces")
+        if any(c in v for c in "*?[]"):
+            raise ValueError("must not contain glob characters (* ? [ ])")
         return v
 
     @model_validator(mode="after")
     def _mode(self) -> RedisConfig:
         if self.mode == "sentinel" and self.sentinel is None:
             raise ValueError("mode: sentinel needs a sentinel section (master_name, addresses)")
-        if self.mode == "cluster" and self.cluster is None:
-            raise ValueError("mode: cluster needs a cluster section (startup_nodes)")
-        for name in ("sentinel", "cluster"):
-            if getattr(self, name) is not None and self.mode != name:
-                raise ValueError(f"a {name} section needs mode: {name} (mode is {self.mode})")
+        if self.sentinel is not None and self.mode != "sentinel":
+            raise ValueError(f"a sentinel section needs mode: sentinel (mode is {self.mode})")
         return self
 
 

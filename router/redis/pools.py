@@ -161,7 +161,6 @@ _CONNECTION_FIELDS = {
     "password",
     "tls_ca_file",
     "sentinel",
-    "cluster",
     "pool_size",
     "connect_timeout_ms",
     "command_timeout_ms",

@@ -189,7 +189,7 @@ SENTINEL = {"master_name": "m", "addresses": ["127.0.0.1:26379"]}
     ("redis", "path", "says"),
     [
         ({"mode": "sentinel"}, "response_cache.redis", "needs a sentinel section"),
-        ({"mode": "cluster"}, "response_cache.redis", "needs a cluster section"),
+        ({"mode": "cluster"}, "response_cache.redis.mode", "standalone"),
         ({"sentinel": SENTINEL}, "response_cache.redis", "needs mode: sentinel"),
         ({"mode": "sideways"}, "response_cache.redis.mode", "standalone"),
         ({"mode": "sentinel", "sentinel": {"addresses": ["h:1"]}},
@@ -202,9 +202,8 @@ SENTINEL = {"master_name": "m", "addresses": ["127.0.0.1:26379"]}
          "response_cache.redis.sentinel.addresses", "port 0"),
         ({"mode": "sentinel", "sentinel": {**SENTINEL, "pasword": "x"}},
          "response_cache.redis.sentinel.pasword", "unknown field"),
-        ({"mode": "cluster", "cluster": {"startup_nodes": ["h:99999"]}},
-         "response_cache.redis.cluster.startup_nodes", "out of range"),
-        ({"key_prefix": "cr:{x}:"}, "response_cache.redis.key_prefix", "braces"),
+        ({"mode": "sentinel", "sentinel": {"master_name": "m", "addresses": ["h:99999"]}},
+         "response_cache.redis.sentinel.addresses", "out of range"),
     ],
 )  # fmt: skip
 def test_redis_mode_errors_name_the_path(redis: dict, path: str, says: str) -> None:
@@ -213,7 +212,7 @@ def test_redis_mode_errors_name_the_path(redis: dict, path: str, says: str) -> N
     assert says in errs[path], errs
 
 
-def test_sentinel_and_cluster_configs_parse() -> None:
+def test_sentinel_config_parses() -> None:
     cfg, _ = parse_config(
         _redis(
             mode="sentinel",
@@ -225,5 +224,7 @@ def test_sentinel_and_cluster_configs_parse() -> None:
     assert cfg.response_cache.redis is not None
     s = cfg.response_cache.redis.sentinel
     assert s is not None and (s.master_name, s.password, s.db) == ("m", "sp", 2)
-    cfg, _ = parse_config(_redis(mode="cluster", cluster={"startup_nodes": ["a:1", "[::1]:2"]}))
-    assert cfg.response_cache.redis is not None and cfg.response_cache.redis.cluster is not None
+    cfg, _ = parse_config(
+        _redis(mode="sentinel", sentinel={"master_name": "m", "addresses": ["a:1", "[::1]:2"]})
+    )
+    assert cfg.response_cache.redis is not None and cfg.response_cache.redis.mode == "sentinel"
