@@ -39,17 +39,19 @@ the same swap to an empty generation.
 
 Operations, one round trip each:
 
-* query: ``ZREVRANGEBYSCORE key +inf -inf WITHSCORES``, ``HGETALL key:t`` and ``HGETALL
-  #gens`` pipelined on one pooled connection (not redis-py's ``Pipeline`` object, whose
-  bookkeeping costs more than the commands); expired entries and other generations'
-  members are filtered client-side and never returned;
+* query: the query_many script (below) for one key, ``EVALSHA`` sent on one pooled
+  connection (one bulk string to parse, not three replies); expired entries and other
+  generations' members are filtered client-side and never returned; a line that does not
+  parse is read again as ``ZREVRANGEBYSCORE``, ``HGETALL key:t`` and ``HGETALL #gens``
+  pipelined;
 * query_many: one read-only script doing the same two reads per key and returning them
-  as ONE string (``member score ...|field value ...`` per key, a line each). redis-py's
-  pure-Python reply parser costs about 12 us per reply element, so 64 keys pipelined as
-  128 commands cost the router ~2.7 ms of CPU; the script's single bulk string costs
-  ~0.4 ms in all, for ~0.2 ms of Redis time (``bench/kvindex_bench.py``). Members are
-  backend names (``[A-Za-z0-9_.-]``), so the separators are unambiguous; a line that does
-  not parse (a foreign tool's member) is read again with the per-key query;
+  as ONE string (``member score ...|field value ...`` per key, a line each, after the
+  generation hash's line). redis-py's pure-Python reply parser costs about 12 us per
+  reply element, so 64 keys pipelined as 128 commands cost the router ~2.7 ms of CPU;
+  the script's single bulk string costs ~0.4 ms in all, for ~0.2 ms of Redis time
+  (``bench/kvindex_bench.py``). Members are backend names (``[A-Za-z0-9_.-]``, with
+  ``@<gen>``), so the separators are unambiguous; a line that does not parse (a foreign
+  tool's member) is read again with the pipelined commands;
 * upsert, remove, write_many, restore: the one write script (resolving the generation);
 * set_tier: a short script (change the tier only if the member exists and is live);
 * write_many: one script call per ``write_batch`` (256) upserts and removes; with a ``ttl``
@@ -475,7 +477,27 @@ class RedisKvIndex(KvIndex):
     # ---- KvIndex ---------------------------------------------------------------------
 
     async def query_backends(self, prefix_hash: Key) -> Sequence[IndexEntry]:
+        """The query_many script for one key, sent on a pooled connection: one bulk string
+        to parse instead of the three replies (and their elements) of the commands."""
         key = self._key(prefix_hash)
+        rkeys = (self._gens_key, key, key + b":t")
+        try:
+            try:
+                (blob,) = await self._roundtrip(
+                    ((b"EVALSHA", self._query_many_script.sha, 3, *rkeys),)
+                )
+            except rx.NoScriptError:  # a new primary (failover) or a flushed script cache
+                blob = await self._query_many_script(keys=rkeys)
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("query", exc) from exc
+        head, _, line = blob.partition(b"\n")
+        g = head.split(b" ") if head else []
+        got = self._decode_line(line, self._now_ms(), dict(zip(g[::2], g[1::2], strict=False)))
+        return got if got is not None else await self._query_commands(key)
+
+    async def _query_commands(self, key: bytes) -> Sequence[IndexEntry]:
+        """The query as plain commands: what reads a member the script's line cannot
+        carry (a foreign tool's)."""
         try:
             zreply, hreply, greply = await self._roundtrip(
                 (
@@ -510,7 +532,7 @@ class RedisKvIndex(KvIndex):
             now_ms = self._now_ms()
             for k, line in zip(part, lines[1:], strict=True):
                 got = self._decode_line(line, now_ms, gens)
-                out.append(got if got is not None else await self.query_backends(k))
+                out.append(got if got is not None else await self._query_commands(self._key(k)))
         return out
 
     async def backend_counts(self) -> dict[str, int]:
