@@ -9,18 +9,25 @@ from __future__ import annotations
 
 import os
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
 
 from harness.procs import free_port as _free_port
 
-__all__ = ["RedisServer", "SentinelSet"]
+__all__ = ["RedisServer", "SentinelSet", "TlsFiles"]
 
 
-def _ping(port: int, timeout: float = 0.2, password: str | None = None) -> bool:
+def _ping(
+    port: int,
+    timeout: float = 0.2,
+    password: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw:
+            s = raw if tls is None else tls.wrap_socket(raw, server_hostname="localhost")
             if password is not None:
                 s.sendall(f"AUTH {password}\r\n".encode())
                 if not s.recv(16).startswith(b"+OK"):
@@ -29,6 +36,24 @@ def _ping(port: int, timeout: float = 0.2, password: str | None = None) -> bool:
             return s.recv(16).startswith(b"+PONG")
     except OSError:
         return False
+
+
+class TlsFiles:
+    """A CA and a server certificate (``certs.dev_bundle``) for TLS-only Redis processes."""
+
+    def __init__(self, ca: str, cert: str, key: str) -> None:
+        self.ca, self.cert, self.key = ca, cert, key
+
+    def server_args(self, port: int) -> list[str]:
+        return [
+            "--port", "0", "--tls-port", str(port),
+            "--tls-cert-file", self.cert, "--tls-key-file", self.key,
+            "--tls-ca-cert-file", self.ca, "--tls-auth-clients", "no",
+            "--tls-replication", "yes",
+        ]  # fmt: skip
+
+    def client_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=self.ca)
 
 
 class RedisServer:
@@ -42,6 +67,7 @@ class RedisServer:
         *,
         password: str | None = None,
         config: str | None = None,
+        tls: TlsFiles | None = None,
     ) -> None:
         """
         Args:
@@ -49,12 +75,15 @@ class RedisServer:
             password: what the readiness PING authenticates with.
             config: a config file's text, written to the server's directory and passed
                 first (Sentinel needs a file it can rewrite); ``{port}`` is replaced.
+            tls: serve TLS only (``tls-port``, plain port 0), replicate and reach the
+                other nodes over TLS; the readiness PING verifies the certificate.
         """
         self.executable = executable
         self.port = 0
         self.extra_args = list(extra_args or [])
         self.password = password
         self.config = config
+        self.tls = tls
         self._dir = tempfile.TemporaryDirectory(prefix="continuum-redis-")
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -97,6 +126,7 @@ class RedisServer:
                     "--loglevel",
                     "warning",
                     *self.extra_args,
+                    *(self.tls.server_args(self.port) if self.tls is not None else ()),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -105,7 +135,8 @@ class RedisServer:
             while time.monotonic() < deadline:
                 if self._proc.poll() is not None:
                     break  # exited: the port was taken meanwhile, try another
-                if _ping(self.port, password=self.password):
+                ctx = self.tls.client_context() if self.tls is not None else None
+                if _ping(self.port, password=self.password, tls=ctx):
                     return
                 time.sleep(0.02)
             self.kill()
@@ -136,14 +167,17 @@ class SentinelSet:
     password = "data-secret"
     sentinel_password = "sentinel-secret"
 
-    def __init__(self, executable: str) -> None:
+    def __init__(self, executable: str, tls: TlsFiles | None = None) -> None:
+        """``tls``: every process (data nodes and sentinels) speaks TLS only."""
+        self.tls = tls
         auth = ["--requirepass", self.password, "--masterauth", self.password]
-        self.primary = RedisServer(executable, auth, password=self.password)
+        self.primary = RedisServer(executable, auth, password=self.password, tls=tls)
         self.primary.start()
         self.replica = RedisServer(
             executable,
             [*auth, "--replicaof", "127.0.0.1", str(self.primary.port)],
             password=self.password,
+            tls=tls,
         )
         self.replica.start()
         conf = "\n".join(
@@ -161,7 +195,7 @@ class SentinelSet:
         self.sentinels: list[RedisServer] = []
         for _ in range(3):
             s = RedisServer(
-                executable, ["--sentinel"], password=self.sentinel_password, config=conf
+                executable, ["--sentinel"], password=self.sentinel_password, config=conf, tls=tls
             )
             s.start()
             self.sentinels.append(s)
@@ -172,19 +206,23 @@ class SentinelSet:
 
     def config(self) -> dict[str, object]:
         """``response_cache.redis`` for this deployment (Sentinel mode, both passwords)."""
+        tls = self.tls is not None
         return {
             "mode": "sentinel",
             "password": self.password,
+            **({"tls": True, "tls_ca_file": self.tls.ca} if self.tls is not None else {}),
             "sentinel": {
                 "master_name": self.master_name,
                 "addresses": self.addresses,
                 "password": self.sentinel_password,
+                "tls": tls,
             },
         }
 
     def _sentinel(self, port: int, *args: str) -> str:
         out = subprocess.run(
             ["redis-cli", "-p", str(port), "-a", self.sentinel_password, "--no-auth-warning",
+             *(["--tls", "--cacert", self.tls.ca] if self.tls is not None else []),
              "sentinel", *args],
             capture_output=True, text=True, timeout=5, check=False,
         )  # fmt: skip

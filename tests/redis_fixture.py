@@ -9,7 +9,8 @@ Use from a test module with ``pytest_plugins = ("tests.redis_fixture",)``.
 * ``sentinel_set`` (function): :class:`SentinelSet`, a primary, a replica and three
   ``redis-server --sentinel`` processes watching them, with passwords on the data nodes
   and on the sentinels and a 1 s ``down-after-milliseconds``, so a killed primary is
-  replaced in a few seconds.
+  replaced in a few seconds. ``sentinel_tls_set``: the same, every process TLS only, with
+  certificates from ``certs``.
 
 Without Redis the tests skip, unless ``CONTINUUM_REQUIRE_REDIS=1`` (CI): then they fail.
 Readiness is awaited by PINGing, never by sleeping a fixed time.
@@ -20,10 +21,11 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from harness.redis_procs import RedisServer, SentinelSet
+from harness.redis_procs import RedisServer, SentinelSet, TlsFiles
 
 __all__ = [
     "RedisServer",
@@ -32,6 +34,7 @@ __all__ = [
     "redis_url",
     "require_redis",
     "sentinel_set",
+    "sentinel_tls_set",
     "unavailable",
 ]
 
@@ -86,15 +89,28 @@ def redis_server() -> Iterator[RedisServer]:
         server.close()
 
 
-@pytest.fixture
-def sentinel_set() -> Iterator[SentinelSet]:
-    """A private primary + replica + three sentinels (needs redis-server on PATH)."""
+def _sentinels(tls: TlsFiles | None) -> Iterator[SentinelSet]:
     exe = _executable()
     if exe is None or shutil.which("redis-cli") is None:
         unavailable("redis-server and redis-cli not on PATH (needed for Sentinel)")
-    deployment = SentinelSet(exe)  # type: ignore[arg-type]
+    deployment = SentinelSet(exe, tls=tls)  # type: ignore[arg-type]
     try:
         deployment.wait_ready()
         yield deployment
     finally:
         deployment.close()
+
+
+@pytest.fixture
+def sentinel_set() -> Iterator[SentinelSet]:
+    """A private primary + replica + three sentinels (needs redis-server on PATH)."""
+    yield from _sentinels(None)
+
+
+@pytest.fixture
+def sentinel_tls_set(tmp_path: Path) -> Iterator[SentinelSet]:
+    """``sentinel_set`` with TLS only; ``.tls.ca`` verifies every process."""
+    from certs import dev_bundle
+
+    b = dev_bundle(tmp_path)
+    yield from _sentinels(TlsFiles(str(b["ca"].cert), str(b["server"].cert), str(b["server"].key)))

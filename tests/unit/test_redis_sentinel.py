@@ -102,7 +102,9 @@ async def test_wrong_sentinel_password_means_unavailable_not_a_crash(
     sentinel_set: SentinelSet, pools: RedisPools
 ) -> None:
     s = sentinel_set
-    bad = config(s, sentinel={**s.config()["sentinel"], "password": "wrong"})  # type: ignore[dict-item]
+    good_cfg = config(s)
+    assert good_cfg.sentinel is not None
+    bad = config(s, sentinel={**good_cfg.sentinel.model_dump(), "password": "wrong"})
     idx = RedisKvIndex(pools.get(bad), 600)
     with pytest.raises(KvIndexUnavailable):
         await idx.ping()
@@ -117,3 +119,37 @@ async def test_wrong_data_password_means_unavailable(
     idx = RedisKvIndex(pools.get(config(sentinel_set, password="wrong")), 600)
     with pytest.raises(KvIndexUnavailable):
         await idx.ping()
+
+
+async def test_sentinel_over_tls_and_a_failover(
+    sentinel_tls_set: SentinelSet, pools: RedisPools
+) -> None:
+    """Data nodes and sentinels on TLS only, verified with the deployment's CA; the client
+    follows a failover over TLS too. Without TLS the same addresses are unavailable."""
+    s = sentinel_tls_set
+    cfg = config(s)
+    assert cfg.tls and cfg.sentinel is not None and cfg.sentinel.tls
+    cache = build_cache_store("redis", 10, 60, cfg, pools, monitor_interval_s=0.1)
+    await cache.set("k", b"v")
+    assert await cache.get("k") == b"v"
+    old = s.kill_primary()
+    new = await asyncio.to_thread(s.wait_failover, old)
+    for _ in range(100):  # an outage may or may not be seen: the failover may be over
+        await cache.set("k3", b"v3")
+        if not (await cache.stats()).fallback_active:
+            break
+        await asyncio.sleep(0.1)
+    assert not (await cache.stats()).fallback_active
+    assert s.tls is not None
+    direct = Redis(host="127.0.0.1", port=new, password=s.password, ssl=True,
+                   ssl_ca_certs=s.tls.ca)  # fmt: skip
+    try:
+        assert await direct.get(cfg.key_prefix + "k3") == b"v3"  # on the new primary
+    finally:
+        await direct.aclose()
+    await cache.close()
+    assert cfg.sentinel is not None
+    plain_cfg = config(s, tls=False, sentinel={**cfg.sentinel.model_dump(), "tls": False})
+    plain = RedisKvIndex(pools.get(plain_cfg), 600)
+    with pytest.raises(KvIndexUnavailable):
+        await plain.ping()
