@@ -405,6 +405,24 @@ class RedisKvIndex(KvIndex):
         staged = self._staging.get(backend)
         return b"" if staged is None else str(staged).encode()
 
+    def _add_change(
+        self,
+        keys: list[bytes],
+        args: list[Any],
+        prefix_hash: Key,
+        backend: str,
+        token_count: int,
+        value: bytes | None,
+    ) -> None:
+        """One change of the write script: its two keys and five arguments (``value``, the
+        hash's ``<tier><expiry>``, None for a remove)."""
+        key = self._key(prefix_hash)
+        keys += (key, key + b":t")
+        if value is None:
+            args += (b"r", backend, self._gen(backend), 0, b"")
+        else:
+            args += (b"u", backend, self._gen(backend), token_count, value)
+
     async def _write(self, keys: list[bytes], args: list[Any], operation: str) -> tuple[int, int]:
         """One ``_WRITE_MANY_LUA`` call: ``(removed, expired)``."""
         try:
@@ -571,13 +589,11 @@ class RedisKvIndex(KvIndex):
             await self.write_many([(prefix_hash, backend, token_count, tier)], ttl)
             return
         now_ms = self._now_ms()
-        key = self._key(prefix_hash)
+        keys: list[bytes] = []
+        args: list[Any] = [self._ttl_ms, now_ms, 0]
         value = _TIER_CODE[tier] + str(now_ms + self._ttl_ms).encode()
-        await self._write(
-            [key, key + b":t"],
-            [self._ttl_ms, now_ms, 0, b"u", backend, self._gen(backend), token_count, value],
-            "upsert",
-        )
+        self._add_change(keys, args, prefix_hash, backend, token_count, value)
+        await self._write(keys, args, "upsert")
 
     async def write_many(self, changes: Sequence[Change], ttl: float | None = None) -> None:
         """One script call per ``write_batch`` changes instead of a MULTI/EXEC each: the
@@ -596,13 +612,8 @@ class RedisKvIndex(KvIndex):
             keys: list[bytes] = []
             args: list[Any] = [ttl_ms, now_ms, 0 if ttl is None else now_ms + ttl_ms]
             for prefix_hash, backend, token_count, tier in part:
-                key = self._key(prefix_hash)
-                keys += (key, key + b":t")
-                gen = self._gen(backend)
-                if tier is None:
-                    args += (b"r", backend, gen, 0, b"")
-                else:
-                    args += (b"u", backend, gen, token_count, _TIER_CODE[tier] + value_tail)
+                value = None if tier is None else _TIER_CODE[tier] + value_tail
+                self._add_change(keys, args, prefix_hash, backend, token_count, value)
             self._expired += (await self._write(keys, args, "write_many"))[1]
 
     async def set_tier(self, prefix_hash: Key, backend: str, tier: StorageTier) -> bool:
@@ -619,12 +630,10 @@ class RedisKvIndex(KvIndex):
         return bool(done)
 
     async def remove(self, prefix_hash: Key, backend: str) -> bool:
-        key = self._key(prefix_hash)
-        removed, expired = await self._write(
-            [key, key + b":t"],
-            [self._ttl_ms, self._now_ms(), 0, b"r", backend, self._gen(backend), 0, b""],
-            "remove",
-        )
+        keys: list[bytes] = []
+        args: list[Any] = [self._ttl_ms, self._now_ms(), 0]
+        self._add_change(keys, args, prefix_hash, backend, 0, None)
+        removed, expired = await self._write(keys, args, "remove")
         self._expired += expired
         return removed > expired
 
@@ -742,14 +751,10 @@ class RedisKvIndex(KvIndex):
         keys: list[bytes] = []
         args: list[Any] = [self._ttl_ms, now_ms, 0]
         for prefix_hash, backend, token_count, tier, ttl_left_s in items:
-            key = self._key(prefix_hash)
-            keys += (key, key + b":t")
-            gen = self._gen(backend)
-            if tier is None:
-                args += (b"r", backend, gen, 0, b"")
-            else:
+            value = None
+            if tier is not None:
                 value = _TIER_CODE[tier] + str(now_ms + int(ttl_left_s * 1000)).encode()
-                args += (b"u", backend, gen, token_count, value)
+            self._add_change(keys, args, prefix_hash, backend, token_count, value)
             if len(keys) >= 2 * _REPLAY_CHUNK:
                 await self._write(keys, args, "restore")
                 keys, args = [], [self._ttl_ms, now_ms, 0]

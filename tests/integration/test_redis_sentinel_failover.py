@@ -26,7 +26,6 @@ import pytest_asyncio
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from bus.events import KvEvent
 from bus.sse import SseParser
-from harness.procs import free_port
 from harness.sim.fleet import SimFleet
 from router.config.models import RedisConfig
 from router.kvindex import RedisKvIndex
@@ -34,7 +33,6 @@ from router.redis import build_redis, close_client
 
 from .conftest import RouterProc, StartRouter, metric_value, wait_until
 from .test_tier4_e2e import (
-    MODEL,
     NAMES,
     SALT_ENV,
     SECRET,
@@ -42,11 +40,11 @@ from .test_tier4_e2e import (
     Stack,
     backends,
     direct,
+    engines_with_listener,
     event_sources,
     kv_backends,
     quiesce,
     sys_req,
-    warm_up,
 )
 
 if TYPE_CHECKING:
@@ -61,46 +59,11 @@ Entries = dict[tuple[str, str], tuple[int, str]]
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def engines(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[tuple[Any, Listener]]:
-    tmp = tmp_path_factory.mktemp("sentinel")
-    ports = [(free_port(), free_port()) for _ in NAMES]
-    overrides = {
-        i: {"kv_events": f"tcp://*:{pub}", "kv_events_replay": f"tcp://*:{replay}"}
-        for i, (pub, replay) in enumerate(ports)
-    }
-    async with SimFleet(
-        n=len(NAMES),
-        model=MODEL,
-        names=list(NAMES),
-        tokenizer="qwen2",
-        kv_events_format="vllm-0.33",
-        overrides=overrides,
-    ) as fleet:
-        config = {
-            "listen": "127.0.0.1:0",
-            "salt_secret_env": SALT_ENV,
-            "sources": [
-                {
-                    "backend_name": name,
-                    "engine": "vllm",
-                    "zmq_endpoint": f"tcp://127.0.0.1:{pub}",
-                    "zmq_mode": "connect",
-                    "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-                    "allowed_publishers": ["127.0.0.1"],
-                    "detokenize_endpoint": f"{url}/detokenize",
-                    "model": MODEL,
-                    "chat_template": "chatml",
-                }
-                for name, url, (pub, replay) in zip(NAMES, fleet.urls, ports, strict=True)
-            ],
-        }
-        listener = await Listener(config, tmp / "listener.yaml").start()
-        try:
-            await warm_up(fleet, listener, "warm")
-            yield fleet, listener
-        finally:
-            if listener.running:
-                assert await listener.stop() == 0, listener.log()
+async def engines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[SimFleet, Listener]]:
+    async with engines_with_listener(tmp_path_factory.mktemp("sentinel")) as pair:
+        yield pair
 
 
 async def listener_state(listener: Listener) -> Entries:
