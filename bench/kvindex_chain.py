@@ -444,8 +444,10 @@ async def chain_redis_rows(url: str, loops: int, repeats: int) -> list[dict[str,
             for k in rkeys:
                 cmds.append((b"ZREVRANGEBYSCORE", k, b"+inf", b"-inf", b"WITHSCORES"))
                 cmds.append((b"HGETALL", k + b":t"))
+            cmds.append((b"HGETALL", (kp + "#gens").encode()))
             replies = await idx._roundtrip(cmds)
-            return [idx._decode(replies[2 * i], replies[2 * i + 1]) for i in range(CHAIN)]
+            gens = replies[-1]
+            return [idx._decode(replies[2 * i], replies[2 * i + 1], gens) for i in range(CHAIN)]
 
         async def deepest() -> Any:
             return deepest_held(await idx.query_many(keys), BACKENDS)

@@ -28,7 +28,9 @@ it, so a router finds the deepest one by search. For the whole backend:
 
 * ``cache_cleared``   the engine dropped every block: forget the backend's entries;
 * ``resync``          the stream restarted or a gap was found: forget the backend's
-                      entries; a snapshot of ``cache_created``/``chain_created`` follows.
+                      entries; a snapshot of ``cache_created``/``chain_created`` follows
+                      (``snapshot_size``: how many records, when the sender says; the
+                      router then swaps the snapshot in whole once the last one arrived).
 
 Neither key is ever an engine block hash.
 """
@@ -104,6 +106,9 @@ class KvEvent:
     ``malformed_event``, ``tracker_error``, ``callback_error``...); informational."""
     chain_key: str | None = None
     """The hex of a ``bus.prompt_chain`` key, for the ``chain_*`` kinds."""
+    snapshot_size: int | None = None
+    """For ``resync``: how many snapshot records follow it (None: not said). An invalid
+    value reads as None: a resync is never dropped for it."""
 
     def to_json(self) -> bytes:
         d: dict[str, Any] = {"event": self.event, "backend": self.backend}
@@ -117,6 +122,8 @@ class KvEvent:
             d["tier"] = self.tier
         if self.reason is not None:
             d["reason"] = self.reason
+        if self.snapshot_size is not None:
+            d["snapshot_size"] = self.snapshot_size
         return orjson.dumps(d)
 
     @classmethod
@@ -168,6 +175,9 @@ class KvEvent:
         reason = get("reason")
         if reason is not None and type(reason) is not str:
             reason = None
+        size = get("snapshot_size") if kind == "resync" else None
+        if size is not None and (type(size) is not int or not 0 <= size < _MAX_TOKENS):
+            size = None
         # What the frozen dataclass's __init__ does, at half its cost (slot descriptors
         # instead of object.__setattr__ per field): this runs once per event in the router.
         ev = _new(cls)
@@ -178,6 +188,7 @@ class KvEvent:
         _set_tier(ev, tier)
         _set_reason(ev, reason)
         _set_chain_key(ev, chain)
+        _set_snapshot_size(ev, size)
         return ev
 
 
@@ -190,3 +201,4 @@ _set_token_count = _slot["token_count"].__set__
 _set_tier = _slot["tier"].__set__
 _set_reason = _slot["reason"].__set__
 _set_chain_key = _slot["chain_key"].__set__
+_set_snapshot_size = _slot["snapshot_size"].__set__

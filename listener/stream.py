@@ -410,8 +410,11 @@ class EventHub:
 
         Returns the id of the ``resync`` record.
         """
-        rid = self.publish(backend, KvEvent("resync", backend, reason=reason))
-        for ev in _snapshot_events(backend, snapshot):
+        events = _snapshot_events(backend, snapshot)
+        rid = self.publish(
+            backend, KvEvent("resync", backend, reason=reason, snapshot_size=len(events))
+        )
+        for ev in events:
             self.publish(backend, ev)
         return rid
 
@@ -485,7 +488,7 @@ class EventHub:
 
         def gen() -> Iterator[HubRecord]:
             # Encoded lazily: a large snapshot is not held twice in memory.
-            head = KvEvent("resync", name, reason=reason)
+            head = KvEvent("resync", name, reason=reason, snapshot_size=len(events))
             yield _record(head.to_json(), "resync", final_id if total == 1 else f"{private}-1")
             for i, ev in enumerate(events, start=2):
                 rid = final_id if i == total else f"{private}-{i}"

@@ -191,6 +191,7 @@ class AdminApi:
         cfg = kv.config
         index = index_figures(await kv.index.stats())
         index.pop("fallback_active", None)
+        index.pop("fallback_count", None)
         doc: dict[str, Any] = {
             "enabled": True,
             "config": {
@@ -340,6 +341,7 @@ class AdminApi:
             doc["redis"] = {
                 "connections": getattr(st, "connections", {"active": 0, "idle": 0}),
                 "fallback_active": bool(getattr(st, "fallback_active", False)),
+                "fallback_count": getattr(st, "fallback_count", 0),
                 "errors": {
                     "connection": errors.get("connection", 0),
                     "timeout": errors.get("timeout", 0),

@@ -41,6 +41,7 @@ from .kvindex import (
     apply_event,
     apply_events,
     build_kv_index,
+    end_resync,
 )
 from .kvindex.accuracy import PredictionAccuracy
 from .kvindex.cost import ConversationScorer
@@ -125,6 +126,7 @@ class KvRuntime:
             apply_many=functools.partial(
                 apply_events, self.index, offloading=offloading, chain_index=self.chain_index
             ),
+            end_resync=functools.partial(end_resync, self.index, self.chain_index),
         )
         self._cleanup: asyncio.Task[None] | None = None
         self._resync: asyncio.Task[None] | None = None
@@ -302,4 +304,5 @@ def index_figures(st: IndexStats | None) -> dict[str, Any]:
         "total_hits": st.total_hits,
         "total_evictions": st.total_evictions,
         "fallback_active": bool(st.fallback_active),
+        "fallback_count": st.fallback_count,
     }

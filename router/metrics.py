@@ -173,6 +173,11 @@ class _KvCollector(Collector):
             "1 while the Redis KV index serves from its in-memory fallback.",
             1.0 if index.get("fallback_active") else 0.0,
         )
+        yield CounterMetricFamily(
+            "continuum_kv_index_fallback_switches",
+            "Switches of the Redis KV index to its in-memory fallback (outages, failovers).",
+            index.get("fallback_count", 0),
+        )
         chain = snap.get("chain_index")
         if chain is not None:
             yield GaugeMetricFamily(
@@ -464,6 +469,11 @@ class RouterMetrics:
             "1 while the response cache serves from its in-memory fallback (Redis down).",
             registry=self.registry,
         )
+        self.cache_fallback_switches = Counter(
+            "continuum_cache_fallback_switches",
+            "Switches of the response cache to its in-memory fallback (outages, failovers).",
+            registry=self.registry,
+        )
 
     def cache_result(self, result: str) -> None:
         self._cache_results[result].inc()
@@ -484,6 +494,8 @@ class RouterMetrics:
 
         def fallback(active: bool) -> None:
             self.cache_fallback.set(1 if active else 0)
+            if active:
+                self.cache_fallback_switches.inc()
 
         return {"observe_latency": latency, "count_error": error, "on_fallback_change": fallback}
 

@@ -6,6 +6,11 @@ Use from a test module with ``pytest_plugins = ("tests.redis_fixture",)``.
   free loopback port (``--save "" --appendonly no``), stopped at the end of the session.
 * ``redis_server`` (function): always a private server, for tests that kill, pause or
   restart it (never the shared one).
+* ``sentinel_set`` (function): :class:`SentinelSet`, a primary, a replica and three
+  ``redis-server --sentinel`` processes watching them, with passwords on the data nodes
+  and on the sentinels and a 1 s ``down-after-milliseconds``, so a killed primary is
+  replaced in a few seconds. ``sentinel_tls_set``: the same, every process TLS only, with
+  certificates from ``certs``.
 
 Without Redis the tests skip, unless ``CONTINUUM_REQUIRE_REDIS=1`` (CI): then they fail.
 Readiness is awaited by PINGing, never by sleeping a fixed time.
@@ -15,17 +20,23 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
-import subprocess
-import tempfile
-import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
-from harness.procs import free_port as _free_port
+from harness.redis_procs import RedisServer, SentinelSet, TlsFiles
 
-__all__ = ["RedisServer", "redis_server", "redis_url", "require_redis", "unavailable"]
+__all__ = [
+    "RedisServer",
+    "SentinelSet",
+    "redis_server",
+    "redis_url",
+    "require_redis",
+    "sentinel_set",
+    "sentinel_tls_set",
+    "unavailable",
+]
 
 REQUIRE_ENV = "CONTINUUM_REQUIRE_REDIS"
 
@@ -40,82 +51,6 @@ def unavailable(reason: str) -> None:
     if require_redis():
         pytest.fail(f"{reason} ({REQUIRE_ENV}=1)", pytrace=False)
     pytest.skip(reason)
-
-
-def _ping(port: int, timeout: float = 0.2) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
-            s.sendall(b"PING\r\n")
-            return s.recv(16).startswith(b"+PONG")
-    except OSError:
-        return False
-
-
-class RedisServer:
-    """A private ``redis-server`` process on a loopback port that stays the same across
-    ``kill``/``start`` (so clients can reconnect to the same URL)."""
-
-    def __init__(self, executable: str) -> None:
-        self.executable = executable
-        self.port = 0
-        self._dir = tempfile.TemporaryDirectory(prefix="continuum-redis-")
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    def start(self, timeout: float = 10.0) -> None:
-        """Start (again) on ``self.port``; pick a free port on first start. Waits for PONG."""
-        attempts = 1 if self.port else 5
-        for _ in range(attempts):
-            if not self.port or attempts > 1:
-                self.port = _free_port()
-            self._proc = subprocess.Popen(
-                [
-                    self.executable,
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                    "--dir",
-                    self._dir.name,
-                    "--daemonize",
-                    "no",
-                    "--loglevel",
-                    "warning",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-            )
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                if self._proc.poll() is not None:
-                    break  # exited: the port was taken meanwhile, try another
-                if _ping(self.port):
-                    return
-                time.sleep(0.02)
-            self.kill()
-        raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}")
-
-    def kill(self) -> None:
-        """SIGKILL and reap: connections drop at once, nothing is saved."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=10)
-
-    def close(self) -> None:
-        self.kill()
-        self._dir.cleanup()
 
 
 def _executable() -> str | None:
@@ -152,3 +87,30 @@ def redis_server() -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+def _sentinels(tls: TlsFiles | None) -> Iterator[SentinelSet]:
+    exe = _executable()
+    if exe is None or shutil.which("redis-cli") is None:
+        unavailable("redis-server and redis-cli not on PATH (needed for Sentinel)")
+    deployment = SentinelSet(exe, tls=tls)  # type: ignore[arg-type]
+    try:
+        deployment.wait_ready()
+        yield deployment
+    finally:
+        deployment.close()
+
+
+@pytest.fixture
+def sentinel_set() -> Iterator[SentinelSet]:
+    """A private primary + replica + three sentinels (needs redis-server on PATH)."""
+    yield from _sentinels(None)
+
+
+@pytest.fixture
+def sentinel_tls_set(tmp_path: Path) -> Iterator[SentinelSet]:
+    """``sentinel_set`` with TLS only; ``.tls.ca`` verifies every process."""
+    from certs import dev_bundle
+
+    b = dev_bundle(tmp_path)
+    yield from _sentinels(TlsFiles(str(b["ca"].cert), str(b["server"].cert), str(b["server"].key)))

@@ -222,7 +222,7 @@ class ChainTracker:
             self._on_fault("tracker_error")
         else:
             self.reset()
-            self._emit(KvEvent("resync", self.backend, reason="tracker_error"))
+            self._emit(KvEvent("resync", self.backend, reason="tracker_error", snapshot_size=0))
 
     def flush(self) -> None:
         """Announce what changed since the last announcement (see ``apply``)."""

@@ -36,7 +36,7 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio import Redis
 
-from router.redis import UNAVAILABLE_ERRORS, glob_escape
+from router.redis import UNAVAILABLE_ERRORS, close_client, glob_escape
 
 from .store import (
     ERROR_KINDS,
@@ -291,4 +291,4 @@ class RedisCacheStore(CacheStore):
         Idempotent."""
         if self._owns_redis:
             self._owns_redis = False
-            await self._redis.aclose(close_connection_pool=True)
+            await close_client(self._redis)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from bus.config import parse_duration, parse_hostport
 
@@ -202,12 +202,51 @@ class PrefixRoutingConfig(_Section):
     """Force cache_control injection even for backends with auto injection off."""
 
 
+class SentinelConfig(_Section):
+    """Where Redis Sentinel says the primary is (``response_cache.redis.mode: sentinel``)."""
+
+    master_name: Annotated[str, Field(min_length=1)]
+    """The name the sentinels monitor the primary under (``sentinel monitor <name> ...``)."""
+    addresses: Annotated[list[str], Field(min_length=1)]
+    """The sentinels, ``host:port`` each; any one that answers is enough."""
+    username: str | None = None
+    """ACL user for the sentinels (``sentinel sentinel-user``), if they need one."""
+    password: str | None = None
+    """Password of the sentinels themselves (their ``requirepass``/``sentinel-pass``), not
+    the data nodes' (``response_cache.redis.password``)."""
+    tls: bool = False
+    """TLS to the sentinels too (the data nodes follow ``response_cache.redis.tls``)."""
+    db: Annotated[int, Field(ge=0, le=15)] = 0
+
+    @field_validator("addresses")
+    @classmethod
+    def _addrs(cls, v: list[str]) -> list[str]:
+        for a in v:
+            _, port = parse_hostport(a)
+            if port == 0:
+                raise ValueError(f"{a!r}: port 0 cannot be dialled")
+        return v
+
+
 class RedisConfig(_Section):
     """One Redis/Valkey connection pool, shared by the response cache and the KV index."""
 
+    mode: Literal["standalone", "sentinel"] = "standalone"
+    """``standalone``: one server at ``url``; ``sentinel``: the primary Sentinel names
+    (``sentinel``), followed across failovers. (Redis Cluster is not supported: the KV
+    index's scripts touch keys of many slots.)"""
     url: str = "redis://127.0.0.1:6379"
-    """``redis://`` or ``rediss://`` (TLS); ``tls: true`` upgrades a ``redis://`` URL."""
+    """``redis://`` or ``rediss://`` (TLS); ``tls: true`` upgrades a ``redis://`` URL.
+    Standalone only."""
     tls: bool = False
+    username: str | None = None
+    """ACL user of the data nodes (sentinel mode; standalone: in ``url``, or here)."""
+    password: str | None = None
+    """Password of the data nodes (sentinel mode; standalone: in ``url``, or here)."""
+    tls_ca_file: str | None = None
+    """PEM CA bundle that verifies the servers' certificates over TLS (default: the
+    system's)."""
+    sentinel: SentinelConfig | None = None
     pool_size: Annotated[int, Field(ge=1, le=1024)] = 8
     key_prefix: str = "cr:resp:"
     """Response cache key namespace; glob characters (``*?[]``) are rejected."""
@@ -232,6 +271,14 @@ class RedisConfig(_Section):
         if any(c in v for c in "*?[]"):
             raise ValueError("must not contain glob characters (* ? [ ])")
         return v
+
+    @model_validator(mode="after")
+    def _mode(self) -> RedisConfig:
+        if self.mode == "sentinel" and self.sentinel is None:
+            raise ValueError("mode: sentinel needs a sentinel section (master_name, addresses)")
+        if self.sentinel is not None and self.mode != "sentinel":
+            raise ValueError(f"a sentinel section needs mode: sentinel (mode is {self.mode})")
+        return self
 
 
 class SemanticCacheConfig(_Section):

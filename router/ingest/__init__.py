@@ -15,6 +15,7 @@ from .consumer import (
     ApplyFn,
     ApplyManyFn,
     ConsumerStats,
+    EndResyncFn,
     KvEventConsumer,
     default_backoff,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "ApplyManyFn",
     "ConsumerError",
     "ConsumerStats",
+    "EndResyncFn",
     "EventApplyError",
     "KvEventConsumer",
     "KvEventConsumerManager",

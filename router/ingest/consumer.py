@@ -84,6 +84,7 @@ __all__ = [
     "ApplyManyFn",
     "Clock",
     "ConsumerStats",
+    "EndResyncFn",
     "KvEventConsumer",
     "default_backoff",
     "wall_clock",
@@ -99,6 +100,8 @@ ApplyFn = Callable[[KvEvent], Awaitable[str]]
 """Applies one event to the index; returns a label (``created``, ``evicted``, ...)."""
 ApplyManyFn = Callable[[list[KvEvent]], Awaitable[Sequence[str]]]
 """Applies events in order; returns one label each."""
+EndResyncFn = Callable[[str], Awaitable[None]]
+"""Called with the backend once the last record of a resync's snapshot is applied."""
 Clock = Callable[[], datetime]
 
 _YIELD_EVERY = 256
@@ -190,6 +193,10 @@ class KvEventConsumer:
         apply_many: Applies a list of events in order and returns their labels; when given,
             each slice of a chunk goes to it at once instead of event by event to ``apply``
             (see :meth:`_apply_all` for what a failure means then).
+        end_resync: Called with the backend right after the last snapshot record of a
+            ``resync`` that said its ``snapshot_size`` (> 0) was applied, before any later
+            record; when it raises, that last record counts as not applied and is asked
+            for again.
 
     Raises:
         ValueError: no opener for the source (``event_bus`` without ``stream_opener``, an
@@ -210,11 +217,16 @@ class KvEventConsumer:
         read_timeout: float | None = 60.0,
         connect_timeout: float = 10.0,
         apply_many: ApplyManyFn | None = None,
+        end_resync: EndResyncFn | None = None,
     ) -> None:
         self.source = source
         self.backend = source.backend_name
         self._apply = apply
         self._apply_many = apply_many
+        self._end_resync = end_resync
+        self._snapshot_left: int | None = None
+        """Snapshot records still to come after a sized ``resync`` (None: not in one).
+        Kept across connections: a shared resync block resumes from the history ring."""
         self._clock = clock
         self._open: StreamOpener = (
             stream_opener
@@ -373,7 +385,7 @@ class KvEventConsumer:
                                 rec.id,
                                 exc,
                             )
-                labels, error = await self._apply_all([ev for ev in decoded if ev is not None])
+                labels, error = await self._apply_blocks([ev for ev in decoded if ev is not None])
                 done = iter(labels)
                 for rec, ev in zip(part, decoded, strict=False):
                     if ev is not None:
@@ -406,6 +418,38 @@ class KvEventConsumer:
                 st.last_event_at = self._clock()
                 self._applied_now += processed
 
+    async def _apply_blocks(self, events: list[KvEvent]) -> tuple[list[str], Exception | None]:
+        """``_apply_all``, cut after the last record of a sized resync's snapshot so that
+        ``end_resync`` runs between it and the next record."""
+        labels: list[str] = []
+        start = 0
+        while start < len(events):
+            left = self._snapshot_left
+            cut = None
+            for i in range(start, len(events)):
+                left = _snapshot_step(left, events[i])
+                if left == 0:
+                    cut = i
+                    break
+            end = len(events) if cut is None else cut + 1
+            part = events[start:end]
+            got, error = await self._apply_all(part)
+            labels += got
+            for ev in part[: len(got)]:
+                self._snapshot_left = _snapshot_step(self._snapshot_left, ev)
+            if error is not None:
+                return labels, error
+            if cut is not None:
+                self._snapshot_left = None
+                if self._end_resync is not None:
+                    try:
+                        await self._end_resync(self.backend)
+                    except Exception as exc:
+                        self._snapshot_left = 1  # the last record comes again
+                        return labels[:-1], exc
+            start = end
+        return labels, None
+
     async def _apply_all(self, events: list[KvEvent]) -> tuple[list[str], Exception | None]:
         """Labels of the events applied, in order, and the error that stopped the rest.
 
@@ -431,6 +475,15 @@ class KvEventConsumer:
         return labels, None
 
     # -- built-in openers ----------------------------------------------------------------------
+
+
+def _snapshot_step(left: int | None, ev: KvEvent) -> int | None:
+    """Snapshot records still to come after ``ev`` (0: ``ev`` was the last one)."""
+    if ev.event == "resync":
+        return ev.snapshot_size or None
+    if left is None or left == 0:
+        return None
+    return left - 1
 
 
 def _error_reason(data: bytes) -> str:

@@ -26,6 +26,7 @@ from .consumer import (
     ApplyManyFn,
     Clock,
     ConsumerStats,
+    EndResyncFn,
     KvEventConsumer,
     default_backoff,
     wall_clock,
@@ -61,6 +62,8 @@ class KvEventConsumerManager:
             seam for push mode (``event_bus``).
         clock: Wall clock for ``last_event_at``.
         apply_many: Shared by every consumer, as ``apply`` (see :class:`KvEventConsumer`).
+        end_resync: Shared by every consumer, called with the backend (see
+            :class:`KvEventConsumer`).
     """
 
     def __init__(
@@ -73,10 +76,12 @@ class KvEventConsumerManager:
         stream_opener_factory: Callable[[EventSourceConfig], StreamOpener | None] | None = None,
         clock: Clock = wall_clock,
         apply_many: ApplyManyFn | None = None,
+        end_resync: EndResyncFn | None = None,
     ) -> None:
         self._sources = list(sources)
         self._apply = apply
         self._apply_many = apply_many
+        self._end_resync = end_resync
         self._session_factory = session_factory
         self._backoff_factory = backoff_factory
         self._opener_factory = stream_opener_factory
@@ -184,6 +189,7 @@ class KvEventConsumerManager:
                 stream_opener=opener,
                 last_event_id=last_event_id,
                 apply_many=self._apply_many,
+                end_resync=self._end_resync,
             )
         except ValueError as exc:
             log.error("%s; not consumed", exc)

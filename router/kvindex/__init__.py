@@ -16,7 +16,7 @@ from __future__ import annotations
 from router.config.models import KvCacheIndexConfig, RedisConfig
 from router.redis import RedisPools, build_redis
 
-from .apply import ACTIONS, Action, apply_event, apply_events
+from .apply import ACTIONS, Action, apply_event, apply_events, end_resync
 from .base import (
     EMPTY,
     Change,
@@ -58,6 +58,7 @@ __all__ = [
     "apply_event",
     "apply_events",
     "build_kv_index",
+    "end_resync",
 ]
 
 

@@ -19,8 +19,10 @@ event                      offloading on                              offloading
 ``cache_evicted``,         demote: set_tier(StorageWarm)               remove -> ``evicted``
 ``chain_evicted``          -> ``offloaded``; else remove -> ``evicted``
 ``cache_cleared``          remove_backend in both -> ``cleared``      same
-``resync``                 remove_backend in both -> ``resync`` (the  same
-                           snapshot that follows rebuilds both)
+``resync``                 remove_backend in both -> ``resync``;      same
+                           with a ``snapshot_size`` > 0 begin_resync
+                           in both instead (the snapshot builds both
+                           anew, ``end_resync`` swaps it in)
 =========================  =========================================  ======================
 
 Invariants:
@@ -51,7 +53,7 @@ from router.config.models import StorageOffloadingConfig
 
 from .base import Change, KvIndex, StorageTier
 
-__all__ = ["ACTIONS", "Action", "apply_event", "apply_events"]
+__all__ = ["ACTIONS", "Action", "apply_event", "apply_events", "end_resync"]
 
 Action = Literal["created", "offloaded", "evicted", "cleared", "resync", "ignored"]
 ACTIONS: tuple[str, ...] = ("created", "offloaded", "evicted", "cleared", "resync", "ignored")
@@ -100,9 +102,15 @@ async def _apply_other(
 ) -> Action:
     """The rows without a plain change: remove_backend, set_tier (or nothing)."""
     if action in ("cleared", "resync"):
-        await index.remove_backend(ev.backend)
-        if chain_index is not None:
-            await chain_index.remove_backend(ev.backend)
+        # A snapshot of known size follows a resync: build it aside, swap it in whole.
+        staged = action == "resync" and bool(ev.snapshot_size)
+        for idx in (index, chain_index):
+            if idx is None:
+                pass
+            elif staged:
+                await idx.begin_resync(ev.backend)
+            else:
+                await idx.remove_backend(ev.backend)
         return action
     if action == "ignored":
         return action
@@ -172,3 +180,11 @@ async def apply_events(
         assert chain_index is not None
         await chain_index.write_many(chain_run)
     return actions
+
+
+async def end_resync(index: KvIndex, chain_index: KvIndex | None, backend: str) -> None:
+    """The snapshot after a ``resync`` is complete: swap it in, in both indexes (the
+    consumer calls this after the last record of a resync block)."""
+    await index.end_resync(backend)
+    if chain_index is not None:
+        await chain_index.end_resync(backend)

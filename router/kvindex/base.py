@@ -154,6 +154,8 @@ class IndexStats:
     """Expired entries dropped by lazy checks or ``cleanup_expired`` (this process only)."""
     fallback_active: bool = False
     """Redis only: the counts above are the in-memory fallback's."""
+    fallback_count: int = 0
+    """Redis only: switches to the in-memory fallback since start (outages)."""
 
 
 class KvIndexError(Exception):
@@ -265,6 +267,16 @@ class KvIndex(abc.ABC):
         """Drop every entry of ``backend`` (engine cleared its cache, or a resync).
 
         Returns the number of entries removed. O(prefixes): meant for rare events."""
+
+    async def begin_resync(self, backend: str) -> None:
+        """A snapshot of ``backend`` follows that replaces all its entries; its writes
+        until :meth:`end_resync` build the new state. By default the old state is dropped
+        now (an index only this router reads); a shared index keeps serving the old state
+        to every reader until ``end_resync`` swaps the new one in."""
+        await self.remove_backend(backend)
+
+    async def end_resync(self, backend: str) -> None:  # noqa: B027 - optional hook
+        """The snapshot begun by :meth:`begin_resync` is complete (a no-op by default)."""
 
     @abc.abstractmethod
     async def clear(self) -> int:

@@ -38,6 +38,7 @@ propagates.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator, Sequence
 
@@ -302,6 +303,26 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
         self._pending_backends.add(backend)
         return self._fallback.drop_backend(backend)
 
+    async def begin_resync(self, backend: str) -> None:
+        """On Redis, the primary's generation swap; during an outage, as ``remove_backend``
+        (memory is this router's alone, and recovery resyncs every stream anyway)."""
+        if not self._supervisor.active:
+            try:
+                await self._primary.begin_resync(backend)
+                return
+            except KvIndexUnavailable as exc:
+                self._engage("begin_resync", exc)
+        await self.remove_backend(backend)
+
+    async def end_resync(self, backend: str) -> None:
+        if not self._supervisor.active:
+            try:
+                await self._primary.end_resync(backend)
+                return
+            except KvIndexUnavailable as exc:
+                self._engage("end_resync", exc)
+        self._primary.discard_resync(backend)
+
     async def clear(self) -> int:
         if not self._supervisor.active:
             try:
@@ -325,7 +346,8 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
     async def stats(self) -> IndexStats:
         if not self._supervisor.active:
             try:
-                return await self._primary.stats()
+                st = await self._primary.stats()
+                return dataclasses.replace(st, fallback_count=self._supervisor.count)
             except KvIndexUnavailable as exc:
                 self._engage("stats", exc)
         fb = self._fallback.snapshot_stats()
@@ -337,6 +359,7 @@ class FallbackKvIndex(SupervisedStore, KvIndex):
             total_evictions=fb.total_evictions,
             total_expired=self._primary.total_expired + fb.total_expired,
             fallback_active=True,
+            fallback_count=self._supervisor.count,
         )
 
     async def close(self) -> None:

@@ -95,6 +95,12 @@ class InstrumentedKvIndex(KvIndex):
     async def remove_backend(self, backend: str) -> int:
         return await self.inner.remove_backend(backend)
 
+    async def begin_resync(self, backend: str) -> None:
+        await self.inner.begin_resync(backend)
+
+    async def end_resync(self, backend: str) -> None:
+        await self.inner.end_resync(backend)
+
     async def clear(self) -> int:
         return await self.inner.clear()
 

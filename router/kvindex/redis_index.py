@@ -17,29 +17,51 @@ A member without a hash field (written by a foreign tool) is read as GpuHot whos
 the key's upper bound, now + ttl (the key TTL, never longer, still bounds it).
 
 Why a hash rather than the tier in the member (``backend|s``): the expiry needs a home
-anyway, and the member stays the bare backend name the seed specifies.
+anyway, and the member stays the backend name the seed specifies.
+
+Generations: a resync replaces all of a backend's entries, and every router sharing the
+index must see the old state or the new one, never a half-built one (a SCAN deleting as
+it goes showed the backend empty to everybody, for as long as the snapshot took). So a
+backend's entries belong to a generation, and members carry it: ``backend`` for generation
+0 (a backend never resynced; the seed's layout), ``backend@<gen>`` after that::
+
+    <kp>#gens     hash     field = backend, value = its current generation (absent: 0)
+    <kp>#seq      string   generation counter (INCR), never reset, not even by clear()
+
+Readers fetch ``#gens`` with every query (in the same pipeline or script) and ignore
+members of any other generation; writers' scripts resolve the current generation the same
+way. A resync (``begin_resync``) takes a fresh generation from ``#seq`` and writes the
+snapshot there, invisible; ``end_resync`` makes it current with one script (only if it is
+newer than the current one: two routers resyncing at once converge on the newer), then
+reclaims the replaced generation's members by SCAN, which nobody sees any more. A router
+killed mid-resync leaves only invisible members, which expire by TTL. ``remove_backend`` is
+the same swap to an empty generation.
 
 Operations, one round trip each:
 
-* query: ``ZREVRANGEBYSCORE key +inf -inf WITHSCORES`` and ``HGETALL key:t`` pipelined on
-  one pooled connection (not redis-py's ``Pipeline`` object, whose bookkeeping costs more
-  than the second command); expired entries are filtered client-side and never returned;
+* query: the query_many script (below) for one key, ``EVALSHA`` sent on one pooled
+  connection (one bulk string to parse, not three replies); expired entries and other
+  generations' members are filtered client-side and never returned; a line that does not
+  parse is read again as ``ZREVRANGEBYSCORE``, ``HGETALL key:t`` and ``HGETALL #gens``
+  pipelined;
 * query_many: one read-only script doing the same two reads per key and returning them
-  as ONE string (``member score ...|field value ...`` per key, a line each). redis-py's
-  pure-Python reply parser costs about 12 us per reply element, so 64 keys pipelined as
-  128 commands cost the router ~2.7 ms of CPU; the script's single bulk string costs
-  ~0.4 ms in all, for ~0.2 ms of Redis time (``bench/kvindex_bench.py``). Members are
-  backend names (``[A-Za-z0-9_.-]``), so the separators are unambiguous; a line that does
-  not parse (a foreign tool's member) is read again with the per-key query;
-* upsert: ``MULTI ZADD HSET PEXPIRE PEXPIRE EXEC``; remove: ``MULTI HGET ZREM HDEL EXEC``;
+  as ONE string (``member score ...|field value ...`` per key, a line each, after the
+  generation hash's line). redis-py's pure-Python reply parser costs about 12 us per
+  reply element, so 64 keys pipelined as 128 commands cost the router ~2.7 ms of CPU;
+  the script's single bulk string costs ~0.4 ms in all, for ~0.2 ms of Redis time
+  (``bench/kvindex_bench.py``). Members are backend names (``[A-Za-z0-9_.-]``, with
+  ``@<gen>``), so the separators are unambiguous; a line that does not parse (a foreign
+  tool's member) is read again with the pipelined commands;
+* upsert, remove, write_many, restore: the one write script (resolving the generation);
 * set_tier: a short script (change the tier only if the member exists and is live);
-* write_many: one script per ``write_batch`` (256) upserts and removes; with a ``ttl``
+* write_many: one script call per ``write_batch`` (256) upserts and removes; with a ``ttl``
   (predictions; upsert with a ttl too) the same script leaves an entry alone whose expiry
   is after the new one, and raises a key's PEXPIRE only when it would grow (PTTL
   first), so a prediction never shortens an entry or the key around it;
-* restore (a fallback's state replayed after an outage): one MULTI per 128 entries;
-* remove_backend / clear / stats / cleanup_expired: ``SCAN`` over the key prefix with a
-  TYPE filter, never ``KEYS``; these are rare (resync, admin, a periodic sweep).
+* restore (a fallback's state replayed after an outage): one script call per 128 entries;
+* reclaiming a generation / clear / stats / cleanup_expired: ``SCAN`` over the key prefix
+  with a TYPE filter, never ``KEYS``; these are rare (resync, admin, a periodic sweep).
+  ``stats`` counts the members of generations not reclaimed yet too.
 
 Expired entries inside a live prefix are hidden on read and removed by ``cleanup_expired``,
 which sweeps up to ``sweep_keys`` hashes per call, resuming its SCAN cursor next time, and
@@ -51,7 +73,7 @@ Failures: a connection error, timeout, read-only replica, OOM or loading Redis
 to Redis only. :class:`~router.kvindex.fallback.FallbackKvIndex` puts a memory index behind
 it and uses :meth:`RedisKvIndex.ping` and :meth:`RedisKvIndex.restore` to come back.
 
-Size: the module stays whole (about 680 lines) because the key layout, the Lua scripts
+Size: the module stays whole (about 830 lines) because the key layout, the Lua scripts
 that encode it and the commands reading it must change together.
 
 Clocks: expiries are Unix time on Redis's own clock by default
@@ -64,6 +86,7 @@ prefix are not hash-tagged into one slot).
 from __future__ import annotations
 
 import binascii
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -72,7 +95,7 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio import Redis
 
-from router.redis import UNAVAILABLE_ERRORS, glob_escape
+from router.redis import UNAVAILABLE_ERRORS, close_client, glob_escape
 
 from .base import (
     EMPTY,
@@ -92,6 +115,8 @@ __all__ = ["DEFAULT_KEY_PREFIX", "RedisKvIndex", "Restore"]
 
 DEFAULT_KEY_PREFIX = "cr:kvidx:"
 
+log = logging.getLogger(__name__)
+
 Restore = tuple[Key, str, int, "StorageTier | None", float]
 """``(prefix_hash, backend, token_count, tier, ttl_left_s)`` for :meth:`RedisKvIndex.restore`:
 write the entry so that it expires ``ttl_left_s`` from now, or with tier None remove it
@@ -104,39 +129,68 @@ _MAX_NAMES = 4096
 _SCAN_COUNT = 500
 _REPLAY_CHUNK = 128
 
-# KEYS: zset, hash. ARGV: backend, new hash value, ttl_ms, now_ms.
+# KEYS: generation hash, zset, hash. ARGV: backend, generation ('' = current), new hash
+# value, ttl_ms, now_ms.
 _SET_TIER_LUA = """
-if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
-local v = redis.call('HGET', KEYS[2], ARGV[1])
+local gen = ARGV[2]
+if gen == '' then gen = redis.call('HGET', KEYS[1], ARGV[1]) or '0' end
+local member = ARGV[1]
+if gen ~= '0' then member = member .. '@' .. gen end
+if not redis.call('ZSCORE', KEYS[2], member) then return 0 end
+local v = redis.call('HGET', KEYS[3], member)
 local e = v and tonumber(string.sub(v, 2))
-if e and e <= tonumber(ARGV[4]) then return 0 end
-redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
-redis.call('PEXPIRE', KEYS[1], ARGV[3])
-redis.call('PEXPIRE', KEYS[2], ARGV[3])
+if e and e <= tonumber(ARGV[5]) then return 0 end
+redis.call('HSET', KEYS[3], member, ARGV[3])
+redis.call('PEXPIRE', KEYS[2], ARGV[4])
+redis.call('PEXPIRE', KEYS[3], ARGV[4])
 return 1
 """
 
-# KEYS: zset and hash of each change, in order. ARGV: ttl_ms, now_ms, new_expiry_ms (0:
-# events), then per change: op (u = upsert, r = remove), backend, token_count, hash value.
-# The same commands as upsert's MULTI and remove's, in one script; returns how many
-# removes found their entry already expired (remove()'s ``expired`` count). With a
-# new_expiry (predictions), an upsert skips a member whose recorded expiry is after it
-# (or that has no readable one: not ours to date), and a key's PEXPIRE only grows.
+# KEYS: generation hash. ARGV: backend, generation. Makes the generation the backend's
+# current one if it is newer than the current one; returns the generation whose members
+# are garbage now (the replaced one, or the given one when a newer one won).
+_SWAP_LUA = """
+local cur = redis.call('HGET', KEYS[1], ARGV[1]) or '0'
+if tonumber(ARGV[2]) > tonumber(cur) then
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+  return cur
+end
+return ARGV[2]
+"""
+
+# KEYS: the generation hash, then zset and hash of each change, in order. ARGV: ttl_ms,
+# now_ms, new_expiry_ms (0: events), then per change: op (u = upsert, r = remove), backend,
+# generation ('' = the backend's current one, read from KEYS[1]), token_count, hash value.
+# Every write of the index (upsert, remove, write_many, restore) is this script; returns
+# {removed, expired}: how many removes found their entry, and how many of those had already
+# expired. With a new_expiry (predictions), an upsert skips a member whose recorded expiry
+# is after it (or that has no readable one: not ours to date), and a key's PEXPIRE only
+# grows.
 _WRITE_MANY_LUA = """
-local ttl, now, exp, expired = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]), 0
-for i = 1, #KEYS / 2 do
-  local key, tkey, a = KEYS[2 * i - 1], KEYS[2 * i], 4 * i
-  local backend = ARGV[a + 1]
+local ttl, now, exp = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local removed, expired, gens = 0, 0, {}
+for i = 1, (#KEYS - 1) / 2 do
+  local key, tkey, a = KEYS[2 * i], KEYS[2 * i + 1], 5 * i - 1
+  local backend, gen = ARGV[a + 1], ARGV[a + 2]
+  if gen == '' then
+    gen = gens[backend]
+    if not gen then
+      gen = redis.call('HGET', KEYS[1], backend) or '0'
+      gens[backend] = gen
+    end
+  end
+  local member = backend
+  if gen ~= '0' then member = backend .. '@' .. gen end
   if ARGV[a] == 'u' then
     local write = true
-    if exp > 0 and redis.call('ZSCORE', key, backend) then
-      local v = redis.call('HGET', tkey, backend)
+    if exp > 0 and redis.call('ZSCORE', key, member) then
+      local v = redis.call('HGET', tkey, member)
       local e = v and tonumber(string.sub(v, 2))
       write = (e and e <= exp) or false
     end
     if write then
-      redis.call('ZADD', key, ARGV[a + 2], backend)
-      redis.call('HSET', tkey, backend, ARGV[a + 3])
+      redis.call('ZADD', key, ARGV[a + 3], member)
+      redis.call('HSET', tkey, member, ARGV[a + 4])
       if exp == 0 then
         redis.call('PEXPIRE', key, ttl)
         redis.call('PEXPIRE', tkey, ttl)
@@ -146,20 +200,23 @@ for i = 1, #KEYS / 2 do
       end
     end
   else
-    local v = redis.call('HGET', tkey, backend)
-    if redis.call('ZREM', key, backend) == 1 and v and tonumber(string.sub(v, 2)) <= now then
-      expired = expired + 1
+    local v = redis.call('HGET', tkey, member)
+    if redis.call('ZREM', key, member) == 1 then
+      removed = removed + 1
+      if v and tonumber(string.sub(v, 2)) <= now then expired = expired + 1 end
     end
-    redis.call('HDEL', tkey, backend)
+    redis.call('HDEL', tkey, member)
   end
 end
-return expired
+return {removed, expired}
 """
-# KEYS: zset and hash of each key. Returns one string, a line per key (joined by LF):
-# "<member> <score> ...|<field> <value> ...", or an empty line when the key has no member.
+# KEYS: the generation hash, then zset and hash of each key. Returns one string, a line
+# per key after a first line with the generation hash ("<backend> <gen> ..."), joined by
+# LF: "<member> <score> ...|<field> <value> ...", or an empty line when the key has no
+# member.
 _QUERY_MANY_LUA = """
-local out = {}
-for i = 1, #KEYS, 2 do
+local out = {table.concat(redis.call('HGETALL', KEYS[1]), ' ')}
+for i = 2, #KEYS, 2 do
   local z = redis.call('ZREVRANGEBYSCORE', KEYS[i], '+inf', '-inf', 'WITHSCORES')
   if #z == 0 then
     out[#out + 1] = ''
@@ -187,6 +244,13 @@ for i = 1, #ARGV, 2 do
 end
 return n
 """
+
+
+def _as_dict(reply: Any) -> dict[bytes, bytes]:
+    """A HGETALL reply (RESP3 map or RESP2 flat list) as a dict."""
+    if isinstance(reply, dict):
+        return reply
+    return dict(zip(reply[::2], reply[1::2], strict=True))
 
 
 def _expiry_ms(value: bytes) -> float:
@@ -247,7 +311,11 @@ class RedisKvIndex(KvIndex):
         self.clock: Callable[[], float] = clock
         self._sweep_keys = sweep_keys
         self._stats_cache_s = stats_cache_s
+        self._gens_key = self._kp + b"#gens"
+        self._seq_key = self._kp + b"#seq"
+        self._staging: dict[str, int] = {}
         self._set_tier_script = redis.register_script(_SET_TIER_LUA)
+        self._swap_script = redis.register_script(_SWAP_LUA)
         self._prune_script = redis.register_script(_PRUNE_LUA)
         self._write_many_script = redis.register_script(_WRITE_MANY_LUA)
         self._query_many_script = redis.register_script(_QUERY_MANY_LUA)
@@ -331,20 +399,47 @@ class RedisKvIndex(KvIndex):
                 raise r
         return result
 
-    def _put_cmds(
-        self, key: bytes, backend: str, token_count: int, tier: StorageTier, expires_ms: int
-    ) -> list[tuple[Any, ...]]:
-        tkey = key + b":t"
-        return [
-            (b"ZADD", key, token_count, backend),
-            (b"HSET", tkey, backend, _TIER_CODE[tier] + str(expires_ms).encode()),
-            (b"PEXPIRE", key, self._ttl_ms),
-            (b"PEXPIRE", tkey, self._ttl_ms),
-        ]
+    def _gen(self, backend: str) -> bytes:
+        """The generation a write of ``backend`` goes to: this instance's resync in
+        progress, else ``b""`` (the script reads the current one)."""
+        staged = self._staging.get(backend)
+        return b"" if staged is None else str(staged).encode()
 
-    def _decode(self, zreply: Any, hreply: Any) -> Sequence[IndexEntry]:
+    def _add_change(
+        self,
+        keys: list[bytes],
+        args: list[Any],
+        prefix_hash: Key,
+        backend: str,
+        token_count: int,
+        value: bytes | None,
+    ) -> None:
+        """One change of the write script: its two keys and five arguments (``value``, the
+        hash's ``<tier><expiry>``, None for a remove)."""
+        key = self._key(prefix_hash)
+        keys += (key, key + b":t")
+        if value is None:
+            args += (b"r", backend, self._gen(backend), 0, b"")
+        else:
+            args += (b"u", backend, self._gen(backend), token_count, value)
+
+    async def _write(self, keys: list[bytes], args: list[Any], operation: str) -> tuple[int, int]:
+        """One ``_WRITE_MANY_LUA`` call: ``(removed, expired)``."""
+        try:
+            removed, expired = await self._write_many_script(
+                keys=[self._gens_key, *keys], args=args
+            )
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable(operation, exc) from exc
+        return int(removed), int(expired)
+
+    async def _generations(self) -> dict[bytes, bytes]:
+        return _as_dict(await self._redis.hgetall(self._gens_key))
+
+    def _decode(self, zreply: Any, hreply: Any, greply: Any) -> Sequence[IndexEntry]:
         if not zreply:
             return EMPTY
+        gens = _as_dict(greply)
         if isinstance(hreply, dict):  # RESP3 map
             meta = hreply
         else:  # RESP2 flat list
@@ -353,9 +448,11 @@ class RedisKvIndex(KvIndex):
             pairs: Any = zreply
         else:  # RESP2: [member, score, member, score, ...]
             pairs = zip(zreply[::2], zreply[1::2], strict=True)
-        return self._entries(pairs, meta, self._now_ms())
+        return self._entries(pairs, meta, self._now_ms(), gens)
 
-    def _decode_line(self, line: bytes, now_ms: int) -> Sequence[IndexEntry] | None:
+    def _decode_line(
+        self, line: bytes, now_ms: int, gens: dict[bytes, bytes]
+    ) -> Sequence[IndexEntry] | None:
         """One line of the query_many script's reply; None if it does not parse."""
         if not line:
             return EMPTY
@@ -366,13 +463,18 @@ class RedisKvIndex(KvIndex):
             return None
         try:
             meta = dict(zip(hs[::2], hs[1::2], strict=True))
-            return self._entries(zip(zs[::2], zs[1::2], strict=True), meta, now_ms)
+            return self._entries(zip(zs[::2], zs[1::2], strict=True), meta, now_ms, gens)
         except ValueError:  # a score that is not a number
             return None
 
-    def _entries(self, pairs: Any, meta: Any, now_ms: int) -> Sequence[IndexEntry]:
+    def _entries(
+        self, pairs: Any, meta: Any, now_ms: int, gens: dict[bytes, bytes]
+    ) -> Sequence[IndexEntry]:
         out: list[IndexEntry] = []
         for member, score in pairs:
+            name, at, gen = member.partition(b"@")
+            if gens.get(name, b"0") != (gen if at else b"0"):
+                continue  # another generation: a resync in progress, or not yet reclaimed
             value = meta.get(member)
             if value is None:  # written by a foreign tool: GpuHot, the key TTL bounds it
                 tier, exp = StorageTier.GPU_HOT, float(now_ms + self._ttl_ms)
@@ -385,7 +487,7 @@ class RedisKvIndex(KvIndex):
                 tier = (
                     _CODE_TIER.get(value[0], StorageTier.GPU_HOT) if value else StorageTier.GPU_HOT
                 )
-            out.append(IndexEntry(self._name(member), int(float(score)), tier, exp / 1000.0))
+            out.append(IndexEntry(self._name(name), int(float(score)), tier, exp / 1000.0))
         if not out:
             return EMPTY
         return tuple(out)
@@ -393,17 +495,38 @@ class RedisKvIndex(KvIndex):
     # ---- KvIndex ---------------------------------------------------------------------
 
     async def query_backends(self, prefix_hash: Key) -> Sequence[IndexEntry]:
+        """The query_many script for one key, sent on a pooled connection: one bulk string
+        to parse instead of the three replies (and their elements) of the commands."""
         key = self._key(prefix_hash)
+        rkeys = (self._gens_key, key, key + b":t")
         try:
-            zreply, hreply = await self._roundtrip(
+            try:
+                (blob,) = await self._roundtrip(
+                    ((b"EVALSHA", self._query_many_script.sha, 3, *rkeys),)
+                )
+            except rx.NoScriptError:  # a new primary (failover) or a flushed script cache
+                blob = await self._query_many_script(keys=rkeys)
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("query", exc) from exc
+        head, _, line = blob.partition(b"\n")
+        g = head.split(b" ") if head else []
+        got = self._decode_line(line, self._now_ms(), dict(zip(g[::2], g[1::2], strict=False)))
+        return got if got is not None else await self._query_commands(key)
+
+    async def _query_commands(self, key: bytes) -> Sequence[IndexEntry]:
+        """The query as plain commands: what reads a member the script's line cannot
+        carry (a foreign tool's)."""
+        try:
+            zreply, hreply, greply = await self._roundtrip(
                 (
                     (b"ZREVRANGEBYSCORE", key, b"+inf", b"-inf", b"WITHSCORES"),
                     (b"HGETALL", key + b":t"),
+                    (b"HGETALL", self._gens_key),
                 )
             )
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable("query", exc) from exc
-        return self._decode(zreply, hreply)
+        return self._decode(zreply, hreply, greply)
 
     async def query_many(self, keys: Sequence[Key]) -> list[Sequence[IndexEntry]]:
         """One script call per ``_QUERY_BATCH`` keys (one round trip for any prompt up to
@@ -411,7 +534,7 @@ class RedisKvIndex(KvIndex):
         out: list[Sequence[IndexEntry]] = []
         for start in range(0, len(keys), _QUERY_BATCH):
             part = keys[start : start + _QUERY_BATCH]
-            rkeys: list[bytes] = []
+            rkeys: list[bytes] = [self._gens_key]
             for k in part:
                 key = self._key(k)
                 rkeys += (key, key + b":t")
@@ -419,26 +542,32 @@ class RedisKvIndex(KvIndex):
                 blob = await self._query_many_script(keys=rkeys)
             except UNAVAILABLE_ERRORS as exc:
                 raise self._unavailable("query", exc) from exc
-            lines = blob.split(b"\n") if blob else [b""]
-            if len(lines) != len(part):
+            lines = blob.split(b"\n")
+            if len(lines) != len(part) + 1:
                 raise KvIndexError(f"query_many: {len(lines)} lines for {len(part)} keys")
+            g = lines[0].split(b" ") if lines[0] else []
+            gens = dict(zip(g[::2], g[1::2], strict=False))
             now_ms = self._now_ms()
-            for k, line in zip(part, lines, strict=True):
-                got = self._decode_line(line, now_ms)
-                out.append(got if got is not None else await self.query_backends(k))
+            for k, line in zip(part, lines[1:], strict=True):
+                got = self._decode_line(line, now_ms, gens)
+                out.append(got if got is not None else await self._query_commands(self._key(k)))
         return out
 
     async def backend_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
         cursor = 0
         try:
+            gens = await self._generations()
             while True:
                 cursor, keys = await self._scan(self._zset_match, "zset", cursor)
                 if keys:
                     replies = await self._roundtrip(tuple((b"ZRANGE", k, 0, -1) for k in keys))
                     for members in replies:
                         for m in members:
-                            name = self._name(m)
+                            raw, at, gen = m.partition(b"@")
+                            if gens.get(raw, b"0") != (gen if at else b"0"):
+                                continue
+                            name = self._name(raw)
                             counts[name] = counts.get(name, 0) + 1
                 if cursor == 0:
                     break
@@ -459,13 +588,12 @@ class RedisKvIndex(KvIndex):
         if ttl is not None:  # a prediction: the write_many script's conditional upsert
             await self.write_many([(prefix_hash, backend, token_count, tier)], ttl)
             return
-        expires_ms = self._now_ms() + self._ttl_ms
-        try:
-            await self._transaction(
-                self._put_cmds(self._key(prefix_hash), backend, token_count, tier, expires_ms)
-            )
-        except UNAVAILABLE_ERRORS as exc:
-            raise self._unavailable("upsert", exc) from exc
+        now_ms = self._now_ms()
+        keys: list[bytes] = []
+        args: list[Any] = [self._ttl_ms, now_ms, 0]
+        value = _TIER_CODE[tier] + str(now_ms + self._ttl_ms).encode()
+        self._add_change(keys, args, prefix_hash, backend, token_count, value)
+        await self._write(keys, args, "upsert")
 
     async def write_many(self, changes: Sequence[Change], ttl: float | None = None) -> None:
         """One script call per ``write_batch`` changes instead of a MULTI/EXEC each: the
@@ -484,16 +612,9 @@ class RedisKvIndex(KvIndex):
             keys: list[bytes] = []
             args: list[Any] = [ttl_ms, now_ms, 0 if ttl is None else now_ms + ttl_ms]
             for prefix_hash, backend, token_count, tier in part:
-                key = self._key(prefix_hash)
-                keys += (key, key + b":t")
-                if tier is None:
-                    args += (b"r", backend, 0, b"")
-                else:
-                    args += (b"u", backend, token_count, _TIER_CODE[tier] + value_tail)
-            try:
-                self._expired += int(await self._write_many_script(keys=keys, args=args))
-            except UNAVAILABLE_ERRORS as exc:
-                raise self._unavailable("write_many", exc) from exc
+                value = None if tier is None else _TIER_CODE[tier] + value_tail
+                self._add_change(keys, args, prefix_hash, backend, token_count, value)
+            self._expired += (await self._write(keys, args, "write_many"))[1]
 
     async def set_tier(self, prefix_hash: Key, backend: str, tier: StorageTier) -> bool:
         key = self._key(prefix_hash)
@@ -501,33 +622,77 @@ class RedisKvIndex(KvIndex):
         value = _TIER_CODE[tier] + str(now_ms + self._ttl_ms).encode()
         try:
             done = await self._set_tier_script(
-                keys=[key, key + b":t"], args=[backend, value, self._ttl_ms, now_ms]
+                keys=[self._gens_key, key, key + b":t"],
+                args=[backend, self._gen(backend), value, self._ttl_ms, now_ms],
             )
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable("set_tier", exc) from exc
         return bool(done)
 
     async def remove(self, prefix_hash: Key, backend: str) -> bool:
-        key = self._key(prefix_hash)
-        tkey = key + b":t"
-        try:
-            value, removed, _ = await self._transaction(
-                [(b"HGET", tkey, backend), (b"ZREM", key, backend), (b"HDEL", tkey, backend)]
-            )
-        except UNAVAILABLE_ERRORS as exc:
-            raise self._unavailable("remove", exc) from exc
-        if not removed:
-            return False
-        if value is not None and _expiry_ms(value) <= self._now_ms():
-            self._expired += 1
-            return False
-        return True
+        keys: list[bytes] = []
+        args: list[Any] = [self._ttl_ms, self._now_ms(), 0]
+        self._add_change(keys, args, prefix_hash, backend, 0, None)
+        removed, expired = await self._write(keys, args, "remove")
+        self._expired += expired
+        return removed > expired
 
     async def remove_backend(self, backend: str) -> int:
+        """A swap to a new, empty generation: every router sees the backend empty at once
+        (not key by key as a SCAN goes), then the old generation is reclaimed."""
+        staged = self._staging.pop(backend, None)
         try:
-            return await self._redis_remove_backend(backend)
+            gen = int(await self._redis.incr(self._seq_key))
+            garbage = await self._swap(backend, gen)
+            n = await self._reclaim(backend, garbage)
+            if staged is not None:
+                await self._reclaim(backend, staged)
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable("remove_backend", exc) from exc
+        return n
+
+    async def begin_resync(self, backend: str) -> None:
+        """Start a new generation of ``backend``: this instance's writes of it go there,
+        invisible to every reader, until :meth:`end_resync` makes it the current one. A
+        resync of ours still in progress (its stream dropped mid-snapshot) is reclaimed."""
+        old = self._staging.pop(backend, None)
+        try:
+            self._staging[backend] = int(await self._redis.incr(self._seq_key))
+            if old is not None:
+                await self._reclaim(backend, old)
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("begin_resync", exc) from exc
+
+    async def end_resync(self, backend: str) -> None:
+        """Swap the generation built since :meth:`begin_resync` in, in one script: readers
+        see the whole old state or the whole new one, never a part. Of two routers
+        resyncing ``backend`` at once the newer generation wins and the other's is
+        dropped, so they converge; the replaced generation is reclaimed afterwards (if
+        that fails, its entries expire by TTL, invisible meanwhile)."""
+        gen = self._staging.get(backend)
+        if gen is None:
+            return
+        try:
+            garbage = await self._swap(backend, gen)
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("end_resync", exc) from exc
+        del self._staging[backend]
+        try:
+            await self._reclaim(backend, garbage)
+        except UNAVAILABLE_ERRORS as exc:
+            log.warning(
+                "KV index: reclaiming %s's old generation failed (%s); left to TTL", backend, exc
+            )
+
+    def discard_resync(self, backend: str) -> None:
+        """Forget a resync in progress without swapping it in (Redis became unusable
+        meanwhile; its entries expire by TTL, never visible)."""
+        self._staging.pop(backend, None)
+
+    async def _swap(self, backend: str, gen: int) -> int:
+        """Make ``gen`` current unless a newer one is; the generation now garbage."""
+        self._stats_cache = None
+        return int(await self._swap_script(keys=[self._gens_key], args=[backend, gen]))
 
     async def clear(self) -> int:
         try:
@@ -561,7 +726,7 @@ class RedisKvIndex(KvIndex):
         """Close the client only if ``owns_redis``. Idempotent."""
         if self._owns_redis:
             self._owns_redis = False
-            await self._redis.aclose(close_connection_pool=True)
+            await close_client(self._redis)
 
     # ---- recovery (used by FallbackKvIndex) -------------------------------------------
 
@@ -582,32 +747,29 @@ class RedisKvIndex(KvIndex):
         chunk at a time, so a generator reads its store as late as possible. Not atomic as
         a whole: if it raises, any prefix of the chunks may have been applied.
         """
-        cmds: list[tuple[Any, ...]] = []
-        pairs = 0
         now_ms = self._now_ms()
-        try:
-            for prefix_hash, backend, token_count, tier, ttl_left_s in items:
-                key = self._key(prefix_hash)
-                if tier is None:
-                    cmds += [(b"ZREM", key, backend), (b"HDEL", key + b":t", backend)]
-                else:
-                    expires_ms = now_ms + int(ttl_left_s * 1000)
-                    cmds += self._put_cmds(key, backend, token_count, tier, expires_ms)
-                pairs += 1
-                if pairs >= _REPLAY_CHUNK:
-                    await self._transaction(cmds)
-                    cmds, pairs = [], 0
-            if cmds:
-                await self._transaction(cmds)
-        except UNAVAILABLE_ERRORS as exc:
-            raise self._unavailable("restore", exc) from exc
+        keys: list[bytes] = []
+        args: list[Any] = [self._ttl_ms, now_ms, 0]
+        for prefix_hash, backend, token_count, tier, ttl_left_s in items:
+            value = None
+            if tier is not None:
+                value = _TIER_CODE[tier] + str(now_ms + int(ttl_left_s * 1000)).encode()
+            self._add_change(keys, args, prefix_hash, backend, token_count, value)
+            if len(keys) >= 2 * _REPLAY_CHUNK:
+                await self._write(keys, args, "restore")
+                keys, args = [], [self._ttl_ms, now_ms, 0]
+        if keys:
+            await self._write(keys, args, "restore")
 
     # ---- scans (rare: resync, admin, sweep) -------------------------------------------
 
     async def _scan(self, match: bytes, type_: str | None, cursor: int = 0) -> tuple[int, list]:
         return await self._redis.scan(cursor, match=match, count=_SCAN_COUNT, _type=type_)
 
-    async def _redis_remove_backend(self, backend: str) -> int:
+    async def _reclaim(self, backend: str, gen: int) -> int:
+        """Delete the members of ``backend``'s generation ``gen`` (readers no longer see
+        them, so this need not be atomic); how many there were."""
+        member = backend if gen == 0 else f"{backend}@{gen}"
         n = 0
         cursor = 0
         while True:
@@ -615,9 +777,9 @@ class RedisKvIndex(KvIndex):
             if keys:
                 cmds: list[tuple[Any, ...]] = []
                 for k in keys:
-                    cmds.append((b"ZREM", k, backend))
-                    cmds.append((b"HDEL", k + b":t", backend))
-                res = await self._transaction(cmds)
+                    cmds.append((b"ZREM", k, member))
+                    cmds.append((b"HDEL", k + b":t", member))
+                res = await self._roundtrip(cmds)
                 n += sum(res[0::2])
             if cursor == 0:
                 break
@@ -642,6 +804,7 @@ class RedisKvIndex(KvIndex):
         cursor = 0
         while True:
             cursor, keys = await self._scan(self._zset_match, None, cursor)
+            keys = [k for k in keys if k != self._seq_key]  # generation numbers never repeat
             if keys:
                 await self._redis.unlink(*keys)
             if cursor == 0:

@@ -6,7 +6,14 @@ that switches a store between Redis and its in-memory fallback and back.
 """
 
 from .fallback import FallbackSupervisor, SupervisedStore
-from .pools import UNAVAILABLE_ERRORS, RedisPools, build_redis, effective_url, glob_escape
+from .pools import (
+    UNAVAILABLE_ERRORS,
+    RedisPools,
+    build_redis,
+    close_client,
+    effective_url,
+    glob_escape,
+)
 
 __all__ = [
     "UNAVAILABLE_ERRORS",
@@ -14,6 +21,7 @@ __all__ = [
     "RedisPools",
     "SupervisedStore",
     "build_redis",
+    "close_client",
     "effective_url",
     "glob_escape",
 ]

@@ -17,23 +17,45 @@ Client settings, from :class:`~router.config.models.RedisConfig`:
   caller for seconds before the fallback takes over);
 * bytes responses (``decode_responses=False``); the default RESP protocol of redis-py.
 
+Modes (``mode``):
+
+* ``standalone``: the server at ``url``.
+* ``sentinel``: redis-py's own ``redis.asyncio.sentinel.Sentinel`` over ``sentinel.addresses``
+  (with the sentinels' own auth and TLS), and a client on the primary it names
+  (``master_for``). Every new connection asks the sentinels where the primary is, and one
+  that finds a replica where the primary was (``READONLY``) is dropped, so after a failover
+  the client reconnects to the new primary by itself; the pool is blocking too
+  (``_BlockingSentinelPool``).
+
+In both, a command that fails while the primary is away raises one of
+:data:`UNAVAILABLE_ERRORS`, which the stores answer from memory (counted) until it answers.
+
 The registry must be closed (``await pools.aclose()``) by whoever created it; clients are
 bound to the event loop that first used them.
 """
 
 from __future__ import annotations
 
-from typing import overload
+from typing import Any, overload
 
 import redis.exceptions
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
+from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
 
+from bus.config import parse_hostport
 from router.config.models import RedisConfig
 from router.http.tls import MINIMUM_VERSION
 
-__all__ = ["UNAVAILABLE_ERRORS", "RedisPools", "build_redis", "effective_url", "glob_escape"]
+__all__ = [
+    "UNAVAILABLE_ERRORS",
+    "RedisPools",
+    "build_redis",
+    "close_client",
+    "effective_url",
+    "glob_escape",
+]
 
 _CLIENT_NAME = "continuum-router"
 
@@ -46,39 +68,117 @@ def effective_url(config: RedisConfig) -> str:
     return url
 
 
+class _BlockingSentinelPool(SentinelConnectionPool, BlockingConnectionPool):
+    """Sentinel's pool (connections dial the primary the sentinels name) that waits for a
+    free connection like the standalone one instead of failing when all are busy."""
+
+
+def _tls(config: RedisConfig, on: bool) -> dict[str, Any]:
+    if not on:
+        return {}
+    kw: dict[str, Any] = {"ssl": True, "ssl_min_version": MINIMUM_VERSION}
+    if config.tls_ca_file:
+        kw["ssl_ca_certs"] = config.tls_ca_file
+    return kw
+
+
+def _socket(config: RedisConfig) -> dict[str, Any]:
+    connect_s = config.connect_timeout_ms / 1000.0
+    return {
+        "socket_connect_timeout": connect_s,
+        "socket_timeout": config.command_timeout_ms / 1000.0,
+        "retry": Retry(NoBackoff(), 1),
+    }
+
+
+def _sentinel_client(config: RedisConfig) -> Redis:
+    s = config.sentinel
+    assert s is not None  # RedisConfig refuses mode: sentinel without it
+    sentinel = Sentinel(
+        [parse_hostport(a) for a in s.addresses],
+        sentinel_kwargs={
+            **_socket(config),
+            "username": s.username,
+            "password": s.password,
+            **_tls(config, s.tls),
+        },
+    )
+    return sentinel.master_for(
+        s.master_name,
+        redis_class=Redis,
+        connection_pool_class=_BlockingSentinelPool,
+        max_connections=config.pool_size,
+        timeout=config.connect_timeout_ms / 1000.0,
+        username=config.username,
+        password=config.password,
+        db=s.db,
+        decode_responses=False,
+        client_name=_CLIENT_NAME,
+        **_socket(config),
+        **_tls(config, config.tls),
+    )
+
+
 def build_redis(config: RedisConfig) -> Redis:
     """A new client with its own pool. Prefer :meth:`RedisPools.get`, which shares one."""
+    if config.mode == "sentinel":
+        return _sentinel_client(config)
     connect_s = config.connect_timeout_ms / 1000.0
     url = effective_url(config)
-    tls = {"ssl_min_version": MINIMUM_VERSION} if url.startswith("rediss://") else {}
+    tls: dict[str, Any] = {}
+    if url.startswith("rediss://"):
+        tls = {"ssl_min_version": MINIMUM_VERSION}
+        if config.tls_ca_file:
+            tls["ssl_ca_certs"] = config.tls_ca_file
+    auth = {k: v for k, v in (("username", config.username), ("password", config.password)) if v}
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=config.pool_size,
         timeout=connect_s,
-        socket_connect_timeout=connect_s,
-        socket_timeout=config.command_timeout_ms / 1000.0,
-        retry=Retry(NoBackoff(), 1),
         decode_responses=False,
         client_name=_CLIENT_NAME,
+        **_socket(config),
         **tls,
+        **auth,
     )
     return Redis(connection_pool=pool)
 
 
-def _pool_key(config: RedisConfig) -> tuple[str, int, int, int]:
-    return (
-        effective_url(config),
-        config.pool_size,
-        config.connect_timeout_ms,
-        config.command_timeout_ms,
+async def close_client(client: Redis) -> None:
+    """Close ``client`` and its pool, and a Sentinel client's connections to the sentinels."""
+    manager = getattr(client.connection_pool, "sentinel_manager", None)
+    await client.aclose(close_connection_pool=True)
+    if manager is not None:
+        for s in manager.sentinels:
+            await s.aclose(close_connection_pool=True)
+
+
+_CONNECTION_FIELDS = {
+    "mode",
+    "url",
+    "tls",
+    "username",
+    "password",
+    "tls_ca_file",
+    "sentinel",
+    "pool_size",
+    "connect_timeout_ms",
+    "command_timeout_ms",
+}
+
+
+def _pool_key(config: RedisConfig) -> str:
+    return config.model_copy(update={"url": effective_url(config)}).model_dump_json(
+        include=_CONNECTION_FIELDS
     )
 
 
 class RedisPools:
-    """Hands out one shared client per distinct (url, tls, pool_size, timeouts)."""
+    """Hands out one shared client per distinct connection config (mode, addresses, auth,
+    TLS, pool_size, timeouts)."""
 
     def __init__(self) -> None:
-        self._clients: dict[tuple[str, int, int, int], Redis] = {}
+        self._clients: dict[str, Redis] = {}
 
     def get(self, config: RedisConfig) -> Redis:
         """The shared client for ``config``, created on first use (no I/O happens here)."""
@@ -95,7 +195,7 @@ class RedisPools:
         """Close every client and its pool. Idempotent."""
         clients, self._clients = list(self._clients.values()), {}
         for client in clients:
-            await client.aclose(close_connection_pool=True)
+            await close_client(client)
 
 
 UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (

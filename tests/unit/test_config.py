@@ -173,3 +173,58 @@ def test_kv_cache_index_and_cache_backend_are_restart_only() -> None:
     a, _ = parse_config(_kv())
     b, _ = parse_config({**_kv(max_entries=500), "response_cache": {"capacity": 5}})
     assert restart_only_changes(a, b) == ["kv_cache_index.max_entries"]  # capacity hot-reloads
+
+
+def _redis(**redis: object) -> dict:
+    return {
+        "backends": [{"name": "a", "url": "http://x"}],
+        "response_cache": {"backend": "redis", "redis": redis},
+    }
+
+
+SENTINEL = {"master_name": "m", "addresses": ["127.0.0.1:26379"]}
+
+
+@pytest.mark.parametrize(
+    ("redis", "path", "says"),
+    [
+        ({"mode": "sentinel"}, "response_cache.redis", "needs a sentinel section"),
+        ({"mode": "cluster"}, "response_cache.redis.mode", "standalone"),
+        ({"sentinel": SENTINEL}, "response_cache.redis", "needs mode: sentinel"),
+        ({"mode": "sideways"}, "response_cache.redis.mode", "standalone"),
+        ({"mode": "sentinel", "sentinel": {"addresses": ["h:1"]}},
+         "response_cache.redis.sentinel.master_name", "required"),
+        ({"mode": "sentinel", "sentinel": {"master_name": "m", "addresses": []}},
+         "response_cache.redis.sentinel.addresses", "at least 1"),
+        ({"mode": "sentinel", "sentinel": {"master_name": "m", "addresses": ["nohost"]}},
+         "response_cache.redis.sentinel.addresses", "host:port"),
+        ({"mode": "sentinel", "sentinel": {"master_name": "m", "addresses": ["h:0"]}},
+         "response_cache.redis.sentinel.addresses", "port 0"),
+        ({"mode": "sentinel", "sentinel": {**SENTINEL, "pasword": "x"}},
+         "response_cache.redis.sentinel.pasword", "unknown field"),
+        ({"mode": "sentinel", "sentinel": {"master_name": "m", "addresses": ["h:99999"]}},
+         "response_cache.redis.sentinel.addresses", "out of range"),
+    ],
+)  # fmt: skip
+def test_redis_mode_errors_name_the_path(redis: dict, path: str, says: str) -> None:
+    errs = errors_of(_redis(**redis))
+    assert path in errs, errs
+    assert says in errs[path], errs
+
+
+def test_sentinel_config_parses() -> None:
+    cfg, _ = parse_config(
+        _redis(
+            mode="sentinel",
+            password="p",
+            tls=True,
+            sentinel={**SENTINEL, "password": "sp", "username": "u", "tls": True, "db": 2},
+        )
+    )
+    assert cfg.response_cache.redis is not None
+    s = cfg.response_cache.redis.sentinel
+    assert s is not None and (s.master_name, s.password, s.db) == ("m", "sp", 2)
+    cfg, _ = parse_config(
+        _redis(mode="sentinel", sentinel={"master_name": "m", "addresses": ["a:1", "[::1]:2"]})
+    )
+    assert cfg.response_cache.redis is not None and cfg.response_cache.redis.mode == "sentinel"

@@ -762,3 +762,44 @@ async def test_manager_resync_starts_every_stream_over_from_a_snapshot(h: Harnes
         await wait_until(lambda: len(rec.events) == 4, "live again after the resync")
     finally:
         await mgr.stop()
+
+
+async def test_end_resync_runs_right_after_the_last_snapshot_record(h: Harness) -> None:
+    """A sized ``resync`` block is swapped in by ``end_resync`` between its last snapshot
+    record and the next live one, for a subscriber's own block and for a shared resync
+    alike; when ``end_resync`` fails, that last record counts as not applied and the
+    consumer asks again (a fresh block), so the swap is never skipped."""
+    hub = EventHub(backends=[B], epoch="e1")
+    hub.add_backend(B, lambda: [created(1), created(2), created(3)])
+    lst = await h.listener(hub)
+    log: list[str] = []
+    fail = [True]
+
+    async def apply_many(events: list[KvEvent]) -> list[str]:
+        log.extend(f"{e.event}:{e.token_count}" for e in events)
+        return [LABELS[e.event] for e in events]
+
+    async def end_resync(backend: str) -> None:
+        log.append(f"end:{backend}")
+        if fail.pop() if fail else False:
+            raise RuntimeError("swap failed")
+
+    block = ["resync:None", "cache_created:1", "cache_created:2", "cache_created:3"]
+    c = h.consumer(lst.url, Recorder(), apply_many=apply_many, end_resync=end_resync)
+    h.run(c)
+    await wait_until(lambda: log.count(f"end:{B}") == 2, "the swap, after one failure")
+    assert log == [*block, f"end:{B}", *block, f"end:{B}"]
+    assert h.sent_ids == [None, "e1.s0-3"]  # the failed last record was asked for again
+    hub.publish(B, created(7))
+    hub.resync(B, "restart", [created(8), created(9)])
+    hub.publish(B, created(10))
+    await wait_until(lambda: "cache_created:10" in log, "the live events")
+    assert log[2 * len(block) + 2 :] == [
+        "cache_created:7",
+        "resync:None",
+        "cache_created:8",
+        "cache_created:9",
+        f"end:{B}",
+        "cache_created:10",
+    ]
+    assert c.stats.resyncs == 3 and c.stats.last_event_id == "e1-5"

@@ -333,3 +333,23 @@ def test_any_json_in_any_chain_field_is_an_event_or_an_event_error(field: str, v
 )
 def test_chain_json_round_trip_is_exact(ev: KvEvent) -> None:
     assert KvEvent.from_json(ev.to_json()) == ev
+
+
+@given(json_values)
+def test_a_resync_with_any_snapshot_size_is_a_resync(value: Any) -> None:
+    """A resync is never dropped: a ``snapshot_size`` that is not a count reads as unsaid
+    (the router then drops the backend at once instead of swapping a snapshot in)."""
+    ev = KvEvent.from_json(
+        orjson.dumps({"event": "resync", "backend": "b", "snapshot_size": value})
+    )
+    assert ev.event == "resync"
+    ok = type(value) is int and 0 <= value < 1 << 40
+    assert ev.snapshot_size == (value if ok else None)
+
+
+@given(st.none() | st.integers(min_value=0, max_value=1 << 39))
+def test_resync_snapshot_size_round_trips_and_only_on_resync(size: int | None) -> None:
+    ev = KvEvent("resync", "b", reason="restart", snapshot_size=size)
+    assert KvEvent.from_json(ev.to_json()) == ev
+    other = orjson.dumps({**VALID, "snapshot_size": 3})
+    assert KvEvent.from_json(other).snapshot_size is None

@@ -157,7 +157,12 @@ async def test_fresh_stream_gets_resync_snapshot_then_live(env: Env) -> None:
     head = await reader.take(3)
     assert [r.event for r in head] == ["resync", "cache_created", "cache_created"]
     assert [r.id for r in head] == [f"{EPOCH}.s1-1", f"{EPOCH}.s1-2", f"{EPOCH}-1"]
-    assert orjson.loads(head[0].data) == {"event": "resync", "backend": B, "reason": "no_event_id"}
+    assert orjson.loads(head[0].data) == {
+        "event": "resync",
+        "backend": B,
+        "reason": "no_event_id",
+        "snapshot_size": len(SNAPSHOT),
+    }
     assert [KvEvent.from_json(r.data, event_field=r.event, backend=B) for r in head[1:]] == SNAPSHOT
     env.hub.publish(B, created(2))
     env.hub.publish(B, created(3))

@@ -198,7 +198,12 @@ async def test_unresumable_ids_get_resync_and_snapshot(last: str | None, reason:
     sub = resumed(h, last, snap)
     recs = sub.ready()
     assert [r.event for r in recs] == ["resync", "cache_created", "cache_created"]
-    assert payload(recs[0]) == {"event": "resync", "backend": B, "reason": reason}
+    assert payload(recs[0]) == {
+        "event": "resync",
+        "backend": B,
+        "reason": reason,
+        "snapshot_size": 2,
+    }
     assert [r.data for r in recs[1:]] == [e.to_json() for e in snap]
     # Every record has a fresh, non-empty id; only the last one is resumable, at seq 4.
     assert len({r.id for r in recs}) == 3 and all(recs)
@@ -268,7 +273,12 @@ async def test_shared_resync_is_published_in_sequence() -> None:
         ("resync", f"{EPOCH}-2"),
         ("cache_created", f"{EPOCH}-3"),
     ]
-    assert payload(recs[1]) == {"event": "resync", "backend": B, "reason": "restart"}
+    assert payload(recs[1]) == {
+        "event": "resync",
+        "backend": B,
+        "reason": "restart",
+        "snapshot_size": 1,
+    }
     assert seqs(resumed(h, f"{EPOCH}-1").ready()) == [2, 3]  # replayable like any event
     st = h.stats()["backends"][B]
     assert (st["resyncs_published"], st["published"]) == (1, 3)

@@ -1,0 +1,273 @@
+"""Redis processes on loopback ports: a server, and a Sentinel deployment.
+
+Used by the tests (``tests.redis_fixture``) and the benchmarks (``bench.redis_ha_bench``).
+Readiness is awaited by PINGing (authenticated where a password is set), never by sleeping
+a fixed time.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import ssl
+import subprocess
+import tempfile
+import time
+
+from harness.procs import free_port as _free_port
+
+__all__ = ["RedisServer", "SentinelSet", "TlsFiles"]
+
+
+def _ping(
+    port: int,
+    timeout: float = 0.2,
+    password: str | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=timeout) as raw:
+            s = raw if tls is None else tls.wrap_socket(raw, server_hostname="localhost")
+            if password is not None:
+                s.sendall(f"AUTH {password}\r\n".encode())
+                if not s.recv(16).startswith(b"+OK"):
+                    return False
+            s.sendall(b"PING\r\n")
+            return s.recv(16).startswith(b"+PONG")
+    except OSError:
+        return False
+
+
+class TlsFiles:
+    """A CA and a server certificate (``certs.dev_bundle``) for TLS-only Redis processes."""
+
+    def __init__(self, ca: str, cert: str, key: str) -> None:
+        self.ca, self.cert, self.key = ca, cert, key
+
+    def server_args(self, port: int) -> list[str]:
+        return [
+            "--port", "0", "--tls-port", str(port),
+            "--tls-cert-file", self.cert, "--tls-key-file", self.key,
+            "--tls-ca-cert-file", self.ca, "--tls-auth-clients", "no",
+            "--tls-replication", "yes",
+        ]  # fmt: skip
+
+    def client_context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=self.ca)
+
+
+class RedisServer:
+    """A private ``redis-server`` process on a loopback port that stays the same across
+    ``kill``/``start`` (so clients can reconnect to the same URL)."""
+
+    def __init__(
+        self,
+        executable: str,
+        extra_args: list[str] | None = None,
+        *,
+        password: str | None = None,
+        config: str | None = None,
+        tls: TlsFiles | None = None,
+    ) -> None:
+        """
+        Args:
+            extra_args: more ``redis-server`` options (``--replicaof``, ``--sentinel``...).
+            password: what the readiness PING authenticates with.
+            config: a config file's text, written to the server's directory and passed
+                first (Sentinel needs a file it can rewrite); ``{port}`` is replaced.
+            tls: serve TLS only (``tls-port``, plain port 0), replicate and reach the
+                other nodes over TLS; the readiness PING verifies the certificate.
+        """
+        self.executable = executable
+        self.port = 0
+        self.extra_args = list(extra_args or [])
+        self.password = password
+        self.config = config
+        self.tls = tls
+        self._dir = tempfile.TemporaryDirectory(prefix="continuum-redis-")
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self, timeout: float = 10.0) -> None:
+        """Start (again) on ``self.port``; pick a free port on first start. Waits for PONG."""
+        attempts = 1 if self.port else 5
+        for _ in range(attempts):
+            if not self.port or attempts > 1:
+                self.port = _free_port()
+            head: list[str] = []
+            if self.config is not None:
+                path = os.path.join(self._dir.name, "redis.conf")
+                with open(path, "w") as f:
+                    f.write(self.config.replace("{port}", str(self.port)))
+                head = [path]
+            self._proc = subprocess.Popen(
+                [
+                    self.executable,
+                    *head,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                    "--dir",
+                    self._dir.name,
+                    "--daemonize",
+                    "no",
+                    "--loglevel",
+                    "warning",
+                    *self.extra_args,
+                    *(self.tls.server_args(self.port) if self.tls is not None else ()),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                if self._proc.poll() is not None:
+                    break  # exited: the port was taken meanwhile, try another
+                ctx = self.tls.client_context() if self.tls is not None else None
+                if _ping(self.port, password=self.password, tls=ctx):
+                    return
+                time.sleep(0.02)
+            self.kill()
+        raise RuntimeError(f"redis-server did not start on 127.0.0.1:{self.port}")
+
+    def kill(self) -> None:
+        """SIGKILL and reap: connections drop at once, nothing is saved."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+
+    def close(self) -> None:
+        self.kill()
+        self._dir.cleanup()
+
+
+class SentinelSet:
+    """A primary, a replica and three sentinels on loopback ports (see the module doc).
+
+    ``master_name`` is what the sentinels monitor; ``password`` the data nodes',
+    ``sentinel_password`` the sentinels' own. :meth:`wait_ready` blocks until every
+    sentinel knows the replica and the two other sentinels (so a failover can be
+    agreed on); :meth:`kill_primary` and :meth:`wait_failover` drive a failover.
+    """
+
+    master_name = "continuum"
+    password = "data-secret"
+    sentinel_password = "sentinel-secret"
+
+    def __init__(self, executable: str, tls: TlsFiles | None = None) -> None:
+        """``tls``: every process (data nodes and sentinels) speaks TLS only."""
+        self.tls = tls
+        auth = ["--requirepass", self.password, "--masterauth", self.password]
+        self.primary = RedisServer(executable, auth, password=self.password, tls=tls)
+        self.primary.start()
+        self.replica = RedisServer(
+            executable,
+            [*auth, "--replicaof", "127.0.0.1", str(self.primary.port)],
+            password=self.password,
+            tls=tls,
+        )
+        self.replica.start()
+        conf = "\n".join(
+            (
+                f"sentinel monitor {self.master_name} 127.0.0.1 {self.primary.port} 2",
+                f"sentinel auth-pass {self.master_name} {self.password}",
+                f"sentinel down-after-milliseconds {self.master_name} 1000",
+                f"sentinel failover-timeout {self.master_name} 4000",
+                f"sentinel parallel-syncs {self.master_name} 1",
+                f"requirepass {self.sentinel_password}",
+                f"sentinel sentinel-pass {self.sentinel_password}",
+                "",
+            )
+        )
+        self.sentinels: list[RedisServer] = []
+        for _ in range(3):
+            s = RedisServer(
+                executable, ["--sentinel"], password=self.sentinel_password, config=conf, tls=tls
+            )
+            s.start()
+            self.sentinels.append(s)
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{s.port}" for s in self.sentinels]
+
+    def config(self) -> dict[str, object]:
+        """``response_cache.redis`` for this deployment (Sentinel mode, both passwords)."""
+        tls = self.tls is not None
+        return {
+            "mode": "sentinel",
+            "password": self.password,
+            **({"tls": True, "tls_ca_file": self.tls.ca} if self.tls is not None else {}),
+            "sentinel": {
+                "master_name": self.master_name,
+                "addresses": self.addresses,
+                "password": self.sentinel_password,
+                "tls": tls,
+            },
+        }
+
+    def _sentinel(self, port: int, *args: str) -> str:
+        out = subprocess.run(
+            ["redis-cli", "-p", str(port), "-a", self.sentinel_password, "--no-auth-warning",
+             *(["--tls", "--cacert", self.tls.ca] if self.tls is not None else []),
+             "sentinel", *args],
+            capture_output=True, text=True, timeout=5, check=False,
+        )  # fmt: skip
+        return out.stdout
+
+    def master_port(self, sentinel_port: int | None = None) -> int | None:
+        """The primary's port as a sentinel names it."""
+        port = self.sentinels[0].port if sentinel_port is None else sentinel_port
+        lines = self._sentinel(port, "get-master-addr-by-name", self.master_name).split()
+        return int(lines[1]) if len(lines) == 2 else None
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ok = True
+            for s in self.sentinels:
+                info = self._sentinel(s.port, "master", self.master_name).split("\n")
+                fields = dict(zip(info[::2], info[1::2], strict=False))
+                if fields.get("num-slaves") != "1" or fields.get("num-other-sentinels") != "2":
+                    ok = False
+                    break
+            if ok:
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the sentinels did not find the replica and each other")
+
+    def kill_primary(self) -> int:
+        """SIGKILL the current primary; returns its port."""
+        port = self.master_port()
+        victim = self.primary if port == self.primary.port else self.replica
+        victim.kill()
+        return victim.port
+
+    def wait_failover(self, old_port: int, timeout: float = 30.0) -> int:
+        """Until every sentinel names a new primary; its port."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ports = {self.master_port(s.port) for s in self.sentinels}
+            if len(ports) == 1 and None not in ports and old_port not in ports:
+                (port,) = ports
+                assert port is not None
+                return port
+            time.sleep(0.1)
+        raise RuntimeError("no failover")
+
+    def close(self) -> None:
+        for s in (*self.sentinels, self.replica, self.primary):
+            s.close()
