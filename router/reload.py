@@ -20,8 +20,14 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from .config import ConfigError, RouterConfig, load_config, log_warnings, restart_only_changes
-from .config.loader import keep_restart_only
+from .config import (
+    ConfigError,
+    RouterConfig,
+    keep_restart_only,
+    load_config,
+    log_warnings,
+    restart_only_changes,
+)
 
 __all__ = ["ConfigReloader"]
 
@@ -87,7 +93,7 @@ class ConfigReloader:
         for path in changed:
             log.warning("reload: %s changed; it applies only after a restart", path)
         if changed:
-            new = keep_restart_only(old, new)
+            new = keep_restart_only(old, new, changed)
         log_warnings(issues)
         self.router.apply_config(new)
         for hook in self.on_apply:
