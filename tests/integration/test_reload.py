@@ -263,8 +263,8 @@ async def test_response_cache_turned_on_by_reload_serves_hits(
     cfg: dict[str, Any] = {"backends": [backend(sims[0].name, sims[0].url)]}
     router = await start_router(cfg)
     who = {"authorization": "Bearer tenant-reload"}
-    ask = {"model": "demo-model", "messages": [{"role": "user", "content": "cache?"}]}
-    ask["temperature"] = 0
+    ask: dict[str, Any] = {"model": "demo-model", "temperature": 0}
+    ask["messages"] = [{"role": "user", "content": "cache?"}]
     assert (await router.chat(ask, headers=who)).headers["x-cache"] == "BYPASS"
 
     on = {**cfg, "response_cache": {"enabled": True, "ttl": "10m"}}

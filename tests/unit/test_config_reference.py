@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROUTER_EXAMPLE = ROOT / "deploy" / "config.example.yaml"
 LISTENER_EXAMPLE = ROOT / "config.kv-listener.yaml.example"
 
-NOT_OPTIONS = {
+NOT_OPTIONS: dict[type[BaseModel], tuple[str, ...]] = {
     # Accepts nothing: an inline token is rejected with a pointer to the two ways.
     ListenerConfig: ("event_bus.credential",),
 }
@@ -103,9 +103,9 @@ def test_an_unknown_key_and_broken_commented_yaml_are_named() -> None:
     assert "prefix_routing.virtual_nodes: missing; document it (its default: 150)" in found
     # A prose comment line that reads as a setting is named as one, with its line.
     text = edited("  interval_ms: 10000\n", "  interval_ms: 10000\n  # note: see below\n")
-    (found,) = problems(RouterConfig, text)
-    assert found.startswith("health_check.note (line "), found
-    assert found.endswith("): not a field of HealthCheckConfig"), found
+    (note,) = problems(RouterConfig, text)
+    assert note.startswith("health_check.note (line "), note
+    assert note.endswith("): not a field of HealthCheckConfig"), note
     # One that breaks the uncommented file is said so.
     text = edited("  interval_ms: 10000\n", "  interval_ms: 10000\n  # note: a: b\n")
     (found_yaml,) = problems(RouterConfig, text)
