@@ -2,8 +2,9 @@
 
 A new file is loaded and validated whole before anything is applied: an invalid file
 is rejected with its errors logged and the running config keeps serving. Restart-only
-sections (``server``) are never half-applied: their running values are kept and each
-changed path is logged as needing a restart.
+fields (``router.config.reloading``: every field is classified there) are never
+half-applied: their running values are kept and each changed path is logged as needing a
+restart.
 
 A reload never raises: it runs in the file watcher's task and in the SIGHUP handler, and
 an exception escaping either would end the watcher for good (or the loop, and with it
