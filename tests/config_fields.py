@@ -103,7 +103,8 @@ commented-out line ("# key: value", which the check reads as if uncommented; a l
 fields in at least one item). The first time a path appears its value is the code's
 default, unless the default is unset (then the value is an example) or the line's comment
 starts with "default X" naming the code's default ("# default false", "# default []",
-"# default unset"). Any "# default X" must name the code's default."""
+"# default unset"). Any "# default X" must name the code's default. A prose comment line
+must not start with a lowercase "word:" (it would read as a setting)."""
 
 _SETTING = re.compile(r"^(\s*)# ?(\s*(?:- )?[a-z_][a-z0-9_]*:(?:\s|$))")
 _STATED = re.compile(
