@@ -62,7 +62,8 @@ class AdminApi:
         token: the admin bearer token.
         pool: backends and their in-flight counts.
         counts: PrefixAwareHash's decisions (``Selector.counts``).
-        cache: the response cache service, when built.
+        cache: the response cache service, once built (``Router.apply_config`` sets it
+            when a reload turns the cache on).
         kv: Tier 4, when enabled.
         gemini: the Gemini service, when configured.
         conversation: the prompt-chain renderer of conversation-depth routing, when on.
@@ -84,7 +85,7 @@ class AdminApi:
         self._token = token
         self._pool = pool
         self._counts = counts
-        self._cache = cache
+        self.cache = cache
         self._kv = kv
         self._gemini = gemini
         self._conversation = conversation
@@ -312,7 +313,7 @@ class AdminApi:
     # -- Tiers 2 and 3 -------------------------------------------------------------
 
     async def cache_stats(self, req: Request) -> Response:
-        cache = self._cache
+        cache = self.cache
         if cache is None:
             return _disabled()
         cfg = cache.config
@@ -352,7 +353,7 @@ class AdminApi:
 
     async def cache_invalidate(self, req: Request) -> Response:
         """``{"clear_all": true}`` or ``{"key": "<64 hex>"}``."""
-        cache = self._cache
+        cache = self.cache
         if cache is None:
             return openai_error(409, "the response cache is not enabled", code="cache_disabled")
         try:

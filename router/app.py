@@ -71,7 +71,10 @@ class Router:
         # One Redis pool for the response cache and the KV index.
         self.redis_pools = RedisPools() if config.response_cache.redis is not None else None
         self.cache = self._build_cache(config) if config.response_cache.enabled else None
-        tier4 = config.prefix_routing.enabled and config.kv_cache_index.enabled
+        # Tier 4 is built with kv_cache_index.enabled (restart-only) and consulted while
+        # prefix_routing.enabled (hot-reloaded): without prefix keys nothing queries it, but
+        # its consumers keep it fed, so turning prefix routing on routes on a warm index.
+        tier4 = config.kv_cache_index.enabled
         self.event_bus = self._build_event_bus(config, tier4)
         self.kv: KvRuntime | None = None
         salter = None
@@ -105,7 +108,7 @@ class Router:
             self.kv if self.conversation is not None else None,
         )
         current = lambda: self.config  # noqa: E731 - read per request: a reload swaps it
-        chat = ChatCompletions(
+        self._chat = chat = ChatCompletions(
             config=current,
             pool=self.pool,
             forwarder=forwarder,
@@ -175,12 +178,16 @@ class Router:
         bus = config.dynamo.event_bus
         if not bus.enabled:
             return None
-        sources = [
+        return SessionRegistry.from_config(bus, Router._bus_sources(config, tier4))
+
+    @staticmethod
+    def _bus_sources(config: RouterConfig, tier4: bool) -> list[str]:
+        """The backends whose KV events come over the event bus."""
+        return [
             s.backend_name
             for s in config.kv_cache_index.event_sources
             if tier4 and s.transport == "event_bus"
         ]
-        return SessionRegistry.from_config(bus, sources)
 
     def _build_gemini(self, config: RouterConfig) -> GeminiService | None:
         gcc = config.gemini_context_cache
@@ -215,7 +222,13 @@ class Router:
         """Apply a validated reload (restart-only sections already kept by the caller)."""
         self.pool.update(config.backends, config.health_check)
         self.selector.configure(config)
-        if self.cache is not None:
+        if self.cache is None and config.response_cache.enabled:
+            # Off at start, on now: built here on the running store backend and pool
+            # (both restart-only); building does no I/O.
+            self.cache = self._build_cache(config)
+            self._chat.cache = self.admin.cache = self.cache
+            log.info("response cache: built on reload (%s)", config.response_cache.backend)
+        elif self.cache is not None:
             self.cache.config = config.response_cache  # ttl, sizes, enabled: per request
             self.cache.policy = config.control_plane.optimization
             if self.cache.semantic is not None:
@@ -223,6 +236,10 @@ class Router:
             resize = getattr(self.cache.store, "resize", None)
             if resize is not None:
                 resize(config.response_cache.capacity)
+        if self.kv is not None:
+            self.kv.reconfigure(config.kv_cache_index.event_sources)
+        if self.event_bus is not None:
+            self.event_bus.update_sources(self._bus_sources(config, self.kv is not None))
         self.config = config
 
     # -- dispatch ------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """Tier 4 inside the router: index, event consumers and scorer, started as one.
 
-Built only when ``prefix_routing.enabled`` and ``kv_cache_index.enabled`` are both true
-(the scorer needs prefix keys). ``kv_cache_index`` is restart-only, so this object lives
-as long as the process.
+Built when ``kv_cache_index.enabled`` (restart-only), so this object lives as long as
+the process; it is consulted only while ``prefix_routing.enabled`` (the scorers need
+prefix keys, and that switch hot-reloads). Of ``kv_cache_index`` only ``event_sources``
+reloads (:meth:`KvRuntime.reconfigure`).
 
 With ``kv_cache_index.conversation.enabled`` it also holds conversation-depth routing:
 the chain index (a second index from the same factory: ``conversation.max_entries``,
@@ -23,7 +24,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bus.tasks import cancel_and_wait
@@ -130,6 +131,7 @@ class KvRuntime:
         )
         self._cleanup: asyncio.Task[None] | None = None
         self._resync: asyncio.Task[None] | None = None
+        self._restart: asyncio.Task[None] | None = None
         self.index_resyncs = 0
         """Times every stream was started over because a Redis index came back."""
         for idx in (self.index, self.chain_index):
@@ -174,7 +176,33 @@ class KvRuntime:
         await self.consumers.start()
         self._cleanup = asyncio.get_running_loop().create_task(self._cleanup_loop())
 
+    def reconfigure(self, sources: Sequence[EventSourceConfig]) -> None:
+        """Hot reload of ``kv_cache_index.event_sources``: the consumers switch to
+        ``sources`` (``KvEventConsumerManager.restart``: unchanged ones keep running),
+        in the background, after any switch still in progress."""
+        sources = list(sources)
+        if sources == self.config.event_sources:
+            return
+        self.config = self.config.model_copy(update={"event_sources": sources})
+        previous = self._restart
+
+        async def switch() -> None:
+            if previous is not None:
+                await asyncio.wait([previous])
+            try:
+                await self.consumers.restart(sources)
+            except Exception:  # a reload never raises; the running consumers stay as they are
+                log.exception("KV event sources: reload failed")
+                return
+            log.info(
+                "KV event sources reloaded: %s",
+                ", ".join(f"{s.backend_name} ({s.transport})" for s in sources) or "none",
+            )
+
+        self._restart = asyncio.get_running_loop().create_task(switch())
+
     async def stop(self) -> None:
+        await cancel_and_wait(self._restart, log=log)
         await cancel_and_wait(self._cleanup, log=log)
         await cancel_and_wait(self._resync, log=log)
         await self.consumers.stop()

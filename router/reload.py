@@ -6,9 +6,9 @@ one (no YAML document): it would validate as a config without backends, and it i
 a file written in place looks like between its truncation and its write. The watcher
 applies a change only once the file held the same bytes for a whole poll interval, and
 parses exactly the bytes it hashed, so a file caught half-written (a valid prefix, say,
-with half the backends) is not applied. Restart-only
-sections (``server``) are never half-applied: their running values are kept and each
-changed path is logged as needing a restart.
+with half the backends) is not applied. Restart-only fields (``router.config.reloading``:
+every field is classified there) are never half-applied: their running values are kept
+and each changed path is logged as needing a restart.
 
 A reload never raises: it runs in the file watcher's task and in the SIGHUP handler, and
 an exception escaping either would end the watcher for good (or the loop, and with it
@@ -27,8 +27,14 @@ from typing import Protocol
 
 from bus.config import ConfigIssue, parse_yaml
 
-from .config import ConfigError, RouterConfig, log_warnings, parse_config, restart_only_changes
-from .config.loader import keep_restart_only
+from .config import (
+    ConfigError,
+    RouterConfig,
+    keep_restart_only,
+    log_warnings,
+    parse_config,
+    restart_only_changes,
+)
 
 __all__ = ["ConfigReloader"]
 
@@ -117,7 +123,7 @@ class ConfigReloader:
         for path in changed:
             log.warning("reload: %s changed; it applies only after a restart", path)
         if changed:
-            new = keep_restart_only(old, new)
+            new = keep_restart_only(old, new, changed)
         log_warnings(issues)
         self.router.apply_config(new)
         for hook in self.on_apply:

@@ -1,14 +1,12 @@
 """Router configuration: typed models and the YAML loader."""
 
 from .loader import (
-    RESTART_ONLY,
     ConfigError,
     ConfigIssue,
     check_config,
     load_config,
     log_warnings,
     parse_config,
-    restart_only_changes,
 )
 from .models import (
     BACKEND_TYPES,
@@ -30,9 +28,11 @@ from .models import (
     StorageOffloadingConfig,
     parse_hostport,
 )
+from .reloading import RELOADABLE, RESTART_ONLY, keep_restart_only, restart_only_changes
 
 __all__ = [
     "BACKEND_TYPES",
+    "RELOADABLE",
     "RESTART_ONLY",
     "STRATEGIES",
     "BackendConfig",
@@ -53,6 +53,7 @@ __all__ = [
     "ServerConfig",
     "StorageOffloadingConfig",
     "check_config",
+    "keep_restart_only",
     "load_config",
     "log_warnings",
     "parse_config",

@@ -20,34 +20,15 @@ from .admin_token import read_admin_token
 from .models import RouterConfig, ServerConfig, parse_hostport
 
 __all__ = [
-    "RESTART_ONLY",
     "ConfigError",
     "ConfigIssue",
     "check_config",
-    "keep_restart_only",
     "load_config",
     "log_warnings",
     "parse_config",
-    "restart_only_changes",
 ]
 
 log = logging.getLogger("continuum.config")
-
-RESTART_ONLY: tuple[str, ...] = (
-    "server",
-    "kv_cache_index",
-    "response_cache.backend",
-    "response_cache.redis",
-    "gemini_context_cache",
-    "dynamo.event_bus.enabled",
-    "dynamo.event_bus.listen",
-    "dynamo.event_bus.tls",
-    "dynamo.event_bus.max_message_bytes",
-    "dynamo.event_bus.max_sessions",
-    "dynamo.event_bus.max_streams",
-)
-"""Sections (or single fields) a reload cannot apply: they own sockets, pools, tasks."""
-"""Top-level sections a reload cannot apply (they own sockets and credentials)."""
 
 
 def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
@@ -90,7 +71,8 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
             ConfigIssue(
                 "warning",
                 "kv_cache_index.enabled",
-                "the KV index needs prefix keys: set prefix_routing.enabled: true",
+                "the KV index is fed but not consulted without prefix keys: set "
+                "prefix_routing.enabled: true (it hot-reloads)",
             )
         )
     if cfg.response_cache.backend == "redis" and cfg.response_cache.redis is None:
@@ -451,44 +433,3 @@ def load_config(path: str | Path) -> tuple[RouterConfig, list[ConfigIssue]]:
 
 def log_warnings(issues: Iterable[ConfigIssue]) -> None:
     _log_warnings(issues, log)
-
-
-def restart_only_changes(old: RouterConfig, new: RouterConfig) -> list[str]:
-    """YAML paths of restart-only fields that differ between two configs."""
-    changed: list[str] = []
-    for path in RESTART_ONLY:
-        section, _, field = path.partition(".")
-        a = getattr(old, section).model_dump()
-        b = getattr(new, section).model_dump()
-        if field:
-            for part in field.split("."):  # nested paths: dynamo.event_bus.listen
-                a, b = a.get(part), b.get(part)
-            if a != b:
-                changed.append(path)
-        else:
-            changed.extend(f"{section}.{k}" for k in a if a[k] != b.get(k))
-    return changed
-
-
-def _with_value(model: Any, parts: list[str], value: Any) -> Any:
-    """``model`` with the field at ``parts`` (a nested path) set to ``value``."""
-    if len(parts) == 1:
-        return model.model_copy(update={parts[0]: value})
-    child = getattr(model, parts[0])
-    return model.model_copy(update={parts[0]: _with_value(child, parts[1:], value)})
-
-
-def keep_restart_only(old: RouterConfig, new: RouterConfig) -> RouterConfig:
-    """``new`` with every restart-only field put back to its running value."""
-    update: dict[str, Any] = {}
-    for path in RESTART_ONLY:
-        section, _, field = path.partition(".")
-        if field:
-            current = update.get(section, getattr(new, section))
-            running: Any = getattr(old, section)
-            for part in field.split("."):
-                running = getattr(running, part)
-            update[section] = _with_value(current, field.split("."), running)
-        else:
-            update[section] = getattr(old, section)
-    return new.model_copy(update=update)

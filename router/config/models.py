@@ -464,7 +464,8 @@ class ConversationConfig(_Section):
 
 
 class KvCacheIndexConfig(_Section):
-    """Tier 4: the index of which backend holds which prefix. Restart-only."""
+    """Tier 4: the index of which backend holds which prefix. Restart-only but for
+    ``event_sources`` (``router.config.reloading``)."""
 
     enabled: bool = False
     backend: Literal["memory", "redis"] = "memory"

@@ -63,7 +63,8 @@ class ChatCompletions(PassThroughAnswers):
         pool: candidates per model.
         forwarder: sends the prepared request.
         observe: request metrics, for answers that never reach a backend (cache hits).
-        cache: the response cache service, when it was built at start.
+        cache: the response cache service, once built (at start, or by the reload that
+            turns ``response_cache.enabled`` on: ``Router.apply_config`` sets it).
         gemini: the Gemini adapter factory, when the context cache or the native API is on.
         salter: the cache-salt step, when a salt secret is configured.
         conversation: renders the request into its prompt chain (conversation-depth
@@ -86,7 +87,7 @@ class ChatCompletions(PassThroughAnswers):
         self._pool = pool
         self._forwarder = forwarder
         self._observe = observe
-        self._cache = cache
+        self.cache = cache
         self._gemini = gemini
         self._salter = salter
         self._conversation = conversation
@@ -120,7 +121,7 @@ class ChatCompletions(PassThroughAnswers):
         if caller_salt is not None and (not isinstance(caller_salt, str) or not caller_salt):
             return openai_error(400, "'cache_salt' must be a non-empty string", param="cache_salt")
         cfg = self._config()
-        cache = self._cache if cfg.response_cache.enabled else None
+        cache = self.cache if cfg.response_cache.enabled else None
         lookup = None
         if cache is not None:
             lookup = await cache.lookup(body, req.headers, stream)
@@ -171,14 +172,18 @@ class ChatCompletions(PassThroughAnswers):
             _affinity(req.headers, body) if cfg.selection_strategy == "ConsistentHash" else None,
             # The client's body, before the salt step binds a backend: the chain's root
             # takes the caller's own cache_salt, which the listener recovers too.
-            self._conversation.chain(body, model) if self._conversation is not None else None,
+            (
+                self._conversation.chain(body, model)
+                if self._conversation is not None and pr.enabled
+                else None
+            ),
         )
         spec = ForwardSpec(
             "chat", req.body, body, stream, ctx, forwarded_headers(req), self, openai_errors
         )
-        if lookup is not None and lookup.result == "miss" and self._cache is not None:
-            spec.store = self._cache.writer_for(lookup)
-            spec.store_limit = self._cache.limit(stream)
+        if lookup is not None and lookup.result == "miss" and self.cache is not None:
+            spec.store = self.cache.writer_for(lookup)
+            spec.store_limit = self.cache.limit(stream)
         if self._gemini is not None and any(b.type == "gemini" for b in candidates):
             try:
                 spec.gemini = self._gemini.chat(body, model, stream, self)

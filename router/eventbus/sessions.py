@@ -348,6 +348,15 @@ class SessionRegistry:
                 self._end(session, SessionEnd(grpc.StatusCode.PERMISSION_DENIED, reason, forbidden))
                 del self.sessions[session.client_id]
 
+    def update_sources(self, sources: Iterable[str]) -> None:
+        """Hot reload of the ``transport: event_bus`` sources: new sessions and every
+        live one serve the new set at once (a live session's accepted sources are the ones
+        it announced among them); the consumers of removed sources are stopped by the
+        reload itself."""
+        self.sources = frozenset(sources)
+        for session in self.sessions.values():
+            session.accepted = tuple(sorted(session.sources & self.sources))
+
     def close(self) -> None:
         """Router shutdown: end every session with UNAVAILABLE. Idempotent."""
         self._closed = True

@@ -160,3 +160,41 @@ async def test_sigterm_drains_and_a_second_listener_takes_over(
         await pub.burst(8, 8)  # events after the drain reach the router through the other
         await wait_router_matches(router.grpc_address, other, B)
         assert "is draining" in router.log()
+
+
+async def test_a_reload_adds_and_removes_an_event_bus_source(
+    start_router: StartRouter, pki: Pki, tmp_path: Path
+) -> None:
+    """A listener's session is open before the router consumes its source: the reload
+    that adds the ``transport: event_bus`` source subscribes over that session (no
+    reconnect), and the one that removes it stops the stream."""
+    bus_port, zmq_port = free_port(), free_port()
+    cfg = router_config(pki, bus_port, [B], [broker("kv-a", [B])])
+    sources = cfg["kv_cache_index"]["event_sources"]
+    cfg["kv_cache_index"] = {**cfg["kv_cache_index"], "event_sources": []}
+    router = await start_router(cfg)
+    pub = await Publisher(zmq_port, B).start()
+    lcfg = listener_config(pki, bus_port, "kv-a", {B: zmq_port})
+    listener = await ListenerProc(lcfg, tmp_path / "l.yaml", TOKENS["kv-a"]).start()
+    async with running(listener, pub):
+        await listener.warm_up(pub)
+        await router.wait_for_log("(kv_listener, token) announces vllm-1", within=15)
+        await pub.burst(16, 8)
+        consumers = await router.stats_of("/admin/kv-index/backends")
+        assert consumers["backends"] == [], consumers
+
+        with_source = {**cfg, "kv_cache_index": {**cfg["kv_cache_index"], "event_sources": sources}}
+        assert await router.reload(with_source)
+        state = await wait_router_matches(router.grpc_address, listener, B)
+        assert len(state) >= 2
+        st = await backend_status(router.grpc_address, B)
+        assert st.connected and st.transport == "event_bus"
+        assert router.log().count("announces vllm-1") == 1, "the session was not reopened"
+
+        assert await router.reload(cfg)
+
+        async def stopped() -> bool:
+            return (await router.stats_of("/admin/kv-index/backends"))["backends"] == []
+
+        await wait_until(stopped, 10, what="the removed source's consumer to stop")
+        assert "applies only after a restart" not in router.log()

@@ -253,3 +253,33 @@ async def test_response_cache_fields_hot_reload_but_backend_is_restart_only(
     assert await router.reload(off)
     again = await router.chat(ask("Which city is France's capital?"), headers=who)  # 0.99
     assert again.headers["x-cache"] == "MISS"
+
+
+async def test_response_cache_turned_on_by_reload_serves_hits(
+    start_router: StartRouter, sims: SimFleet
+) -> None:
+    """Off at start, the cache is built by the reload that turns it on; off again, every
+    request bypasses it."""
+    cfg: dict[str, Any] = {"backends": [backend(sims[0].name, sims[0].url)]}
+    router = await start_router(cfg)
+    who = {"authorization": "Bearer tenant-reload"}
+    ask: dict[str, Any] = {"model": "demo-model", "temperature": 0}
+    ask["messages"] = [{"role": "user", "content": "cache?"}]
+    assert (await router.chat(ask, headers=who)).headers["x-cache"] == "BYPASS"
+
+    on = {**cfg, "response_cache": {"enabled": True, "ttl": "10m"}}
+    assert await router.reload(on)
+    assert (await router.chat(ask, headers=who)).headers["x-cache"] == "MISS"
+
+    async def hit() -> bool:
+        return (await router.chat(ask, headers=who)).headers["x-cache"] == "HIT"
+
+    await wait_until(hit, 5, what="the stored answer to be served")
+    stats = await router.stats_of("/admin/response-cache/stats")
+    assert stats["config"]["ttl"] == "10m" and stats["requests"]["hit"] >= 1, stats
+    metrics = await router.metrics()
+    assert 'continuum_response_cache_requests_total{result="hit"}' in metrics
+    assert "applies only after a restart" not in router.log()
+
+    assert await router.reload(cfg)
+    assert (await router.chat(ask, headers=who)).headers["x-cache"] == "BYPASS"

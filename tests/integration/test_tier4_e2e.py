@@ -607,3 +607,68 @@ async def test_redis_index_is_shared_by_two_routers(
         assert b_after["fallback"] == b_before["fallback"]
     finally:
         await _delete_index_keys(redis_url)
+
+
+# -- hot reload: Tier 4 turned on, event sources added, restart-only fields kept -----------
+
+
+async def test_reload_adds_an_event_source_and_turns_tier4_on(
+    stack: Stack, start_router: StartRouter
+) -> None:
+    """An operator starts with prefix routing off and one event source, then reloads:
+    the second source is consumed (its snapshot fills the index) without the first one
+    reconnecting; prefix_routing.enabled on routes on the index at once; a scoring
+    change is logged as restart-only and not applied."""
+    config: dict[str, Any] = {
+        "server": {"grpc_listen": "127.0.0.1:0"},
+        "selection_strategy": "RoundRobin",
+        "prefix_routing": {"enabled": False},
+        "backends": backends(stack.fleet, salt=False),
+        "kv_cache_index": {"enabled": True, "event_sources": event_sources(stack.listener)[:1]},
+    }
+    router = await start_router(config)
+    async with grpc.aio.insecure_channel(router.grpc_address) as channel:
+        stub = pb_grpc.KvIndexStub(channel)
+        req = sys_req("t4-reload")
+        prefix = prefix_of(req)
+        await direct(stack.sim_url("sim-2"), req)
+
+        async def connected(names: set[str]) -> bool:
+            live = {
+                b["backend_name"] for b in await kv_backends(router) if b["connection"]["connected"]
+            }
+            return live == names
+
+        await wait_until(lambda: connected({"sim-1"}), within=10, what="sim-1's consumer")
+        sim1_before = next(b for b in await kv_backends(router) if b["backend_name"] == "sim-1")
+        # Prefix routing off: the strategy alone decides, the index is not asked (another
+        # prompt: whatever the router sends, both engines then hold).
+        picks = {await route(router, sys_req("t4-reload-rr")) for _ in range(4)}
+        assert picks == set(NAMES), picks
+        assert (await kv_stats(router))["routing_decisions"]["total"] == 0
+
+        both = {**config, "kv_cache_index": {**config["kv_cache_index"]}}
+        both["kv_cache_index"]["event_sources"] = event_sources(stack.listener)
+        assert await router.reload(both)
+        await wait_until(lambda: connected(set(NAMES)), within=10, what="sim-2's consumer")
+        await wait_held(stub, prefix, "sim-2")
+        sim1 = next(b for b in await kv_backends(router) if b["backend_name"] == "sim-1")
+        assert sim1["connection"]["reconnect_count"] == sim1_before["connection"]["reconnect_count"]
+        assert sim1["events"]["received"] >= sim1_before["events"]["received"]
+        assert (await kv_stats(router))["config"]["event_sources_count"] == 2
+
+        on = {**both, "prefix_routing": {"enabled": True}}
+        assert await router.reload(on)
+        before, series_before = await decisions(router)
+        assert [await route(router, req) for _ in range(4)] == ["sim-2"] * 4
+        after, series_after = await decisions(router)
+        assert after["kv_aware"] == before["kv_aware"] + 4, (before, after)
+        assert series_after[("kv_aware", "gpu_hot")] == series_before[("kv_aware", "gpu_hot")] + 4
+        assert "applies only after a restart" not in router.log()
+
+        scoring = {**on, "kv_cache_index": {**on["kv_cache_index"]}}
+        scoring["kv_cache_index"]["scoring"] = {"overlap_weight": 0.5, "load_weight": 0.4}
+        assert await router.reload(scoring)
+        log = await router.wait_for_log("kv_cache_index.scoring.overlap_weight changed")
+        assert "kv_cache_index.scoring.load_weight changed; it applies only after a restart" in log
+        assert [await route(router, req) for _ in range(2)] == ["sim-2"] * 2

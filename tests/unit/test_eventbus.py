@@ -135,6 +135,21 @@ async def test_welcome_accepts_configured_sources_and_a_newer_session_replaces()
     assert registry.sessions == {"kv-a": second}
 
 
+async def test_reloaded_sources_are_served_by_live_sessions_at_once() -> None:
+    """A source added by a reload is subscribed over a session that announced it before
+    (no reconnect); a removed one is no longer picked."""
+    registry = _registry(sources=(B,))
+    session = registry.register(_principal(registry), hello(sources=(A, B)))
+    assert session.accepted == (B,)
+    registry.update_sources([A, B])
+    assert session.accepted == (A, B)
+    assert registry._pick(A) is session
+    registry.update_sources([A])
+    assert session.accepted == (A,) and registry._pick(B) is None
+    later = registry.register(_principal(registry), hello(sources=(A, B)))
+    assert later.accepted == (A,)
+
+
 async def test_reload_shrink_sends_forbidden_and_keeps_unaffected_sessions() -> None:
     registry = _registry(entry("kv-a"), entry("kv-b"))
     a = registry.register(_principal(registry, "kv-a"), hello("kv-a", (A, B)))

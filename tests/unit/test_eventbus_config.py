@@ -16,12 +16,7 @@ import pytest
 from bus.config import parse_duration
 from listener.config import parse_listener_config
 from listener.push.config import EventBusClientConfig
-from router.config.loader import (
-    ConfigError,
-    keep_restart_only,
-    parse_config,
-    restart_only_changes,
-)
+from router.config import ConfigError, keep_restart_only, parse_config, restart_only_changes
 
 HASH = "sha256:" + "a" * 64
 
