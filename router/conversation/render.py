@@ -28,15 +28,16 @@ Every failure is a :class:`RenderError`; nothing else escapes :func:`render_prom
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 
 from .errors import RenderError
-from .messages import prepare_chat
+from .messages import PreparedChat, prepare_chat
 from .template import ChatTemplate
 
-__all__ = ["render_prompt"]
+__all__ = ["RenderInputs", "render_inputs", "render_prompt"]
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONSUMED = frozenset(
@@ -127,7 +128,26 @@ def render_prompt(
         raise RenderError("error", f"{type(exc).__name__}: {exc}") from None
 
 
-def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
+@dataclass(frozen=True, slots=True)
+class RenderInputs:
+    """What the template is rendered with for one request (before any render)."""
+
+    prepared: PreparedChat
+    chat: list[dict[str, Any]]
+    """The prepared messages as the template sees them (the final one tagged for
+    ``continue_final_message``)."""
+    variables: dict[str, Any]
+    """Every other template variable (``tools``, ``add_generation_prompt``, ...)."""
+    final: str | None
+    """``continue_final_message``'s text tagged, or None."""
+
+
+def render_inputs(chat_template: ChatTemplate, body: Mapping[str, Any]) -> RenderInputs:
+    """The template's inputs for ``body``.
+
+    Raises:
+        RenderError: a request that cannot be rendered (before rendering it).
+    """
     prepared = prepare_chat(body, chat_template)
     if not prepared.conversation:
         raise RenderError("invalid", "empty conversation")
@@ -158,14 +178,17 @@ def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -
     final = None
     if prepared.continue_final_message:
         final = _tag_final(chat, prepared.template.source)
-    compiled = prepared.template.plain if plain else prepared.template.template
-    rendered = compiled.render(
-        messages=chat,
-        tools=tools,
-        documents=documents,
-        add_generation_prompt=prepared.add_generation_prompt,
-        **variables,
-    )
-    if final is not None:
-        rendered = _cut_at_tag(rendered, final)
+    variables["tools"] = tools
+    variables["documents"] = documents
+    variables["add_generation_prompt"] = prepared.add_generation_prompt
+    return RenderInputs(prepared, chat, variables, final)
+
+
+def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
+    inputs = render_inputs(chat_template, body)
+    template = inputs.prepared.template
+    compiled = template.plain if plain else template.template
+    rendered = compiled.render(messages=inputs.chat, **inputs.variables)
+    if inputs.final is not None:
+        rendered = _cut_at_tag(rendered, inputs.final)
     return rendered

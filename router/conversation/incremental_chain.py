@@ -1,0 +1,193 @@
+"""A request's chain from the render cache: render the new messages only, extend the
+chain state the conversation's earlier turn left (:mod:`.incremental`, :mod:`.render_cache`).
+
+:func:`incremental_chain` returns None whenever it cannot give exactly what the full
+pass (:meth:`.chain.ConversationKeys.chain`) gives, and the caller then takes the full
+pass: no plan for the template, ``continue_final_message``, a render that raises, a
+message that is not JSON, a prompt the normalizer changes where the pieces meet. The
+chain is the full pass's byte for byte: what is reused is checked (the text before the
+loop, the loop-start values, the message digests) and the pieces are joined only where
+the tokenizer's normalizer cannot tell them from the whole (:attr:`.normalizer.Normalizer.
+splits_at_ascii`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bus.prompt_chain import ChainKey, ChainState, extend
+
+from .incremental import IncrementalPlan, Tracker, same_value
+from .render import render_inputs
+from .render_cache import CacheEntry, RenderCache, entry_size, message_digests
+from .template import ChatTemplate
+
+__all__ = ["CacheCounters", "incremental_chain"]
+
+PROBES = 16
+"""Boundaries tried per request, from the last message back (a turn adds a few)."""
+
+
+@dataclass(slots=True)
+class CacheCounters:
+    """Plain ints (one event loop), read by ``ConversationKeys.stats``."""
+
+    hits: int = 0
+    """Requests that reused an earlier turn's state."""
+    misses: int = 0
+    """Requests rendered whole (no state for any of their prefixes)."""
+    rejected: int = 0
+    """Requests whose state was found but could not be reused (rendered whole)."""
+    bypassed: int = 0
+    """Requests the cache cannot serve (no plan, continue_final_message, ...)."""
+    messages_reused: int = 0
+    messages_rendered: int = 0
+    stores: int = 0
+
+
+def _ascii_start(pieces: list[str]) -> bool:
+    for p in pieces:
+        if p:
+            return p[0] < "\x80"
+    return True
+
+
+def _agrees(
+    plan: IncrementalPlan, entry: CacheEntry, head: str, values: tuple[Any, ...], upto: int
+) -> bool:
+    if head != entry.head:
+        return False
+    k = len(plan.snapshot_names)
+    before, now = entry.values, values
+    if len(before) != len(now):
+        return False
+    for i in range(k):
+        if not same_value(before[i], now[i]):
+            return False
+    for g, guard in enumerate(plan.guards):
+        b, v = before[k + g], now[k + g]
+        if not (same_value(b, v) or guard.agree(b, v, upto)):
+            return False
+    return True
+
+
+def _boundary(needs: dict[int, int], start: int, n: int) -> int:
+    """The last message boundary in ``(start, n]`` whose earlier messages' texts can be
+    reused there (0 if none)."""
+    best, worst = 0, 0
+    for j in range(start + 1, n + 1):
+        worst = max(worst, needs.get(j - 1, 0))
+        if worst <= j:
+            best = j
+    return best
+
+
+def incremental_chain(
+    template: ChatTemplate,
+    body: Mapping[str, Any],
+    root: ChainKey,
+    chunk_bytes: int,
+    cache: RenderCache,
+    counters: CacheCounters,
+) -> tuple[list[ChainKey], int] | None:
+    """The keys and prompt bytes of ``body``'s chain, or None (take the full pass)."""
+    try:
+        inputs = render_inputs(template, body)
+    except Exception:
+        return None
+    compiled = inputs.prepared.template
+    plan = compiled.incremental
+    if plan is None or inputs.final is not None or not template.normalizer.splits_at_ascii:
+        counters.bypassed += 1
+        return None
+    digests = message_digests(body["messages"])
+    if digests is None:
+        counters.bypassed += 1
+        return None
+    prefix = (id(plan), root)
+    start = cache.find(prefix, digests, PROBES)
+    entry = cache.get((*prefix, digests[start - 1])) if start else None
+    result = _render(plan, inputs, start, entry, template, root, chunk_bytes)
+    if result is None and entry is not None:
+        counters.rejected += 1
+        start, entry = 0, None
+        result = _render(plan, inputs, 0, None, template, root, chunk_bytes)
+    elif entry is not None:
+        counters.hits += 1
+    else:
+        counters.misses += 1
+    if result is None:
+        return None
+    keys, total, stored = result
+    n = len(inputs.chat)
+    counters.messages_reused += start
+    counters.messages_rendered += n - start
+    if stored is not None:
+        j, new_entry = stored
+        cache.put((*prefix, digests[j - 1]), new_entry)
+        counters.stores += 1
+    return keys, total
+
+
+def _render(
+    plan: IncrementalPlan,
+    inputs: Any,
+    start: int,
+    entry: CacheEntry | None,
+    template: ChatTemplate,
+    root: ChainKey,
+    chunk_bytes: int,
+) -> tuple[list[ChainKey], int, tuple[int, CacheEntry] | None] | None:
+    tracker = Tracker(plan.template.environment)
+    try:
+        out = plan.template.render(
+            messages=inputs.chat,
+            **inputs.variables,
+            **tracker.variables(inputs.chat, start, plan.marker),
+        )
+    except Exception:
+        return None
+    n = len(inputs.chat)
+    parts = out.split(plan.marker)
+    # the head, "" (between the loop's start and its first message), each message, the rest
+    if len(parts) != n - start + 3 or parts[1]:
+        return None
+    head, values = parts[0], tracker.values
+    if entry is not None and not _agrees(plan, entry, head, values, start):
+        return None
+    bodies, post = parts[2:-1], parts[-1]
+    pieces = [head, *bodies, post] if entry is None else [*bodies, post]
+    if entry is not None and not _ascii_start(pieces):
+        return None
+    normalizer = template.normalizer
+    text = "".join(pieces)
+    if normalizer(text) != text:
+        return None
+    j = _boundary(tracker.needs, start, n)
+    if j and not _ascii_start([*bodies[j - start :], post]):
+        j = 0
+    state = entry.state if entry is not None else ChainState.start(root)
+    keys: list[ChainKey] = list(entry.keys) if entry is not None else []
+    try:
+        stored = None
+        if j:
+            cut = j - start + (1 if entry is None else 0)
+            before = "".join(pieces[:cut]).encode()
+            after = "".join(pieces[cut:]).encode()
+            state, done = extend(state, before, chunk_bytes)
+            keys.extend(done)
+            stored = (
+                j,
+                CacheEntry(
+                    head, values, state, tuple(keys), entry_size(head, state, len(keys), values)
+                ),
+            )
+        else:
+            after = text.encode()
+    except UnicodeEncodeError:
+        return None
+    state, done = extend(state, after, chunk_bytes)
+    keys.extend(done)
+    return keys, state.length, stored
