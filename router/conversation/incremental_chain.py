@@ -21,12 +21,12 @@ from bus.prompt_chain import ChainKey, ChainState, extend
 
 from .incremental import IncrementalPlan, Tracker, same_value
 from .render import render_inputs
-from .render_cache import CacheEntry, RenderCache, entry_size, message_digests
+from .render_cache import CacheEntry, MessageDigests, RenderCache, entry_size
 from .template import ChatTemplate
 
 __all__ = ["CacheCounters", "incremental_chain"]
 
-PROBES = 16
+PROBES = 8
 """Boundaries tried per request, from the last message back (a turn adds a few)."""
 
 
@@ -93,53 +93,63 @@ def incremental_chain(
     counters: CacheCounters,
 ) -> tuple[list[ChainKey], int] | None:
     """The keys and prompt bytes of ``body``'s chain, or None (take the full pass)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not template.normalizer.splits_at_ascii:
+        counters.bypassed += 1
+        return None
+    prefix = (id(template), root)
     try:
-        inputs = render_inputs(template, body)
-    except Exception:
-        return None
-    compiled = inputs.prepared.template
-    plan = compiled.incremental
-    if plan is None or inputs.final is not None or not template.normalizer.splits_at_ascii:
+        digests = MessageDigests(messages)
+        start, found = cache.find(prefix, digests, PROBES)
+    except (TypeError, ValueError):
         counters.bypassed += 1
         return None
-    digests = message_digests(body["messages"])
-    if digests is None:
-        counters.bypassed += 1
-        return None
-    prefix = (id(plan), root)
-    start = cache.find(prefix, digests, PROBES)
-    entry = cache.get((*prefix, digests[start - 1])) if start else None
-    result = _render(plan, inputs, start, entry, template, root, chunk_bytes)
-    if result is None and entry is not None:
-        counters.rejected += 1
-        start, entry = 0, None
-        result = _render(plan, inputs, 0, None, template, root, chunk_bytes)
-    elif entry is not None:
-        counters.hits += 1
-    else:
-        counters.misses += 1
+    entry = cache.get((*prefix, found)) if found is not None else None
+    result = None
+    if entry is not None:
+        result = _attempt(template, body, entry, start, chunk_bytes)
+        if result is None:
+            counters.rejected += 1
+            start, entry = 0, None
     if result is None:
-        return None
-    keys, total, stored = result
-    n = len(inputs.chat)
+        result = _attempt(template, body, None, 0, chunk_bytes, root)
+        if result is None:
+            counters.bypassed += 1
+            return None
+        counters.misses += 1
+    else:
+        counters.hits += 1
+    keys, total, stored, n = result
     counters.messages_reused += start
     counters.messages_rendered += n - start
     if stored is not None:
         j, new_entry = stored
-        cache.put((*prefix, digests[j - 1]), new_entry)
+        try:
+            d = digests.digest(j)
+        except (TypeError, ValueError):
+            return keys, total
+        cache.put((*prefix, d), new_entry)
         counters.stores += 1
     return keys, total
 
 
-def _render(
-    plan: IncrementalPlan,
-    inputs: Any,
-    start: int,
-    entry: CacheEntry | None,
+def _attempt(
     template: ChatTemplate,
-    root: ChainKey,
+    body: Mapping[str, Any],
+    entry: CacheEntry | None,
+    start: int,
     chunk_bytes: int,
-) -> tuple[list[ChainKey], int, tuple[int, CacheEntry] | None] | None:
+    root: ChainKey | None = None,
+) -> tuple[list[ChainKey], int, tuple[int, CacheEntry] | None, int] | None:
+    try:
+        inputs = render_inputs(template, body, entry.chat if entry is not None else ())
+    except Exception:
+        return None
+    plan = inputs.prepared.template.incremental
+    if plan is None or inputs.final is not None:
+        return None
+    if entry is not None and entry.plan is not plan:
+        return None
     tracker = Tracker(plan.template.environment)
     try:
         out = plan.template.render(
@@ -161,15 +171,17 @@ def _render(
     pieces = [head, *bodies, post] if entry is None else [*bodies, post]
     if entry is not None and not _ascii_start(pieces):
         return None
-    normalizer = template.normalizer
     text = "".join(pieces)
-    if normalizer(text) != text:
+    if template.normalizer(text) != text:
         return None
     j = _boundary(tracker.needs, start, n)
     if j and not _ascii_start([*bodies[j - start :], post]):
         j = 0
-    state = entry.state if entry is not None else ChainState.start(root)
-    keys: list[ChainKey] = list(entry.keys) if entry is not None else []
+    if entry is not None:
+        state, keys = entry.state, list(entry.keys)
+    else:
+        assert root is not None
+        state, keys = ChainState.start(root), []
     try:
         stored = None
         if j:
@@ -178,16 +190,13 @@ def _render(
             after = "".join(pieces[cut:]).encode()
             state, done = extend(state, before, chunk_bytes)
             keys.extend(done)
-            stored = (
-                j,
-                CacheEntry(
-                    head, values, state, tuple(keys), entry_size(head, state, len(keys), values)
-                ),
-            )
+            size = entry_size(head, state, len(keys), values, state.length)
+            kept = CacheEntry(head, values, state, tuple(keys), plan, tuple(inputs.chat[:j]), size)
+            stored = (j, kept)
         else:
             after = text.encode()
     except UnicodeEncodeError:
         return None
     state, done = extend(state, after, chunk_bytes)
     keys.extend(done)
-    return keys, state.length, stored
+    return keys, state.length, stored, n

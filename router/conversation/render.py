@@ -27,7 +27,7 @@ Every failure is a :class:`RenderError`; nothing else escapes :func:`render_prom
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -142,13 +142,16 @@ class RenderInputs:
     """``continue_final_message``'s text tagged, or None."""
 
 
-def render_inputs(chat_template: ChatTemplate, body: Mapping[str, Any]) -> RenderInputs:
-    """The template's inputs for ``body``.
+def render_inputs(
+    chat_template: ChatTemplate, body: Mapping[str, Any], known: Sequence[dict[str, Any]] = ()
+) -> RenderInputs:
+    """The template's inputs for ``body``; ``known``: the template's messages (``chat``) of
+    an earlier request whose messages began as ``body``'s (not prepared again).
 
     Raises:
         RenderError: a request that cannot be rendered (before rendering it).
     """
-    prepared = prepare_chat(body, chat_template)
+    prepared = prepare_chat(body, chat_template, known)
     if not prepared.conversation:
         raise RenderError("invalid", "empty conversation")
     if prepared.continue_final_message and prepared.add_generation_prompt:
@@ -174,7 +177,10 @@ def render_inputs(chat_template: ChatTemplate, body: Mapping[str, Any]) -> Rende
         raise RenderError("invalid", "documents is not a list of objects")
     # a prepared message of two keys is {"role": str, "content": str or parts}: nothing
     # to drop or alias
-    chat = [m if len(m) == 2 else _for_template(m) for m in prepared.conversation]
+    skip = len(known)
+    chat = [m if len(m) == 2 else _for_template(m) for m in prepared.conversation[skip:]]
+    if skip:
+        chat[:0] = known
     final = None
     if prepared.continue_final_message:
         final = _tag_final(chat, prepared.template.source)

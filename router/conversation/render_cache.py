@@ -22,39 +22,53 @@ import xxhash
 
 from bus.prompt_chain import ChainKey, ChainState
 
-__all__ = ["CacheEntry", "RenderCache", "message_digests"]
+__all__ = ["CacheEntry", "MessageDigests", "RenderCache", "entry_size"]
 
 _ENTRY_OVERHEAD = 400
 """Bytes an entry costs beyond its strings and keys (the entry, its tuple, the dict slot)."""
 
 
-def message_digests(messages: Sequence[Any]) -> list[bytes] | None:
-    """The digest of ``messages[:j]`` for every ``j`` from 1; None when a message is not
-    JSON-serializable (then nothing is cached)."""
-    h = xxhash.xxh3_128()
-    update, digest = h.update, h.digest
-    out: list[bytes] = []
-    append = out.append
-    try:
-        for m in messages:
-            if (
-                type(m) is dict
-                and len(m) == 2
-                and type(role := m.get("role")) is str
-                and type(content := m.get("content")) is str
-            ):
-                r, c = role.encode(), content.encode()
-                update(b"s%d:%d:" % (len(r), len(c)))
-                update(r)
-                update(c)
-            else:
-                data = orjson.dumps(m)
-                update(b"j%d:" % len(data))
-                update(data)
-            append(digest())
-    except (TypeError, UnicodeEncodeError, orjson.JSONEncodeError):
-        return None
-    return out
+class MessageDigests:
+    """Digests of a request's first ``j`` messages, for the ``j`` the cache asks about.
+
+    The messages are serialized once (``orjson``: ``[m0,m1,...]``, each message as its
+    own ``orjson.dumps`` and nothing between them but a comma), and the digest of the
+    first ``j`` is XXH3-128 of that serialization up to the end of message ``j-1``: the
+    same messages (same types, same key order) always give the same bytes, different ones
+    different bytes, and turn k+1's first messages give turn k's digest. Only the messages
+    after ``j`` are serialized on their own, to find where message ``j`` starts (the cache
+    asks about the last few boundaries)."""
+
+    __slots__ = ("_data", "_ends", "_low", "_messages", "count")
+
+    def __init__(self, messages: Sequence[Any]) -> None:
+        """Raises:
+        TypeError: a value ``orjson`` cannot serialize (nothing is cached then)."""
+        self._data = orjson.dumps(messages)
+        self._messages = messages
+        self.count = len(messages)
+        # _ends[j]: the offset just past message j - 1, the comma before message j (or
+        # the closing bracket), known from the last message down to _low
+        self._low = self.count
+        self._ends = {self.count: len(self._data) - 1}
+
+    def end(self, j: int) -> int:
+        """The offset just past message ``j - 1``."""
+        ends = self._ends
+        if j >= self._low:
+            return ends[j]
+        off, data, messages = ends[self._low], self._data, self._messages
+        for k in range(self._low - 1, j - 1, -1):
+            off -= len(orjson.dumps(messages[k])) + 1
+            if k and data[off] != 0x2C:  # a comma (before message 0: the bracket)
+                raise ValueError("messages serialized apart differ from the whole")
+            ends[k] = off
+        self._low = j
+        return off
+
+    def digest(self, j: int) -> bytes:
+        """The digest of the first ``j`` messages (1 <= j <= count)."""
+        return xxhash.xxh3_128_digest(memoryview(self._data)[: self.end(j)])
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,11 +79,20 @@ class CacheEntry:
     """The loop-start values (the plan's snapshot names, then its guards' values)."""
     state: ChainState
     keys: tuple[ChainKey, ...]
+    plan: Any
+    """The template's plan the entry was rendered with (the same one must reuse it)."""
+    chat: tuple[dict[str, Any], ...]
+    """The template's messages up to the boundary, as prepared (not prepared again)."""
     nbytes: int
 
 
-def entry_size(head: str, state: ChainState, keys: int, values: tuple[Any, ...]) -> int:
-    size = _ENTRY_OVERHEAD + len(head) + len(state.partial) + 16 * keys
+def entry_size(
+    head: str, state: ChainState, keys: int, values: tuple[Any, ...], prompt_bytes: int
+) -> int:
+    """About what an entry holds: its own strings and keys, the loop-start values, and
+    the prepared messages (counted as the prompt's length, though entries of one
+    conversation share them)."""
+    size = _ENTRY_OVERHEAD + len(head) + len(state.partial) + 16 * keys + prompt_bytes
     for v in values:
         if type(v) is str:
             size += len(v)
@@ -89,15 +112,17 @@ class RenderCache:
         self._bytes = 0
         self.evictions = 0
 
-    def find(self, prefix: tuple[Any, ...], digests: Sequence[bytes], probes: int) -> int:
-        """The longest ``j`` < ``len(digests)`` (at most ``probes`` tried) with an entry for
-        ``digests[:j]``, or 0."""
+    def find(
+        self, prefix: tuple[Any, ...], digests: MessageDigests, probes: int
+    ) -> tuple[int, bytes | None]:
+        """The longest ``j`` < ``digests.count`` (the last ``probes`` tried) with an
+        entry, and its digest; ``(0, None)`` when none has one."""
         entries = self._entries
-        stop = max(0, len(digests) - 1 - probes)
-        for j in range(len(digests) - 1, stop, -1):
-            if (*prefix, digests[j - 1]) in entries:
-                return j
-        return 0
+        for j in range(digests.count - 1, max(0, digests.count - 1 - probes), -1):
+            d = digests.digest(j)
+            if (*prefix, d) in entries:
+                return j, d
+        return 0, None
 
     def get(self, key: tuple[Any, ...]) -> CacheEntry:
         entry = self._entries[key]

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.conversation import ChatTemplate, ConversationKeys, load_chat_template
-from router.conversation.render_cache import RenderCache, message_digests
+from router.conversation.render_cache import MessageDigests, RenderCache
 
 from .conversation_support import MISTRAL_CONFIG, MISTRAL_JINJA, qwen_dir
 from .test_render_fast import _conversation
@@ -198,14 +198,40 @@ def test_a_bounded_cache_evicts_the_least_recent(qwen: ChatTemplate) -> None:
     assert stats["evictions"] > 0
 
 
-def test_digests_tell_types_and_framing_apart() -> None:
-    one = message_digests([{"role": "user", "content": "ab"}, {"role": "user", "content": "c"}])
-    two = message_digests([{"role": "user", "content": "a"}, {"role": "user", "content": "bc"}])
-    assert one is not None and two is not None and one[0] != two[0] and one[1] != two[1]
-    ints = message_digests([{"role": "tool", "content": "x", "tool_call_id": 1}])
-    floats = message_digests([{"role": "tool", "content": "x", "tool_call_id": 1.0}])
+def _digests(messages: list[Any]) -> list[bytes]:
+    d = MessageDigests(messages)
+    return [d.digest(j) for j in range(len(messages), 0, -1)][::-1]
+
+
+def test_digests_tell_messages_apart_and_find_earlier_turns() -> None:
+    one = _digests([{"role": "user", "content": "ab"}, {"role": "user", "content": "c"}])
+    two = _digests([{"role": "user", "content": "a"}, {"role": "user", "content": "bc"}])
+    assert one[0] != two[0] and one[1] != two[1]
+    ints = _digests([{"role": "tool", "content": "x", "tool_call_id": 1}])
+    floats = _digests([{"role": "tool", "content": "x", "tool_call_id": 1.0}])
     assert ints != floats
-    assert message_digests([{"role": "user", "content": object()}]) is None
+    turn = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    longer = _digests([*turn, {"role": "user", "content": "next"}])
+    assert longer[:2] == _digests(turn)
+    with pytest.raises(TypeError):
+        MessageDigests([{"role": "user", "content": object()}])
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    messages=st.lists(
+        st.dictionaries(
+            st.text(max_size=3), st.text(max_size=3) | st.integers(-(2**63), 2**63 - 1)
+        ),
+        min_size=1,
+        max_size=5,
+    )
+)
+def test_a_prefix_digest_is_the_prefix_alone(messages: list[Any]) -> None:
+    """The digest of the first j messages of a request is that of a request of those j."""
+    whole = _digests(messages)
+    for j in range(1, len(messages) + 1):
+        assert whole[j - 1] == _digests(messages[:j])[-1]
 
 
 def test_render_cache_bound_is_checked() -> None:
