@@ -115,10 +115,11 @@ class RenderCache:
     def find(
         self, prefix: tuple[Any, ...], digests: MessageDigests, probes: int
     ) -> tuple[int, bytes | None]:
-        """The longest ``j`` < ``digests.count`` (the last ``probes`` tried) with an
-        entry, and its digest; ``(0, None)`` when none has one."""
+        """The longest ``j`` <= ``digests.count`` (the last ``probes`` + 1 tried) with an
+        entry, and its digest; ``(0, None)`` when none has one. (``j`` may be all the
+        messages: a retry, or a turn that only changes what follows the loop.)"""
         entries = self._entries
-        for j in range(digests.count - 1, max(0, digests.count - 1 - probes), -1):
+        for j in range(digests.count, max(0, digests.count - 1 - probes), -1):
             d = digests.digest(j)
             if (*prefix, d) in entries:
                 return j, d

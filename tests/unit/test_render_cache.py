@@ -96,6 +96,12 @@ def test_a_conversation_renders_only_its_new_messages(qwen: ChatTemplate) -> Non
     assert stats["misses"] == 1
     assert stats["hits"] == len(range(2, len(messages) + 1, 2)) - 1
     assert stats["messages_reused"] > stats["messages_rendered"]
+    # the same request again (a retry) renders no message at all
+    rendered = stats["messages_rendered"]
+    assert cached.chain(body) == full.chain(body)
+    stats = cached.stats()["render_cache"]
+    assert stats["messages_rendered"] == rendered
+    assert stats["hits"] == len(range(2, len(messages) + 1, 2))
 
 
 def test_a_template_without_a_plan_renders_whole(mistral: ChatTemplate) -> None:
