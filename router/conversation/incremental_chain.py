@@ -128,6 +128,10 @@ def incremental_chain(
             d = digests.digest(j)
         except (TypeError, ValueError):
             return keys, total
+        if found is not None and start and j > start:
+            # the conversation moved on: its shorter state is not asked for again (a
+            # retry or a regenerated answer asks for the longer one)
+            cache.drop((*prefix, found))
         cache.put((*prefix, d), new_entry)
         counters.stores += 1
     return keys, total

@@ -70,6 +70,22 @@ class MessageDigests:
         """The digest of the first ``j`` messages (1 <= j <= count)."""
         return xxhash.xxh3_128_digest(memoryview(self._data)[: self.end(j)])
 
+    def digests(self, low: int) -> list[bytes]:
+        """The digests of the first ``j`` messages for ``j`` from ``low`` to ``count``, in
+        one pass over the bytes (``low`` >= 1)."""
+        self.end(low)
+        view, ends = memoryview(self._data), self._ends
+        h = xxhash.xxh3_128()
+        at = ends[low]
+        h.update(view[:at])
+        out = [h.digest()]
+        for j in range(low + 1, self.count + 1):
+            end = ends[j]
+            h.update(view[at:end])
+            at = end
+            out.append(h.digest())
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class CacheEntry:
@@ -119,8 +135,10 @@ class RenderCache:
         entry, and its digest; ``(0, None)`` when none has one. (``j`` may be all the
         messages: a retry, or a turn that only changes what follows the loop.)"""
         entries = self._entries
-        for j in range(digests.count, max(0, digests.count - 1 - probes), -1):
-            d = digests.digest(j)
+        low = max(1, digests.count - probes)
+        near = digests.digests(low)
+        for j in range(digests.count, low - 1, -1):
+            d = near[j - low]
             if (*prefix, d) in entries:
                 return j, d
         return 0, None
@@ -129,6 +147,11 @@ class RenderCache:
         entry = self._entries[key]
         self._entries.move_to_end(key)
         return entry
+
+    def drop(self, key: tuple[Any, ...]) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self._bytes -= old.nbytes
 
     def put(self, key: tuple[Any, ...], entry: CacheEntry) -> None:
         old = self._entries.pop(key, None)
