@@ -8,7 +8,8 @@ makes the template say, for every request, what that reuse needs to hold, and
 :mod:`.render_cache` keeps the chain state at those message boundaries.
 
 A template has a plan when its top-level statements hold exactly one ``{% for <name> in
-messages %}`` (no ``if`` filter, no ``else``, not recursive, no ``break`` and no
+messages %}`` and nothing sets ``messages`` (no ``if`` filter, no ``else``, not
+recursive, no ``break`` and no
 ``{% set ns.x %}`` inside: those carry state from skipped messages) and nothing in it
 names ``loop`` other than by its attributes (``loop.changed`` refused). The plan is the
 same template with that loop instrumented, compiled in the fast environment:
@@ -309,6 +310,10 @@ def _instrument(ast: n.Template) -> tuple[n.Template, tuple[str, ...], tuple[Gua
     for node in tree.find_all(n.Name):
         if node.name.startswith(_PREFIX):
             raise _NoPlan(f"the template names {node.name!r}")
+        if node.name == "messages" and node.ctx != "load":
+            # the loop would run over the set value (Llama 3's ``messages[1:]``), not
+            # over the request's messages the plan hands it
+            raise _NoPlan("the template sets messages")
     at = _the_loop(tree)
     loop = tree.body[at]
     assert isinstance(loop, n.For) and isinstance(loop.target, n.Name)

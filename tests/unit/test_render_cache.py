@@ -120,6 +120,49 @@ def _template(tmp_path: Path, source: str) -> ChatTemplate:
     return load_chat_template(None, str(path), None)
 
 
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for part in message['content'] %}{{ part['text'] }}{% endfor %}{% endif %}"
+    "{% if message.tool_calls is defined %}{{ message.tool_calls | tojson }}{% endif %}"
+    "{{ '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+"""A plain ChatML template (content as text or parts, tool calls as JSON)."""
+
+LLAMA3 = (
+    "{{- bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{% set system = messages[0]['content'] %}{% set messages = messages[1:] %}"
+    "{% else %}{% set system = '' %}{% endif %}"
+    "{{ '<|start_header_id|>system<|end_header_id|>\\n\\n' + system|string + '<|eot_id|>' }}"
+    "{% if tools is not none %}{{ tools | tojson }}{% endif %}"
+    "{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' }}"
+    "{{ message['content'] | string }}{{ '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>' }}"
+    "{% endif %}"
+)
+"""Llama 3's shape: the system message taken out by ``{% set messages = messages[1:] %}``
+(no plan: the loop runs over the set value)."""
+
+
+@pytest.mark.parametrize("source", [CHATML, LLAMA3], ids=["chatml", "llama3"])
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(conv=_conversation, step=st.integers(1, 3))
+def test_chatml_and_llama_turns_key_as_the_full_pass(
+    tmp_path: Path, source: str, conv: dict[str, Any], step: int
+) -> None:
+    template = _template(tmp_path, source)
+    assert (template.templates["default"].incremental is None) == (source is LLAMA3)
+    full, cached = _pair(template)
+    for body in _turns(conv, step):
+        assert cached.chain(body) == full.chain(body)
+
+
 _LOOKING_AHEAD = [
     # what later messages change, read from the loop body in every way it can be
     "{% for m in messages %}{{ m.content }}{% if loop.last %}!{% endif %}|{% endfor %}",
