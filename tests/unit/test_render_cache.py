@@ -15,23 +15,13 @@ from hypothesis import strategies as st
 from router.conversation import ChatTemplate, ConversationKeys, load_chat_template
 from router.conversation.render_cache import MessageDigests, RenderCache
 
-from .conversation_support import MISTRAL_CONFIG, MISTRAL_JINJA, qwen_dir
+from .conversation_support import mistral_template, qwen_template
 from .test_render_fast import _conversation
 
-QWEN = qwen_dir()
 MODEL = "m"
 
-
-@pytest.fixture(scope="module")
-def qwen() -> ChatTemplate:
-    return load_chat_template(
-        str(QWEN / "tokenizer_config.json"), None, str(QWEN / "tokenizer.json")
-    )
-
-
-@pytest.fixture(scope="module")
-def mistral() -> ChatTemplate:
-    return load_chat_template(str(MISTRAL_CONFIG), str(MISTRAL_JINJA), None)
+qwen = pytest.fixture(scope="module")(qwen_template)
+mistral = pytest.fixture(scope="module")(mistral_template)
 
 
 def _pair(template: ChatTemplate, cache_bytes: int = 1 << 20) -> tuple[ConversationKeys, ...]:
