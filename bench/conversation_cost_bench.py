@@ -8,10 +8,10 @@ source):
   and the overlap scorer's index lookup per request;
 * ``conversation``: conversation-depth routing on, with Qwen2's chat template: every
   request rendered, normalized and hashed into its prompt chain, the chain index queried,
-  the chosen backend's keys written as predictions.
-
+  the chosen backend's keys written as predictions; with the render cache on (64 MiB:
+  a conversation's later turn renders only its new messages);
 * ``nocache``: the conversation row with the render cache off
-  (``render_cache_bytes: 0``): every request rendered whole, as before the cache;
+  (``render_cache_bytes: 0``, the default): every request rendered whole;
 * ``miss``: the render cache on but too small to keep anything (1 byte): every request a
   miss, the cost of a conversation's first turn.
 
@@ -77,8 +77,8 @@ from .proxy_bench import (
 TARGET_RATIO = 1.3
 TARGET_US_AT_8K = 400.0
 ROWS = ("prefix", "conversation", "nocache", "miss")
-CACHE_BYTES = {"conversation": None, "nocache": 0, "miss": 1}
-"""Each conversation row's ``render_cache_bytes`` (None: the default)."""
+CACHE_BYTES = {"conversation": 64 << 20, "nocache": 0, "miss": 1}
+"""Each conversation row's ``render_cache_bytes``."""
 TAG = "@@SESSION@@"
 
 

@@ -414,10 +414,12 @@ class ConversationConfig(_Section):
     """How long a routed request's keys count as held by its backend before the engine's
     events confirm them (0: never predict)."""
     scoring: ConversationScoringConfig = Field(default_factory=ConversationScoringConfig)
-    render_cache_bytes: Annotated[int, Field(ge=0, le=1 << 40)] = 64 << 20
-    """Memory bound of the render cache (bytes; 0: off): each conversation's chain state
-    after its messages so far, so its next turn renders and hashes only the messages it
-    adds. Least recently used entries go first."""
+    render_cache_bytes: Annotated[int, Field(ge=0, le=1 << 40)] = 0
+    """Memory bound of the render cache (bytes; 0: off, the default): each conversation's
+    chain state after its messages so far, so its next turn renders and hashes only the
+    messages it adds. Least recently used entries go first. Pays off for long
+    conversations (``bench/RESULTS.md``: a hit at 32k tokens costs 0.64x rendering whole,
+    at 2k more than that)."""
 
 
 class KvCacheIndexConfig(_Section):
