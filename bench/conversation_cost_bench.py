@@ -239,14 +239,8 @@ def _cache_delta(
     if before is None or after is None:
         return {}
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
-    asked = (
-        hits
-        + misses
-        + after["rejected"]
-        - before["rejected"]
-        + after["bypassed"]
-        - before["bypassed"]
-    )
+    # a rejected request is rendered whole and counted a miss too
+    asked = hits + misses + after["bypassed"] - before["bypassed"]
     return {
         "hit_rate": hits / asked if asked else float("nan"),
         "cache_mib": after["bytes"] / 2**20,

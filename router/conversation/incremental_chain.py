@@ -39,7 +39,8 @@ class CacheCounters:
     misses: int = 0
     """Requests rendered whole (no state for any of their prefixes)."""
     rejected: int = 0
-    """Requests whose state was found but could not be reused (rendered whole)."""
+    """Requests whose state was found but could not be reused (rendered whole, and
+    counted in ``misses`` too)."""
     bypassed: int = 0
     """Requests the cache cannot serve (no plan, continue_final_message, ...)."""
     messages_reused: int = 0
