@@ -418,8 +418,8 @@ class ConversationConfig(_Section):
     """Memory bound of the render cache (bytes; 0: off, the default): each conversation's
     chain state after its messages so far, so its next turn renders and hashes only the
     messages it adds. Least recently used entries go first. Pays off for long
-    conversations (``bench/RESULTS.md``: a hit at 32k tokens costs 0.64x rendering whole,
-    at 2k more than that)."""
+    conversations and agent loops (``bench/RESULTS.md``: a hit costs 0.64x rendering whole
+    for a 32k-token chat, more than that for chats of 2k-8k tokens)."""
 
 
 class KvCacheIndexConfig(_Section):
