@@ -119,7 +119,7 @@ async def measure(tokens: int, requests: int, rounds: int) -> dict[str, list[flo
     workdir = Path(tempfile.mkdtemp(prefix="conv-parts-"))
     async with SimFleet(n=3, model=MODEL, trivial=True) as fleet:
         cfg = workdir / "router.yaml"
-        cfg.write_text(router_yaml(fleet.urls, True))
+        cfg.write_text(router_yaml(fleet.urls, True, 0))
         config, _ = load_config(cfg)
         router = Router(config)
         await router.start()

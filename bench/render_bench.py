@@ -17,6 +17,11 @@ twice. Two columns, same bodies, interleaved rounds:
   (the reference the fast path is tested against, and the cost before it);
 * ``fast``: as the router renders (the environment's inline fast paths).
 
+One more row, ``chain() render cache``: ``chain()`` with the render cache on
+(``render_cache_bytes``), same bodies: the untimed previous turn leaves its state, so the
+timed call renders only the last two messages (its ``fast`` column; the ratio is to
+``chain()`` fast, paired per round).
+
 Rows besides, on one body (not per path): ``orjson.loads`` of the body's bytes (what
 the router pays on every request anyway), ``extract_prefix_key`` (the prefix-key path's
 own cost), the normalizer's fast path, ``encode + chain_keys`` (UTF-8 and XXH3-128 over
@@ -215,6 +220,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     template = load_chat_template(str(d / "tokenizer_config.json"), None, str(d / "tokenizer.json"))
     variants = {"plain": _plain(template), "fast": template}
     keys = {name: ConversationKeys({MODEL: t}, chunk_bytes=1024) for name, t in variants.items()}
+    cached = ConversationKeys({MODEL: template}, chunk_bytes=1024, render_cache_bytes=64 << 20)
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
 
     def count(body: dict[str, Any]) -> int:
@@ -260,8 +266,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             repeats=args.repeats,
         )
         chain_t = time_turns(
-            [(keys[n].chain, make) for n in names], loops=args.loops, repeats=args.repeats
+            [(keys[n].chain, make) for n in names] + [(cached.chain, make)],
+            loops=args.loops,
+            repeats=args.repeats,
         )
+        cached_t = chain_t.pop()
+        assert cached.chain(body) == keys["fast"].chain(body)
         rows = []
         for label, per in zip(
             [
@@ -302,6 +312,20 @@ def main(argv: Sequence[str] | None = None) -> int:
                     verdict(ok),
                 ]
             )
+        med_cached = median(cached_t) * 1e6
+        vs_fast = paired_ratio(cached_t, chain_t[1])
+        results.append(
+            {
+                "shape": shape,
+                "tokens": tokens,
+                "case": "chain() render cache",
+                "us": med_cached,
+                "vs_fast": vs_fast,
+            }
+        )
+        rows.append(
+            ["chain() render cache", "-", fmt_float(med_cached, 1), f"{vs_fast:.2f}x fast", "-"]
+        )
         print(
             f"\n{shape}: {tokens} tokens, {len(data)} bytes rendered, "
             f"{len(body['messages'])} messages, body {len(raw)} bytes"

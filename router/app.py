@@ -97,7 +97,9 @@ class Router:
             if self.kv.conversation is not None:
                 self.selector.conversation = self.kv.conversation
                 self.conversation = ConversationKeys.from_specs(
-                    kvc.conversation.templates, chunk_bytes=kvc.conversation.chunk_bytes
+                    kvc.conversation.templates,
+                    chunk_bytes=kvc.conversation.chunk_bytes,
+                    render_cache_bytes=kvc.conversation.render_cache_bytes,
                 )
         self.gemini = self._build_gemini(config)
         forwarder = Forwarder(

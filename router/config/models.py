@@ -461,6 +461,12 @@ class ConversationConfig(_Section):
     """How long a routed request's keys count as held by its backend before the engine's
     events confirm them (0: never predict)."""
     scoring: ConversationScoringConfig = Field(default_factory=ConversationScoringConfig)
+    render_cache_bytes: Annotated[int, Field(ge=0, le=1 << 40)] = 0
+    """Memory bound of the render cache (bytes; 0: off, the default): each conversation's
+    chain state after its messages so far, so its next turn renders and hashes only the
+    messages it adds. Least recently used entries go first. Pays off for long
+    conversations and agent loops (``bench/RESULTS.md``: a hit costs 0.64x rendering whole
+    for a 32k-token chat, more than that for chats of 2k-8k tokens)."""
 
 
 class KvCacheIndexConfig(_Section):

@@ -8,7 +8,8 @@ UTF-8 bytes into the same chain the listener builds from the engine's KV blocks.
 The API the router uses (everything else is internal)::
 
     keys = ConversationKeys.from_specs(cfg.kv_cache_index.conversation.templates,
-                                       chunk_bytes=cfg.kv_cache_index.conversation.chunk_bytes)
+                                       chunk_bytes=cfg.kv_cache_index.conversation.chunk_bytes,
+                                       render_cache_bytes=...)
     chain = keys.chain(body)          # RequestChain | None; never raises
     chain.keys, chain.prompt_bytes    # the request's keys; its length for the scorer
     keys.stats()                      # counters for metrics and /admin
@@ -22,7 +23,11 @@ a template's ``raise_exception``, ...): those are routed on their prefix key.
 Modules: :mod:`.template` (loading, compiling), :mod:`.environment` (the jinja
 environment), :mod:`.content_format` (vLLM's "string"/"openai" detection),
 :mod:`.messages` (vLLM's message preparation), :mod:`.render` (``apply_chat_template``),
-:mod:`.normalizer` (``tokenizer.json`` normalizers), :mod:`.chain` (the request chain).
+:mod:`.normalizer` (``tokenizer.json`` normalizers), :mod:`.chain` (the request chain);
+the render cache (``render_cache_bytes``): :mod:`.incremental` (a template's message loop
+instrumented, and what reuse must check), :mod:`.render_cache` (the bounded cache and the
+message digests), :mod:`.incremental_chain` (a request's chain from an earlier turn's
+state).
 """
 
 from .chain import ConversationKeys, RequestChain, TemplateSpec

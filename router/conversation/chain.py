@@ -27,7 +27,9 @@ from typing import Any, Protocol
 from bus.prompt_chain import ChainKey, chain_keys, chain_root
 
 from .errors import RenderError, RenderReason
+from .incremental_chain import CacheCounters, incremental_chain
 from .render import render_prompt
+from .render_cache import RenderCache
 from .template import ChatTemplate, load_chat_template
 
 __all__ = ["ConversationKeys", "RequestChain", "TemplateSpec"]
@@ -87,11 +89,18 @@ class ConversationKeys:
         *,
         chunk_bytes: int,
         lora_adapters: Mapping[str, str] | None = None,
+        render_cache_bytes: int = 0,
     ) -> None:
-        """``templates`` by base model name; ``lora_adapters``: adapter name -> base name."""
+        """``templates`` by base model name; ``lora_adapters``: adapter name -> base name;
+        ``render_cache_bytes``: the render cache's bound (0: no cache, every request
+        rendered whole)."""
         if chunk_bytes < 1:
             raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
+        if render_cache_bytes < 0:
+            raise ValueError(f"render_cache_bytes must be >= 0, got {render_cache_bytes}")
         self._chunk = chunk_bytes
+        self._cache = RenderCache(render_cache_bytes) if render_cache_bytes else None
+        self._cache_counters = CacheCounters()
         self._routes: dict[str, _Route] = {m: _Route.of(m, None, t) for m, t in templates.items()}
         for adapter, base in (lora_adapters or {}).items():
             if base not in templates:
@@ -102,7 +111,9 @@ class ConversationKeys:
         self._no_template = 0
 
     @classmethod
-    def from_specs(cls, specs: Iterable[TemplateSpec], *, chunk_bytes: int) -> ConversationKeys:
+    def from_specs(
+        cls, specs: Iterable[TemplateSpec], *, chunk_bytes: int, render_cache_bytes: int = 0
+    ) -> ConversationKeys:
         """Load every configured template (``ConversationConfig.templates``).
 
         Raises:
@@ -116,7 +127,12 @@ class ConversationKeys:
                 spec.tokenizer_config, spec.chat_template, spec.tokenizer
             )
             adapters.update((a, spec.model) for a in spec.lora_adapters)
-        return cls(templates, chunk_bytes=chunk_bytes, lora_adapters=adapters)
+        return cls(
+            templates,
+            chunk_bytes=chunk_bytes,
+            lora_adapters=adapters,
+            render_cache_bytes=render_cache_bytes,
+        )
 
     @property
     def chunk_bytes(self) -> int:
@@ -141,6 +157,14 @@ class ConversationKeys:
             self._no_template += 1
             return None
         salt = body.get("cache_salt")
+        if self._cache is not None and (salt is None or isinstance(salt, str)):
+            root = route.unsalted if salt is None else chain_root(route.base, salt, route.lora)
+            done = incremental_chain(
+                route.template, body, root, self._chunk, self._cache, self._cache_counters
+            )
+            if done is not None:
+                self._rendered[model] = self._rendered.get(model, 0) + 1
+                return RequestChain(done[0], done[1], route.base, route.lora)
         try:
             if salt is not None and not isinstance(salt, str):
                 raise RenderError("invalid", "cache_salt is not a string")
@@ -180,4 +204,23 @@ class ConversationKeys:
             "rendered": dict(sorted(self._rendered.items())),
             "failures": failures,
             "no_template": self._no_template,
+            "render_cache": self._cache_stats(),
+        }
+
+    def _cache_stats(self) -> dict[str, Any] | None:
+        cache, c = self._cache, self._cache_counters
+        if cache is None:
+            return None
+        return {
+            "max_bytes": cache.max_bytes,
+            "bytes": cache.nbytes,
+            "entries": len(cache),
+            "evictions": cache.evictions,
+            "hits": c.hits,
+            "misses": c.misses,
+            "rejected": c.rejected,
+            "bypassed": c.bypassed,
+            "stores": c.stores,
+            "messages_reused": c.messages_reused,
+            "messages_rendered": c.messages_rendered,
         }

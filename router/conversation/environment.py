@@ -78,7 +78,7 @@ from jinja2.runtime import LoopContext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import missing
 
-__all__ = ["chat_environment", "compile_template"]
+__all__ = ["Tail", "chat_environment", "compile_template"]
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -454,10 +454,29 @@ class _SeqLoop(LoopContext):
         return rv, self
 
 
+class Tail:
+    """A list's items from ``start`` on, iterated as the loop over the whole list would
+    reach them (``loop.index0`` from ``start``, ``loop.length`` the whole list's,
+    ``loop.previtem`` the item before ``start``): the render cache's loop
+    (:mod:`.incremental`) renders only the messages an earlier turn did not have."""
+
+    __slots__ = ("items", "start")
+
+    def __init__(self, items: list[Any], start: int) -> None:
+        self.items = items
+        self.start = start
+
+
 def _loop_context(
     iterable: Any, undefined: type[jinja2.Undefined], recurse: Any = None, depth0: int = 0
 ) -> LoopContext:
     """What compiled templates call as ``LoopContext``."""
+    if type(iterable) is Tail:
+        loop = _SeqLoop(iterable.items, undefined, recurse, depth0)
+        if iterable.start:
+            loop.index0 = iterable.start - 1
+            loop._current = iterable.items[iterable.start - 1]
+        return loop
     kind = _SeqLoop if type(iterable) is list or type(iterable) is tuple else LoopContext
     return kind(iterable, undefined, recurse, depth0)
 

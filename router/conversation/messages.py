@@ -49,7 +49,7 @@ server-side ``--default-chat-template-kwargs`` reach the router.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -264,8 +264,12 @@ def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
     return value
 
 
-def prepare_chat(body: Mapping[str, Any], chat_template: ChatTemplate) -> PreparedChat:
-    """vLLM's template, conversation and template arguments for ``body`` (never mutated).
+def prepare_chat(
+    body: Mapping[str, Any], chat_template: ChatTemplate, known: Sequence[dict[str, Any]] = ()
+) -> PreparedChat:
+    """vLLM's template, conversation and template arguments for ``body`` (never mutated);
+    ``known``: the prepared messages of a prefix of ``body``'s messages (the render
+    cache's, for the same template: they are not prepared again).
 
     Raises:
         RenderError: media parts, a request vLLM rejects, or a request template.
@@ -311,8 +315,10 @@ def prepare_chat(body: Mapping[str, Any], chat_template: ChatTemplate) -> Prepar
         and fmt == "string"
         and m["role"] != "developer"
         else _message(m, fmt)
-        for m in messages
+        for m in (messages[len(known) :] if known else messages)
     ]
+    if known:
+        conversation[:0] = known
     docs = merged.pop("documents", None)
     agp = merged.pop("add_generation_prompt")
     cfm = merged.pop("continue_final_message")

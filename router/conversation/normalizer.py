@@ -113,6 +113,14 @@ class Normalizer:
     def identity(self) -> bool:
         return not self._steps
 
+    @property
+    def splits_at_ascii(self) -> bool:
+        """Whether two texts this leaves unchanged, the second starting with an ASCII
+        character, are left unchanged together: true without steps and for normal forms
+        only (an ASCII character is a stable code point: it never composes with what
+        precedes it and no combining mark reorders across it)."""
+        return self._only_forms
+
     def __call__(self, text: str) -> str:
         """``text`` as the tokenizer normalizes it before tokenizing."""
         if not self._steps:

@@ -27,16 +27,17 @@ Every failure is a :class:`RenderError`; nothing else escapes :func:`render_prom
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jinja2
 
 from .errors import RenderError
-from .messages import prepare_chat
+from .messages import PreparedChat, prepare_chat
 from .template import ChatTemplate
 
-__all__ = ["render_prompt"]
+__all__ = ["RenderInputs", "render_inputs", "render_prompt"]
 
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 _CONSUMED = frozenset(
@@ -127,8 +128,30 @@ def render_prompt(
         raise RenderError("error", f"{type(exc).__name__}: {exc}") from None
 
 
-def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
-    prepared = prepare_chat(body, chat_template)
+@dataclass(frozen=True, slots=True)
+class RenderInputs:
+    """What the template is rendered with for one request (before any render)."""
+
+    prepared: PreparedChat
+    chat: list[dict[str, Any]]
+    """The prepared messages as the template sees them (the final one tagged for
+    ``continue_final_message``)."""
+    variables: dict[str, Any]
+    """Every other template variable (``tools``, ``add_generation_prompt``, ...)."""
+    final: str | None
+    """``continue_final_message``'s text tagged, or None."""
+
+
+def render_inputs(
+    chat_template: ChatTemplate, body: Mapping[str, Any], known: Sequence[dict[str, Any]] = ()
+) -> RenderInputs:
+    """The template's inputs for ``body``; ``known``: the template's messages (``chat``) of
+    an earlier request whose messages began as ``body``'s (not prepared again).
+
+    Raises:
+        RenderError: a request that cannot be rendered (before rendering it).
+    """
+    prepared = prepare_chat(body, chat_template, known)
     if not prepared.conversation:
         raise RenderError("invalid", "empty conversation")
     if prepared.continue_final_message and prepared.add_generation_prompt:
@@ -154,18 +177,24 @@ def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -
         raise RenderError("invalid", "documents is not a list of objects")
     # a prepared message of two keys is {"role": str, "content": str or parts}: nothing
     # to drop or alias
-    chat = [m if len(m) == 2 else _for_template(m) for m in prepared.conversation]
+    skip = len(known)
+    chat = [m if len(m) == 2 else _for_template(m) for m in prepared.conversation[skip:]]
+    if skip:
+        chat[:0] = known
     final = None
     if prepared.continue_final_message:
         final = _tag_final(chat, prepared.template.source)
-    compiled = prepared.template.plain if plain else prepared.template.template
-    rendered = compiled.render(
-        messages=chat,
-        tools=tools,
-        documents=documents,
-        add_generation_prompt=prepared.add_generation_prompt,
-        **variables,
-    )
-    if final is not None:
-        rendered = _cut_at_tag(rendered, final)
+    variables["tools"] = tools
+    variables["documents"] = documents
+    variables["add_generation_prompt"] = prepared.add_generation_prompt
+    return RenderInputs(prepared, chat, variables, final)
+
+
+def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
+    inputs = render_inputs(chat_template, body)
+    template = inputs.prepared.template
+    compiled = template.plain if plain else template.template
+    rendered = compiled.render(messages=inputs.chat, **inputs.variables)
+    if inputs.final is not None:
+        rendered = _cut_at_tag(rendered, inputs.final)
     return rendered

@@ -35,6 +35,7 @@ import orjson
 from .content_format import ContentFormat, detect_content_format
 from .environment import chat_environment, compile_template
 from .errors import TemplateLoadError
+from .incremental import IncrementalPlan, plan_for
 from .normalizer import Normalizer, UnsupportedNormalizer
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "ChatTemplate", "CompiledTemplate", "load_chat_template"]
@@ -63,6 +64,9 @@ class CompiledTemplate:
     plain: jinja2.Template
     """The same source in jinja's plain immutable sandbox: the reference ``template``
     is tested against, and the bench's baseline."""
+    incremental: IncrementalPlan | None = None
+    """The message loop instrumented for the render cache (:mod:`.incremental`), or None
+    when the template does not render message by message."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +148,9 @@ def _compile(name: str, source: str, field: str, path: str) -> CompiledTemplate:
         raise TemplateLoadError(
             field, f"{path!r}: {where}line {exc.lineno}: {exc.message}"
         ) from None
-    return CompiledTemplate(name, source, template, detect_content_format(ast), plain)
+    return CompiledTemplate(
+        name, source, template, detect_content_format(ast), plain, plan_for(ast)
+    )
 
 
 def _stamp(path: str | None) -> tuple[str, int, int] | None:

@@ -16,6 +16,9 @@ What a user relies on:
   (``usage.prompt_tokens_details.cached_tokens``) to within one chunk of text;
 * a turn of a fresh conversation under the same system prompt still lands on an engine
   holding that prompt.
+
+The router has its render cache on: turns 2 to 4 render only their new messages, so the
+keys the engine's events confirm are those the cache's chain states give.
 """
 
 from __future__ import annotations
@@ -146,6 +149,9 @@ async def stack(
                         "conversation": {
                             "enabled": True,
                             "predict_ttl_seconds": 0,  # only the engines' own events count
+                            # later turns render their new messages only: the keys must
+                            # still be the listener's
+                            "render_cache_bytes": 1 << 20,
                             "templates": [
                                 {
                                     "model": MODEL,
@@ -212,6 +218,7 @@ async def test_turn_two_follows_the_engine_that_holds_turn_one(
         await wait_until(grew, within=10, what=f"turn {k}'s chain keys")
     conv = await _conversation(router)
     assert conv["routing_decisions"]["chosen"] >= 3, conv
+    assert conv["rendering"]["render_cache"]["hits"] >= 3, conv["rendering"]
     cached = conv["cached_tokens"]
     assert cached["requests"] >= 3, cached
     # Predicted and delivered agree to within one chunk (about 1 KiB of text) a request.

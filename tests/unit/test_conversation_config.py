@@ -137,3 +137,14 @@ def test_cli_validate_prints_the_missing_template_warning(tmp_path: Path) -> Non
     assert r.returncode == 0, r.stderr
     assert "warning: backends[0].models[0]:" in r.stderr
     assert "has no chat template" in r.stderr
+
+
+def test_the_render_cache_bound_defaults_and_is_checked() -> None:
+    cfg, _ = parse_config(_cfg([_qwen()]))
+    assert cfg.kv_cache_index.conversation.render_cache_bytes == 0
+    data = _cfg([_qwen()])
+    data["kv_cache_index"]["conversation"]["render_cache_bytes"] = 64 << 20
+    cfg, _ = parse_config(data)
+    assert cfg.kv_cache_index.conversation.render_cache_bytes == 64 << 20
+    data["kv_cache_index"]["conversation"]["render_cache_bytes"] = -1
+    assert "kv_cache_index.conversation.render_cache_bytes" in _errors(data)
