@@ -150,6 +150,7 @@ RESTART_ONLY: tuple[str, ...] = (
     "kv_cache_index.conversation.templates[].lora_adapters",
     "kv_cache_index.conversation.max_entries",
     "kv_cache_index.conversation.predict_ttl_seconds",
+    "kv_cache_index.conversation.render_cache_bytes",
     "kv_cache_index.conversation.scoring.gpu_credit",
     "kv_cache_index.conversation.scoring.storage_credit",
     "kv_cache_index.conversation.scoring.prefill_load_weight",
