@@ -19,6 +19,9 @@ folder with ``certs``), and the routers' KV index sources use ``transport: event
 
 Afterwards the PrefixAwareHash router keeps serving on http://127.0.0.1:8080 until Ctrl-C
 (``--once`` exits instead).
+
+``--routers N`` (``make run-multi``: 2) runs N routers sharing one Redis instead
+(``bench/demo_multi.py``).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from bench._fleet import (
     routes_conversation,
 )
 from bench._plot import bar_chart_svg
+from bench.demo_multi import run_multi
 from bus.events import KvEvent
 from bus.sse import SseParser
 from harness.procs import Service, free_port
@@ -199,6 +203,8 @@ async def main(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     tenants = make_tenants(args.tenants, rng)
     requests = workload(tenants, args.sessions, args.turns, args.seed)
+    if args.routers > 1:
+        return await run_multi(args, requests, requests[:120])
     print(
         f"Continuum demo: {args.engines} simulated engines "
         f"(prefix cache {args.capacity_blocks} blocks each), {args.tenants} tenants, "
@@ -529,6 +535,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("push", "pull"),
         default="push",
         help="listener -> router: push over the TLS+mTLS event bus (default) or SSE pull",
+    )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        choices=range(1, 9),
+        metavar="N",
+        help="N > 1: N routers sharing one Redis (cache and KV index) instead of the "
+        "strategy comparison (bench/demo_multi.py); make run-multi is --routers 2",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="with --routers: the Redis to share (e.g. redis://127.0.0.1:6379/0); "
+        "default: a redis-server the demo starts",
     )
     return p.parse_args(argv)
 
