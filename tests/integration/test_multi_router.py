@@ -12,6 +12,8 @@ real router processes consuming the same listener, each on its own stream:
 * push, two routers: one listener with ``event_bus.urls`` keeps a session with each
   router, so both consume every event; killing one router leaves the other's stream
   untouched, and the restarted one catches up on its own session.
+* conversation mode, two routers: both kinds of keys (prefix and prompt chain) in the
+  shared indexes equal the listener's, entry by entry.
 * draining: two listeners announce the same source; when the serving one drains, the
   router moves the stream to the other at once (``drain_handovers``).
 """
@@ -19,15 +21,24 @@ real router processes consuming the same listener, each on its own stream:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import signal
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+import grpc
+import orjson
 import pytest
 
+from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as kpb
+from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as kpb_grpc
+from bus.sse import SseParser
 from harness.procs import free_port
 from harness.sim.fleet import SimFleet
+from harness.sim.tokenizer import bundled_qwen2_config, bundled_qwen2_json
 
 from .conftest import RouterProc, StartRouter, metric_value, wait_until
 from .push_stack import (
@@ -121,9 +132,12 @@ async def wait_consumed(rp: RouterProc, listener: ListenerProc, backend: str) ->
 # -- pull: three routers ------------------------------------------------------------------
 
 
-async def test_three_pulling_routers_share_the_cache_and_the_index(
-    start_router: StartRouter, redis_server: Any, tmp_path: Path
-) -> None:
+@contextlib.asynccontextmanager
+async def engines_and_listener(
+    tmp_path: Path, *, conversation: bool = False
+) -> AsyncIterator[tuple[SimFleet, Listener]]:
+    """The tier-4 layout (two engines with replay, one listener attributing prefix keys);
+    ``conversation``: the listener announces prompt chain keys as well."""
     ports = [(free_port(), free_port()) for _ in NAMES]
     overrides = {
         i: {"kv_events": f"tcp://*:{pub}", "kv_events_replay": f"tcp://*:{replay}"}
@@ -137,7 +151,7 @@ async def test_three_pulling_routers_share_the_cache_and_the_index(
         kv_events_format="vllm-0.33",
         overrides=overrides,
     ) as fleet:
-        lconfig = {
+        lconfig: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "salt_secret_env": SALT_ENV,
             "sources": [
@@ -151,89 +165,204 @@ async def test_three_pulling_routers_share_the_cache_and_the_index(
                     "detokenize_endpoint": f"{url}/detokenize",
                     "model": MODEL,
                     "chat_template": "chatml",
+                    **({"tokenizer": str(bundled_qwen2_json())} if conversation else {}),
                 }
                 for name, url, (pub, replay) in zip(NAMES, fleet.urls, ports, strict=True)
             ],
         }
+        if conversation:
+            lconfig["conversation"] = {"enabled": True}
         listener = await Listener(lconfig, tmp_path / "listener.yaml").start()
         try:
             await warm_up(fleet, listener, "multi")
-            config = {
-                "server": {"grpc_listen": "127.0.0.1:0"},
-                "selection_strategy": "RoundRobin",
-                "prefix_routing": {"enabled": True},
-                "backends": backends(fleet, salt=True),
-                "response_cache": shared_redis(redis_server.url),
-                "kv_cache_index": {
-                    "enabled": True,
-                    "backend": "redis",
-                    "salt_secret_env": SALT_ENV,
-                    "event_sources": event_sources(listener),
-                },
-            }
-            routers = [await start_router(config, env={SALT_ENV: SECRET}) for _ in range(3)]
-            targets = {f"router-{i}": r.grpc_address for i, r in enumerate(routers)}
-            a, b, c = routers
-
-            # An answer cached at A is a HIT at B and at C, without a backend.
-            body = {**sys_req("multi-cache"), "temperature": 0}
-            first = await a.chat(body)
-            assert first.status == 200 and first.headers["x-cache"] == "MISS", first
-
-            async def stored() -> bool:
-                return bool(await redis_keys(redis_server.url, "cr:resp:"))
-
-            await wait_until(stored, 10, what="A's answer written to Redis")
-            for other in (b, c):
-                hit = await other.chat(body)
-                assert hit.status == 200 and hit.headers["x-cache"] == "HIT", hit
-                assert hit.json()["choices"] == first.json()["choices"]
-
-            # A prefix warmed through A is routed KV-aware by B and C: only the shared
-            # index can tell them (round robin alone would alternate).
-            warm = sys_req("multi-route")
-            r = await a.chat(warm)
-            assert r.status == 200, r
-            holder = r.headers["x-continuum-backend"]
-            prefix = prefix_of(warm)
-
-            async def indexed() -> bool:
-                _, got = await router_state(b.grpc_address, holder, [prefix])
-                return prefix in got
-
-            await wait_until(indexed, 15, what="the warmed prefix in the shared index")
-            for i, other in enumerate((b, c)):
-                for n in range(3):
-                    r = await other.chat(sys_req("multi-route", question=f"and then {i}.{n}?"))
-                    assert r.status == 200 and r.headers["x-continuum-backend"] == holder, r
-                text = await other.metrics()
-                assert (
-                    metric_value(
-                        text, "continuum_kv_index_routing_decisions_total", decision="kv_aware"
-                    )
-                    >= 3
-                )
-
-            # More traffic through all three, then: the shared index is the listener's
-            # state, entry by entry, whichever router reads it.
-            await asyncio.gather(
-                *(
-                    rp.chat(sys_req(f"multi-load-{i % 4}", question=f"q{i}"))
-                    for i, rp in enumerate(routers * 4)
-                )
-            )
-            for name in NAMES:
-                state = await wait_all_match(targets, listener.url, name)
-                assert state, name
-            for rp in routers:
-                text = await rp.metrics()
-                for name in NAMES:
-                    assert (
-                        metric_value(text, "continuum_kv_consumer_connected", backend=name) == 1.0
-                    )
+            yield fleet, listener
         finally:
             if listener.running:
                 assert await listener.stop() == 0, listener.log()
+
+
+async def test_three_pulling_routers_share_the_cache_and_the_index(
+    start_router: StartRouter, redis_server: Any, tmp_path: Path
+) -> None:
+    async with engines_and_listener(tmp_path) as (fleet, listener):
+        config = {
+            "server": {"grpc_listen": "127.0.0.1:0"},
+            "selection_strategy": "RoundRobin",
+            "prefix_routing": {"enabled": True},
+            "backends": backends(fleet, salt=True),
+            "response_cache": shared_redis(redis_server.url),
+            "kv_cache_index": {
+                "enabled": True,
+                "backend": "redis",
+                "salt_secret_env": SALT_ENV,
+                "event_sources": event_sources(listener),
+            },
+        }
+        routers = [await start_router(config, env={SALT_ENV: SECRET}) for _ in range(3)]
+        targets = {f"router-{i}": r.grpc_address for i, r in enumerate(routers)}
+        a, b, c = routers
+
+        # An answer cached at A is a HIT at B and at C, without a backend.
+        body = {**sys_req("multi-cache"), "temperature": 0}
+        first = await a.chat(body)
+        assert first.status == 200 and first.headers["x-cache"] == "MISS", first
+
+        async def stored() -> bool:
+            return bool(await redis_keys(redis_server.url, "cr:resp:"))
+
+        await wait_until(stored, 10, what="A's answer written to Redis")
+        for other in (b, c):
+            hit = await other.chat(body)
+            assert hit.status == 200 and hit.headers["x-cache"] == "HIT", hit
+            assert hit.json()["choices"] == first.json()["choices"]
+
+        # A prefix warmed through A is routed KV-aware by B and C: only the shared
+        # index can tell them (round robin alone would alternate).
+        warm = sys_req("multi-route")
+        r = await a.chat(warm)
+        assert r.status == 200, r
+        holder = r.headers["x-continuum-backend"]
+        prefix = prefix_of(warm)
+
+        async def indexed() -> bool:
+            _, got = await router_state(b.grpc_address, holder, [prefix])
+            return prefix in got
+
+        await wait_until(indexed, 15, what="the warmed prefix in the shared index")
+        for i, other in enumerate((b, c)):
+            for n in range(3):
+                r = await other.chat(sys_req("multi-route", question=f"and then {i}.{n}?"))
+                assert r.status == 200 and r.headers["x-continuum-backend"] == holder, r
+            text = await other.metrics()
+            assert (
+                metric_value(
+                    text, "continuum_kv_index_routing_decisions_total", decision="kv_aware"
+                )
+                >= 3
+            )
+
+        # More traffic through all three, then: the shared index is the listener's
+        # state, entry by entry, whichever router reads it.
+        await asyncio.gather(
+            *(
+                rp.chat(sys_req(f"multi-load-{i % 4}", question=f"q{i}"))
+                for i, rp in enumerate(routers * 4)
+            )
+        )
+        for name in NAMES:
+            state = await wait_all_match(targets, listener.url, name)
+            assert state, name
+        for rp in routers:
+            text = await rp.metrics()
+            for name in NAMES:
+                assert metric_value(text, "continuum_kv_consumer_connected", backend=name) == 1.0
+
+
+# -- conversation mode: both kinds of keys ------------------------------------------------
+
+
+Keys = dict[tuple[str, str], int]
+"""(kind, key) -> token count; kind ``prefix`` (a prefix hash) or ``chain`` (a chain key)."""
+
+
+async def listener_keys(url: str, backend: str) -> Keys:
+    """Both kinds of keys the listener holds for ``backend`` (its resync block)."""
+    parser = SseParser()
+    keys: Keys = {}
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/events/{backend}") as r:
+        assert r.status == 200
+        async for chunk in r.content.iter_any():
+            for rec in parser.feed(chunk):
+                ev = orjson.loads(rec.data)
+                kind = rec.event or ev.get("event")
+                if kind == "cache_created":
+                    keys[("prefix", ev["prefix_hash"])] = ev.get("token_count") or 0
+                elif kind == "chain_created":
+                    keys[("chain", ev["chain_key"])] = ev.get("token_count") or 0
+                if rec.id and ".s" not in rec.id:
+                    return keys
+    raise AssertionError("stream ended inside the resync block")
+
+
+async def router_keys(target: str, backend: str, want: Keys) -> tuple[int, int, Keys]:
+    """(prefix entries, chain entries) ``backend`` holds in the index ``target`` reads,
+    and the token counts of ``want``'s keys there."""
+    async with grpc.aio.insecure_channel(target) as ch:
+        stub = kpb_grpc.KvIndexStub(ch)
+        reply = await stub.Backends(kpb.BackendsRequest())
+        st = next((b for b in reply.backends if b.name == backend), None)
+        got: Keys = {}
+        for kind, key in want:
+            q = (
+                kpb.QueryRequest(prefix_hash=key)
+                if kind == "prefix"
+                else kpb.QueryRequest(chain_key=key)
+            )
+            for e in (await stub.Query(q)).entries:
+                if e.backend == backend:
+                    got[(kind, key)] = e.token_count
+        return (st.entries, st.chain_entries, got) if st else (0, 0, got)
+
+
+async def test_two_routers_share_both_kinds_of_keys_in_conversation_mode(
+    start_router: StartRouter, redis_server: Any, tmp_path: Path
+) -> None:
+    async with engines_and_listener(tmp_path, conversation=True) as (fleet, listener):
+        template = {
+            "model": MODEL,
+            "tokenizer_config": str(bundled_qwen2_config()),
+            "tokenizer": str(bundled_qwen2_json()),
+        }
+        config = {
+            "server": {"grpc_listen": "127.0.0.1:0"},
+            "selection_strategy": "RoundRobin",
+            "prefix_routing": {"enabled": True},
+            "backends": backends(fleet, salt=True),
+            "response_cache": shared_redis(redis_server.url),
+            "kv_cache_index": {
+                "enabled": True,
+                "backend": "redis",
+                "salt_secret_env": SALT_ENV,
+                "event_sources": event_sources(listener),
+                # Only the engines' events: a prediction is an entry no listener holds.
+                "conversation": {
+                    "enabled": True,
+                    "predict_ttl_seconds": 0,
+                    "templates": [template],
+                },
+            },
+        }
+        routers = [await start_router(config, env={SALT_ENV: SECRET}) for _ in range(2)]
+        # Conversations whose turns alternate between the two routers.
+        for conv in range(3):
+            history: list[dict[str, str]] = []
+            for turn in range(3):
+                body = sys_req(f"multi-conv-{conv}", question=f"turn {turn}: " + "why? " * 60)
+                body["messages"][1:1] = history
+                r = await routers[turn % 2].chat({**body, "temperature": 0.7})
+                assert r.status == 200, r
+                answer = r.json()["choices"][0]["message"]["content"]
+                history += [body["messages"][-1], {"role": "assistant", "content": answer}]
+        last: dict[str, Any] = {}
+
+        async def same(name: str) -> bool:
+            want = await listener_keys(listener.url, name)
+            prefixes = sum(1 for kind, _ in want if kind == "prefix")
+            chains = len(want) - prefixes
+            for rp in routers:
+                entries, chain_entries, got = await router_keys(rp.grpc_address, name, want)
+                last[name] = (prefixes, chains, entries, chain_entries, len(got))
+                if (entries, chain_entries, got) != (prefixes, chains, want):
+                    return False
+            return chains > 0 and prefixes > 0
+
+        for name in NAMES:
+            await wait_until(
+                functools.partial(same, name),
+                30,
+                interval=0.2,
+                what=f"both routers == the listener's prefix and chain keys ({last})",
+            )
 
 
 # -- push: one listener, two routers ------------------------------------------------------
