@@ -48,6 +48,7 @@ from bench._fleet import (
     ListenerProcess,
     PushMode,
     RouterProcess,
+    demo_fleet,
     kv_consumers_connected,
     listener_cleared,
     listener_config,
@@ -214,16 +215,7 @@ async def main(args: argparse.Namespace) -> int:
     views: list[tuple[str, dict[str, set[str]]]] = []
     zmq_ports = [free_port() for _ in range(args.engines)]
     async with (
-        SimFleet(
-            n=args.engines,
-            model=MODEL,
-            names=[f"engine-{i + 1}" for i in range(args.engines)],
-            capacity_blocks=args.capacity_blocks,
-            latency=True,
-            tokenizer="qwen2",
-            kv_events_format="vllm-0.33",
-            overrides={i: {"kv_events": f"tcp://*:{p}"} for i, p in enumerate(zmq_ports)},
-        ) as fleet,
+        demo_fleet(args.engines, args.capacity_blocks, zmq_ports) as fleet,
         contextlib.AsyncExitStack() as stack,
     ):
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="continuum-demo-"))

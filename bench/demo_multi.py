@@ -35,13 +35,13 @@ from bench._fleet import (
     ListenerProcess,
     PushMode,
     RouterProcess,
+    demo_fleet,
     kv_consumers_connected,
     listener_config,
     listener_connected,
     router_config,
 )
 from harness.procs import Service, free_port
-from harness.sim.fleet import SimFleet
 
 __all__ = ["run_multi"]
 
@@ -138,16 +138,7 @@ async def run_multi(
         f"{len(requests)} requests spread request by request over the routers\n"
     )
     async with (
-        SimFleet(
-            n=args.engines,
-            model=MODEL,
-            names=[f"engine-{i + 1}" for i in range(args.engines)],
-            capacity_blocks=args.capacity_blocks,
-            latency=True,
-            tokenizer="qwen2",
-            kv_events_format="vllm-0.33",
-            overrides={i: {"kv_events": f"tcp://*:{p}"} for i, p in enumerate(zmq_ports)},
-        ) as fleet,
+        demo_fleet(args.engines, args.capacity_blocks, zmq_ports) as fleet,
         contextlib.AsyncExitStack() as stack,
     ):
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="continuum-multi-")))

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from email.utils import parsedate_to_datetime
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -47,7 +48,7 @@ from tests.integration.conftest import http, wait_until
 from .procedure import Row
 from .record import pairs
 from .stack import FaultStack, StackOptions
-from .traffic import Outcome, Traffic, tenant_body
+from .traffic import Outcome, Traffic
 
 __all__ = ["MULTI", "BalancedTraffic"]
 
@@ -65,44 +66,24 @@ class BalancedTraffic(Traffic):
     urls: Callable[[], list[str]] = field(default=list)
     _turn: itertools.count[int] = field(default_factory=itertools.count)
 
-    async def _client(self, c: int) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
-            while not self._stop.is_set():
-                n = next(self._seq)
-                body = tenant_body(n % self.tenants, n)
-                t0 = time.monotonic()
-                urls = self.urls()
-                first = next(self._turn)
-                outcome: Outcome | None = None
-                error = "no router"
-                for k in range(len(urls)):
-                    url = urls[(first + k) % len(urls)]
-                    try:
-                        async with session.post(url + "/v1/chat/completions", json=body) as resp:
-                            await resp.read()
-                            if resp.status == 503:
-                                error = "HTTP 503"
-                                continue  # shutting down or overloaded: the next one
-                            ok = resp.status == 200
-                            outcome = Outcome(
-                                t0,
-                                time.monotonic() - t0,
-                                ok,
-                                resp.headers.get("x-continuum-backend"),
-                                None if ok else f"HTTP {resp.status}",
-                            )
-                            break
-                    except (aiohttp.ClientConnectionError, OSError) as e:
-                        error = type(e).__name__
-                    except TimeoutError as e:
-                        outcome = Outcome(t0, time.monotonic() - t0, False, None, type(e).__name__)
-                        break
-                if outcome is None:
-                    outcome = Outcome(t0, time.monotonic() - t0, False, None, error)
-                    await asyncio.sleep(0.05)
-                self.outcomes.append(outcome)
-                await asyncio.sleep(self.think_s)
+    async def _request(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> Outcome:
+        t0 = time.monotonic()
+        urls = self.urls()
+        first = next(self._turn)
+        outcome = Outcome(t0, 0.0, False, None, "no router")
+        for k in range(len(urls)):
+            outcome = await self._post(session, urls[(first + k) % len(urls)], body, t0)
+            if outcome.ok or not _retryable(outcome):
+                break
+        return outcome
+
+
+def _retryable(o: Outcome) -> bool:
+    """Refused by that router (connection refused or reset, 503: shutting down or
+    overloaded): a load balancer sends it to the next. A timeout is not retried."""
+    if o.error is None or o.error == "TimeoutError":
+        return False
+    return o.error == "HTTP 503" or not o.error.startswith("HTTP ")
 
 
 def balanced(stack: FaultStack) -> Traffic:

@@ -261,26 +261,28 @@ class FaultStack:
         if self.opts.replica_sweep_ms is not None:
             config["kv_cache_index"]["cleanup_interval_ms"] = self.opts.replica_sweep_ms
         env = {SALT_ENV: SECRET}
-        n = len(self._launcher.started) + 1
         if self.opts.faketime:
-            if not Path(FAKETIME_LIB).is_file():
-                raise RuntimeError(f"{FAKETIME_LIB} is missing: apt-get install faketime")
-            clock = self.tmp / f"router-{n}.clock"
-            clock.write_text("+0\n")
-            env |= {
-                "LD_PRELOAD": FAKETIME_LIB,
-                "FAKETIME_TIMESTAMP_FILE": str(clock),
-                "FAKETIME_CACHE_DURATION": "1",
-                # Wall clock only, as an NTP step: CLOCK_MONOTONIC (asyncio's timers)
-                # keeps running.
-                "FAKETIME_DONT_FAKE_MONOTONIC": "1",
-            }
+            env |= self._faketime_env(self.next_router_path().with_suffix(".clock"))
         rp = await self._launcher.start(config, env=env)
         rp.config["server"]["listen"] = rp.url.removeprefix("http://")
         rp.config["server"]["grpc_listen"] = rp.grpc_address
         self.replicas.append(rp)
         await self.wait_connected_at(rp)
         return rp
+
+    @staticmethod
+    def _faketime_env(clock: Path) -> dict[str, str]:
+        """libfaketime on the wall clock only, read from ``clock`` (rewritten at runtime)."""
+        if not Path(FAKETIME_LIB).is_file():
+            raise RuntimeError(f"{FAKETIME_LIB} is missing: apt-get install faketime")
+        clock.write_text("+0\n")
+        return {
+            "LD_PRELOAD": FAKETIME_LIB,
+            "FAKETIME_TIMESTAMP_FILE": str(clock),
+            "FAKETIME_CACHE_DURATION": "1",
+            # Wall clock only, as an NTP step: CLOCK_MONOTONIC (asyncio's timers) runs on.
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        }
 
     @property
     def routers(self) -> list[RouterProc]:

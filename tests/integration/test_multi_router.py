@@ -21,10 +21,9 @@ real router processes consuming the same listener, each on its own stream:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import signal
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +54,7 @@ from .push_stack import (
     router_config,
     router_state,
     running,
+    streaming_from,
 )
 from .test_tier4_e2e import (
     MODEL,
@@ -63,10 +63,10 @@ from .test_tier4_e2e import (
     SECRET,
     Listener,
     backends,
+    engines_and_listener,
     event_sources,
     prefix_of,
     sys_req,
-    warm_up,
 )
 
 pytest_plugins = ("tests.redis_fixture",)
@@ -85,6 +85,26 @@ def shared_redis(url: str) -> dict[str, Any]:
     """The ``response_cache`` section every replica shares: Redis for the answers and,
     through the same pool, for the KV index."""
     return {"enabled": True, "backend": "redis", "redis": {"url": url}}
+
+
+def pulling_config(
+    fleet: SimFleet, listener: Listener, redis_url: str, **kv: Any
+) -> dict[str, Any]:
+    """A replica: pulls every engine's stream from ``listener``, index and cache on Redis."""
+    return {
+        "server": {"grpc_listen": "127.0.0.1:0"},
+        "selection_strategy": "RoundRobin",
+        "prefix_routing": {"enabled": True},
+        "backends": backends(fleet, salt=True),
+        "response_cache": shared_redis(redis_url),
+        "kv_cache_index": {
+            "enabled": True,
+            "backend": "redis",
+            "salt_secret_env": SALT_ENV,
+            "event_sources": event_sources(listener),
+            **kv,
+        },
+    }
 
 
 async def redis_keys(url: str, prefix: str) -> list[bytes]:
@@ -132,72 +152,11 @@ async def wait_consumed(rp: RouterProc, listener: ListenerProc, backend: str) ->
 # -- pull: three routers ------------------------------------------------------------------
 
 
-@contextlib.asynccontextmanager
-async def engines_and_listener(
-    tmp_path: Path, *, conversation: bool = False
-) -> AsyncIterator[tuple[SimFleet, Listener]]:
-    """The tier-4 layout (two engines with replay, one listener attributing prefix keys);
-    ``conversation``: the listener announces prompt chain keys as well."""
-    ports = [(free_port(), free_port()) for _ in NAMES]
-    overrides = {
-        i: {"kv_events": f"tcp://*:{pub}", "kv_events_replay": f"tcp://*:{replay}"}
-        for i, (pub, replay) in enumerate(ports)
-    }
-    async with SimFleet(
-        n=len(NAMES),
-        model=MODEL,
-        names=list(NAMES),
-        tokenizer="qwen2",
-        kv_events_format="vllm-0.33",
-        overrides=overrides,
-    ) as fleet:
-        lconfig: dict[str, Any] = {
-            "listen": "127.0.0.1:0",
-            "salt_secret_env": SALT_ENV,
-            "sources": [
-                {
-                    "backend_name": name,
-                    "engine": "vllm",
-                    "zmq_endpoint": f"tcp://127.0.0.1:{pub}",
-                    "zmq_mode": "connect",
-                    "replay_endpoint": f"tcp://127.0.0.1:{replay}",
-                    "allowed_publishers": ["127.0.0.1"],
-                    "detokenize_endpoint": f"{url}/detokenize",
-                    "model": MODEL,
-                    "chat_template": "chatml",
-                    **({"tokenizer": str(bundled_qwen2_json())} if conversation else {}),
-                }
-                for name, url, (pub, replay) in zip(NAMES, fleet.urls, ports, strict=True)
-            ],
-        }
-        if conversation:
-            lconfig["conversation"] = {"enabled": True}
-        listener = await Listener(lconfig, tmp_path / "listener.yaml").start()
-        try:
-            await warm_up(fleet, listener, "multi")
-            yield fleet, listener
-        finally:
-            if listener.running:
-                assert await listener.stop() == 0, listener.log()
-
-
 async def test_three_pulling_routers_share_the_cache_and_the_index(
     start_router: StartRouter, redis_server: Any, tmp_path: Path
 ) -> None:
-    async with engines_and_listener(tmp_path) as (fleet, listener):
-        config = {
-            "server": {"grpc_listen": "127.0.0.1:0"},
-            "selection_strategy": "RoundRobin",
-            "prefix_routing": {"enabled": True},
-            "backends": backends(fleet, salt=True),
-            "response_cache": shared_redis(redis_server.url),
-            "kv_cache_index": {
-                "enabled": True,
-                "backend": "redis",
-                "salt_secret_env": SALT_ENV,
-                "event_sources": event_sources(listener),
-            },
-        }
+    async with engines_and_listener(tmp_path, tag="multi") as (fleet, listener):
+        config = pulling_config(fleet, listener, redis_server.url)
         routers = [await start_router(config, env={SALT_ENV: SECRET}) for _ in range(3)]
         targets = {f"router-{i}": r.grpc_address for i, r in enumerate(routers)}
         a, b, c = routers
@@ -307,31 +266,15 @@ async def router_keys(target: str, backend: str, want: Keys) -> tuple[int, int, 
 async def test_two_routers_share_both_kinds_of_keys_in_conversation_mode(
     start_router: StartRouter, redis_server: Any, tmp_path: Path
 ) -> None:
-    async with engines_and_listener(tmp_path, conversation=True) as (fleet, listener):
+    async with engines_and_listener(tmp_path, tag="multi", conversation=True) as (fleet, listener):
         template = {
             "model": MODEL,
             "tokenizer_config": str(bundled_qwen2_config()),
             "tokenizer": str(bundled_qwen2_json()),
         }
-        config = {
-            "server": {"grpc_listen": "127.0.0.1:0"},
-            "selection_strategy": "RoundRobin",
-            "prefix_routing": {"enabled": True},
-            "backends": backends(fleet, salt=True),
-            "response_cache": shared_redis(redis_server.url),
-            "kv_cache_index": {
-                "enabled": True,
-                "backend": "redis",
-                "salt_secret_env": SALT_ENV,
-                "event_sources": event_sources(listener),
-                # Only the engines' events: a prediction is an entry no listener holds.
-                "conversation": {
-                    "enabled": True,
-                    "predict_ttl_seconds": 0,
-                    "templates": [template],
-                },
-            },
-        }
+        # Only the engines' events: a prediction is an entry no listener holds.
+        conversation = {"enabled": True, "predict_ttl_seconds": 0, "templates": [template]}
+        config = pulling_config(fleet, listener, redis_server.url, conversation=conversation)
         routers = [await start_router(config, env={SALT_ENV: SECRET}) for _ in range(2)]
         # Conversations whose turns alternate between the two routers.
         for conv in range(3):
@@ -448,19 +391,16 @@ async def test_draining_listener_hands_its_stream_over_at_once(
         for p in procs.values():
             await p.warm_up(pub)
         await pub.burst(16, 8)
-        epochs = {(await p.stats())["epoch"]: p for p in procs.values()}
-
-        async def streaming_from() -> ListenerProc | None:
-            st = await backend_status(router.grpc_address, B)
-            return epochs.get(st.last_event_id.partition("-")[0])
-
-        serving = await wait_until(streaming_from, 20, what="a stream from one listener")
+        serving_now = functools.partial(
+            streaming_from, router.grpc_address, B, list(procs.values())
+        )
+        serving = await wait_until(serving_now, 20, what="a stream from one listener")
         other = next(p for p in procs.values() if p is not serving)
         before = (await router.stats_of("/admin/kv-index/stats"))["event_bus"]
         serving.proc.send_signal(signal.SIGTERM)
 
         async def moved() -> bool:
-            return (await streaming_from()) is other
+            return (await serving_now()) is other
 
         await wait_until(moved, 20, what="the stream moved to the other listener")
         stats = (await router.stats_of("/admin/kv-index/stats"))["event_bus"]

@@ -15,6 +15,7 @@ would. Every wait polls with a bound; nothing sleeps a fixed time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from bus.prefix_key import extract_prefix_key
 from bus.salt import SALT_PREFIX, SaltError, verify_salt
 from harness.procs import Service, free_port
 from harness.sim.fleet import SimFleet
+from harness.sim.tokenizer import bundled_qwen2_json
 
 from .conftest import (
     RouterLauncher,
@@ -160,11 +162,13 @@ async def warm_up(fleet: SimFleet, listener: Listener, tag: str) -> None:
         await wait_until(got_frame, within=15, interval=0.05, what=f"a frame from {name}")
 
 
-@pytest_asyncio.fixture(scope="module", loop_scope="session")
-async def stack(
-    module_router_launcher: RouterLauncher, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Stack]:
-    tmp = tmp_path_factory.mktemp("tier4")
+@contextlib.asynccontextmanager
+async def engines_and_listener(
+    tmp: Path, *, tag: str = "warm", conversation: bool = False
+) -> AsyncIterator[tuple[SimFleet, Listener]]:
+    """The engines (each with its own KV event and replay ports) and the listener
+    subscribed to them, warmed up; ``conversation``: the listener announces prompt chain
+    keys as well (with the engines' ``tokenizer.json``)."""
     ports = [(free_port(), free_port()) for _ in NAMES]
     overrides = {
         i: {"kv_events": f"tcp://*:{pub}", "kv_events_replay": f"tcp://*:{replay}"}
@@ -178,7 +182,7 @@ async def stack(
         kv_events_format="vllm-0.33",
         overrides=overrides,
     ) as fleet:
-        config = {
+        lconfig: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "salt_secret_env": SALT_ENV,
             "sources": [
@@ -192,39 +196,51 @@ async def stack(
                     "detokenize_endpoint": f"{url}/detokenize",
                     "model": MODEL,
                     "chat_template": "chatml",
+                    **({"tokenizer": str(bundled_qwen2_json())} if conversation else {}),
                 }
                 for name, url, (pub, replay) in zip(NAMES, fleet.urls, ports, strict=True)
             ],
         }
-        listener = await Listener(config, tmp / "listener.yaml").start()
+        if conversation:
+            lconfig["conversation"] = {"enabled": True}
+        listener = await Listener(lconfig, tmp / "listener.yaml").start()
         try:
-            await warm_up(fleet, listener, "warm")
-            router = await module_router_launcher.start(
-                {
-                    "server": {"grpc_listen": "127.0.0.1:0"},
-                    "selection_strategy": "RoundRobin",
-                    "prefix_routing": {"enabled": True},
-                    "backends": backends(fleet, salt=True),
-                    "kv_cache_index": {
-                        "enabled": True,
-                        "salt_secret_env": SALT_ENV,
-                        "event_sources": event_sources(listener),
-                    },
-                },
-                env={SALT_ENV: SECRET},
-            )
-            assert router.grpc_target is not None
-            async with grpc.aio.insecure_channel(router.grpc_target) as channel:
-                st = Stack(fleet, listener, router, pb_grpc.KvIndexStub(channel))
-
-                async def connected() -> bool:
-                    return all(b["connection"]["connected"] for b in await kv_backends(router))
-
-                await wait_until(connected, within=10, what="the router's event consumers")
-                yield st
+            await warm_up(fleet, listener, tag)
+            yield fleet, listener
         finally:
             if listener.running:
                 assert await listener.stop() == 0, listener.log()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def stack(
+    module_router_launcher: RouterLauncher, tmp_path_factory: pytest.TempPathFactory
+) -> AsyncIterator[Stack]:
+    tmp = tmp_path_factory.mktemp("tier4")
+    async with engines_and_listener(tmp) as (fleet, listener):
+        router = await module_router_launcher.start(
+            {
+                "server": {"grpc_listen": "127.0.0.1:0"},
+                "selection_strategy": "RoundRobin",
+                "prefix_routing": {"enabled": True},
+                "backends": backends(fleet, salt=True),
+                "kv_cache_index": {
+                    "enabled": True,
+                    "salt_secret_env": SALT_ENV,
+                    "event_sources": event_sources(listener),
+                },
+            },
+            env={SALT_ENV: SECRET},
+        )
+        assert router.grpc_target is not None
+        async with grpc.aio.insecure_channel(router.grpc_target) as channel:
+            st = Stack(fleet, listener, router, pb_grpc.KvIndexStub(channel))
+
+            async def connected() -> bool:
+                return all(b["connection"]["connected"] for b in await kv_backends(router))
+
+            await wait_until(connected, within=10, what="the router's event consumers")
+            yield st
 
 
 # -- observation helpers -----------------------------------------------------------------
