@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 
-.PHONY: run test lint proto bench faults faults-slow clean
+.PHONY: run run-multi test lint proto bench faults faults-slow clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,6 +31,11 @@ $(VENV)/.installed-dev: pyproject.toml
 # drives a multi-tenant workload and prints what each strategy did.
 run: $(VENV)/.installed
 	$(PY) -m bench.demo
+
+# Two routers sharing one Redis (a redis-server it starts; REDIS_URL=... uses that one):
+# cache hits across routers and both routers' KV-aware routing.
+run-multi: $(VENV)/.installed
+	$(PY) -m bench.demo --routers 2 $(if $(REDIS_URL),--redis-url $(REDIS_URL))
 
 test: $(VENV)/.installed-dev
 	$(PY) -m pytest -q -p no:cacheprovider

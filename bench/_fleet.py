@@ -38,6 +38,7 @@ __all__ = [
     "PushMode",
     "RouterProcess",
     "admin_stats",
+    "demo_fleet",
     "kv_consumers_connected",
     "listener_cleared",
     "listener_config",
@@ -58,6 +59,21 @@ def qwen_files() -> tuple[Path, Path]:
     from harness.sim.tokenizer import bundled_qwen2_config, bundled_qwen2_json
 
     return bundled_qwen2_json(), bundled_qwen2_config()
+
+
+def demo_fleet(engines: int, capacity_blocks: int, zmq_ports: list[int]) -> SimFleet:
+    """The demos' engines: Qwen2 tokenizer, a modelled prefill time, a prefix cache of
+    ``capacity_blocks`` each, vLLM KV events bound on ``zmq_ports``."""
+    return SimFleet(
+        n=engines,
+        model=MODEL,
+        names=[f"engine-{i + 1}" for i in range(engines)],
+        capacity_blocks=capacity_blocks,
+        latency=True,
+        tokenizer="qwen2",
+        kv_events_format="vllm-0.33",
+        overrides={i: {"kv_events": f"tcp://*:{p}"} for i, p in enumerate(zmq_ports)},
+    )
 
 
 def RouterProcess(config: dict[str, Any], workdir: Path, log: Path | None = None) -> Service:

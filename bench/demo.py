@@ -19,6 +19,9 @@ folder with ``certs``), and the routers' KV index sources use ``transport: event
 
 Afterwards the PrefixAwareHash router keeps serving on http://127.0.0.1:8080 until Ctrl-C
 (``--once`` exits instead).
+
+``--routers N`` (``make run-multi``: 2) runs N routers sharing one Redis instead
+(``bench/demo_multi.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ from bench._fleet import (
     ListenerProcess,
     PushMode,
     RouterProcess,
+    demo_fleet,
     kv_consumers_connected,
     listener_cleared,
     listener_config,
@@ -55,6 +59,7 @@ from bench._fleet import (
     routes_conversation,
 )
 from bench._plot import bar_chart_svg
+from bench.demo_multi import run_multi
 from bus.events import KvEvent
 from bus.sse import SseParser
 from harness.procs import Service, free_port
@@ -199,6 +204,8 @@ async def main(args: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     tenants = make_tenants(args.tenants, rng)
     requests = workload(tenants, args.sessions, args.turns, args.seed)
+    if args.routers > 1:
+        return await run_multi(args, requests, requests[:120])
     print(
         f"Continuum demo: {args.engines} simulated engines "
         f"(prefix cache {args.capacity_blocks} blocks each), {args.tenants} tenants, "
@@ -208,16 +215,7 @@ async def main(args: argparse.Namespace) -> int:
     views: list[tuple[str, dict[str, set[str]]]] = []
     zmq_ports = [free_port() for _ in range(args.engines)]
     async with (
-        SimFleet(
-            n=args.engines,
-            model=MODEL,
-            names=[f"engine-{i + 1}" for i in range(args.engines)],
-            capacity_blocks=args.capacity_blocks,
-            latency=True,
-            tokenizer="qwen2",
-            kv_events_format="vllm-0.33",
-            overrides={i: {"kv_events": f"tcp://*:{p}"} for i, p in enumerate(zmq_ports)},
-        ) as fleet,
+        demo_fleet(args.engines, args.capacity_blocks, zmq_ports) as fleet,
         contextlib.AsyncExitStack() as stack,
     ):
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="continuum-demo-"))
@@ -529,6 +527,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         choices=("push", "pull"),
         default="push",
         help="listener -> router: push over the TLS+mTLS event bus (default) or SSE pull",
+    )
+    p.add_argument(
+        "--routers",
+        type=int,
+        default=1,
+        choices=range(1, 9),
+        metavar="N",
+        help="N > 1: N routers sharing one Redis (cache and KV index) instead of the "
+        "strategy comparison (bench/demo_multi.py); make run-multi is --routers 2",
+    )
+    p.add_argument(
+        "--redis-url",
+        default=None,
+        help="with --routers: the Redis to share (e.g. redis://127.0.0.1:6379/0); "
+        "default: a redis-server the demo starts",
     )
     return p.parse_args(argv)
 

@@ -206,15 +206,18 @@ class ListenerApp:
         )
         self.grpc: GrpcServer | None = None
         self.advisor: EvictionAdvisor | None = None
-        self.push: EventBusClient | None = None
-        self._push_task: asyncio.Task[None] | None = None
-        if cfg.event_bus is not None:
-            self.push = EventBusClient(
-                cfg.event_bus,
+        # Push mode: one client (session, reconnects, streams) per router, so each
+        # replica of a fleet with several routers gets every event on its own terms.
+        self.push: list[EventBusClient] = [
+            EventBusClient(
+                bus,
                 self.hub,
                 list(self.sources),
                 heartbeat_interval=cfg.heartbeat_interval_ms / 1000,
             )
+            for bus in (cfg.event_bus.per_router() if cfg.event_bus is not None else [])
+        ]
+        self._push_tasks: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
         self.http_port: int | None = None
         self.grpc_port: int | None = None
@@ -266,14 +269,19 @@ class ListenerApp:
         for rt in self.sources.values():
             for t in rt.transports:
                 self._tasks.append(loop.create_task(t.run(), name=f"source-{rt.name}"))
-        if self.push is not None:
-            self._push_task = loop.create_task(self.push.run(), name="event-bus")
+        self._push_tasks = [
+            loop.create_task(client.run(), name=f"event-bus:{client.cfg.url}")
+            for client in self.push
+        ]
 
     async def stop(self) -> None:
-        if self.push is not None:
-            # Push mode first: Draining, close streams within drain_deadline (the router
-            # moves the sources to another listener), while the sources still run.
-            await self.push.drain(self._push_task)
+        if self.push:
+            # Push mode first: Draining, close streams within drain_deadline (each router
+            # moves the sources to another listener), while the sources still run; every
+            # router's session drains at once, so the deadline holds for all of them.
+            await asyncio.gather(
+                *(c.drain(t) for c, t in zip(self.push, self._push_tasks, strict=False))
+            )
         await cancel_and_wait(*self._tasks)
         if self.grpc is not None:
             await self.grpc.stop()

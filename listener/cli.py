@@ -65,7 +65,8 @@ CONFIGURATION
                              model, chat_template, default_system_prompt,
                              allowed_publishers, max_chain_tokens,
                              max_tracked_blocks, max_retained_tokens
-      event_bus              push mode: url (https), ca_file, tls_server_name,
+      event_bus              push mode: url (https) or urls (several routers),
+                             ca_file, tls_server_name,
                              client_id, credential_file|credential_env,
                              client_cert_file + client_key_file (mTLS),
                              reconnect_backoff, drain_deadline, connect_timeout,
@@ -76,6 +77,8 @@ PUSH MODE
     With event_bus set, the listener also dials the router's gRPC EventBus over TLS,
     announces its sources (Hello) and serves every Subscribe with the same bytes as
     GET /events/{{backend}} for that Last-Event-ID; it reconnects with backoff.
+    With event_bus.urls it keeps one such session per router (replicas sharing one
+    Redis index): each reconnects, resumes and drains on its own.
 
 SIGNALS
     SIGTERM, SIGINT

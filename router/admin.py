@@ -287,6 +287,9 @@ class AdminApi:
                     "dropped": c.get("dropped", 0),
                     "index_created": c.get("index_created", 0),
                     "index_evicted": c.get("index_evicted", 0),
+                    "resyncs": c.get("resyncs", 0),
+                    "stream_overflows": c.get("stream_overflows", 0),
+                    "resync_losses": c.get("resync_losses", 0),
                 },
             }
             for name, c in kv.consumer_stats().items()

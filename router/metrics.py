@@ -141,8 +141,11 @@ class _KvCollector(Collector):
         snap = self._source()
         dropped = CounterMetricFamily(
             "continuum_kv_event_dropped",
-            "KV events from the listener that could not be applied (invalid, overflow).",
-            labels=["backend"],
+            "KV events lost or refused per backend, by reason: invalid (a record that is no "
+            "event), oversized (a record over 1 MiB), stream_overflow (the listener closed "
+            "the stream: the router read too slowly), resync (a snapshot replaced held "
+            "state: events were lost upstream). sum by (backend) shows backpressure.",
+            labels=["backend", "reason"],
         )
         connected = GaugeMetricFamily(
             "continuum_kv_consumer_connected",
@@ -153,7 +156,14 @@ class _KvCollector(Collector):
             "continuum_kv_events_received", "KV events received per backend.", labels=["backend"]
         )
         for name, c in snap.get("consumers", {}).items():
-            dropped.add_metric([name], c.get("dropped", 0))
+            oversized = c.get("overflows", 0)
+            for reason, n in (
+                ("invalid", c.get("dropped", 0) - oversized),
+                ("oversized", oversized),
+                ("stream_overflow", c.get("stream_overflows", 0)),
+                ("resync", c.get("resync_losses", 0)),
+            ):
+                dropped.add_metric([name, reason], n)
             connected.add_metric([name], 1.0 if c.get("connected") else 0.0)
             received.add_metric([name], c.get("received", 0))
         yield dropped

@@ -1,5 +1,11 @@
 """The listener's ``event_bus`` section: where and how it dials the router (push mode).
 
+``url`` names one router; ``urls`` names several (the replicas of a fleet that runs more
+than one router behind a load balancer): the listener keeps one session per router, each
+with its own reconnects and streams, so every replica gets every event and resumes by
+its own last event id. :meth:`EventBusClientConfig.per_router` splits the section into
+one single-URL config per router.
+
 The credential is read from a file or an environment variable, never from the YAML
 itself (configs get pasted into tickets; secrets must not be).
 """
@@ -10,13 +16,29 @@ import re
 from typing import Annotated, Any
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator
 
 from bus.config import parse_duration
 
 __all__ = ["EventBusClientConfig"]
 
 _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9.-]{0,62}[A-Za-z0-9])?\Z")
+
+
+def _check_url(v: str) -> str:
+    parts = urlsplit(v)
+    if parts.scheme != "https":
+        raise ValueError(f"must be an https:// URL (the event bus is TLS only), got {v!r}")
+    if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.username:
+        raise ValueError(f"must be https://host[:port] with no path, got {v!r}")
+    try:
+        parts.port  # noqa: B018 - validates the port
+    except ValueError as exc:
+        raise ValueError(f"bad port in {v!r}") from exc
+    return v
+
+
+_RouterUrl = Annotated[str, AfterValidator(_check_url)]
 
 
 def _duration(lo: float, hi: float) -> Any:
@@ -36,9 +58,13 @@ class EventBusClientConfig(BaseModel):
         extra="forbid", frozen=True, validate_default=True, use_attribute_docstrings=True
     )
 
-    url: str
+    url: str | None = None
     """``https://host[:port]`` of the router's ``dynamo.event_bus.listen`` (default port
-    443). https only: the bus is never plaintext."""
+    443). https only: the bus is never plaintext. Set this or ``urls``."""
+    urls: Annotated[list[_RouterUrl], Field(max_length=64)] = []
+    """Several routers (replicas sharing one Redis index), each dialled on its own
+    session with its own reconnects and streams: every router gets every event. Set
+    this or ``url``; the other fields apply to every router."""
     client_id: str
     """This listener's broker entry id on the router (``dynamo.event_bus.brokers[].id``);
     also the DNS SAN of its client certificate when it uses one."""
@@ -73,17 +99,8 @@ class EventBusClientConfig(BaseModel):
 
     @field_validator("url")
     @classmethod
-    def _url(cls, v: str) -> str:
-        parts = urlsplit(v)
-        if parts.scheme != "https":
-            raise ValueError(f"must be an https:// URL (the event bus is TLS only), got {v!r}")
-        if not parts.hostname or parts.path not in ("", "/") or parts.query or parts.username:
-            raise ValueError(f"must be https://host[:port] with no path, got {v!r}")
-        try:
-            parts.port  # noqa: B018 - validates the port
-        except ValueError as exc:
-            raise ValueError(f"bad port in {v!r}") from exc
-        return v
+    def _url(cls, v: str | None) -> str | None:
+        return None if v is None else _check_url(v)
 
     @field_validator("client_id")
     @classmethod
@@ -97,9 +114,18 @@ class EventBusClientConfig(BaseModel):
     _connect = field_validator("connect_timeout")(_duration(0.1, 600))
 
     @property
+    def router_urls(self) -> list[str]:
+        """Every router this listener dials, in the configured order."""
+        return list(self.urls) if self.urls else [self.url] if self.url else []
+
+    def per_router(self) -> list[EventBusClientConfig]:
+        """One single-URL section per router (what each session runs on)."""
+        return [self.model_copy(update={"url": u, "urls": []}) for u in self.router_urls]
+
+    @property
     def target(self) -> str:
-        """``host:port`` for grpc (port 443 when the URL has none)."""
-        parts = urlsplit(self.url)
+        """``host:port`` for grpc (port 443 when the URL has none) of a single-URL section."""
+        parts = urlsplit(self.url or "")
         host = parts.hostname or ""
         if ":" in host:
             host = f"[{host}]"
@@ -122,6 +148,16 @@ class EventBusClientConfig(BaseModel):
         from pathlib import Path
 
         out: list[tuple[str, str]] = []
+        if self.url is None and not self.urls:
+            out.append((f"{path}.url", "set url (one router) or urls (several routers)"))
+        if self.url is not None and self.urls:
+            out.append((f"{path}.urls", "set url or urls, not both"))
+        seen: set[str] = set()
+        for i, u in enumerate(self.urls):
+            key = u.rstrip("/").lower()
+            if key in seen:
+                out.append((f"{path}.urls[{i}]", f"{u!r} is listed twice"))
+            seen.add(key)
         if self.credential is not None:
             out.append(
                 (

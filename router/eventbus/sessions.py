@@ -25,6 +25,14 @@ The consumer of source X (``router.ingest.KvEventConsumer``) gets its bytes from
    consumer as :class:`router.ingest.StreamClosedByPeer`, so it resubscribes
    from its last applied event id (to another session when this one is draining or gone).
 
+Hand-over on drain: when a session says ``Draining`` (or a new session arrives while one
+drains), every stream of a draining session whose source another live session announces
+is closed at once with ``draining``, and an ``Unsubscribe`` goes to the draining
+listener: the consumer resubscribes from its last applied event id to the live session
+instead of waiting for the draining listener to close the stream within its
+``drain_deadline``. A stream nobody else can serve stays with the draining listener until
+it closes it.
+
 If the consumer drops the stream itself (its SSE parser rejected the bytes, its apply
 failed, it was cancelled), the slot is closed with that reason: the Stream call is ended
 with a status naming it, and an ``Unsubscribe`` goes down the session.
@@ -217,6 +225,7 @@ class SessionRegistry:
             "subscribes": 0,
             "no_session": 0,
             "calls_over_cap": 0,
+            "drain_handovers": 0,
         }
         self.stream_closes: dict[str, int] = {}
         """Streams ended, by reason: a close reason word (``buffer_overflow``, ``draining``,
@@ -286,6 +295,9 @@ class SessionRegistry:
         )
         self.sessions[entry.id] = session
         self.counters["sessions_opened"] += 1
+        for other in list(self.sessions.values()):
+            if other.draining:
+                self._hand_over(other)
         log.info(
             "event bus: session %s of %s (%s, %s) announces %s",
             session.id,
@@ -301,6 +313,24 @@ class SessionRegistry:
         if not session.draining:
             session.draining = True
             log.info("event bus: session %s of %s is draining", session.id, session.client_id)
+        self._hand_over(session)
+
+    def _hand_over(self, session: BusSession) -> None:
+        """Close the draining ``session``'s streams that a live session can serve, at once
+        (module docstring): their consumers resubscribe there from their last event id."""
+        for slot in list(session.slots.values()):
+            target = self._pick(slot.source)
+            if target is None or slot.channel.ended is not None:
+                continue
+            why = f"session {session.id} is draining; moving to session {target.id}"
+            slot.channel.close(why)
+            slot.channel.end("draining", why)
+            slot.opened.set()
+            self.counters["drain_handovers"] += 1
+            session.send(
+                pb.SessionResponse(unsubscribe=pb.Unsubscribe(stream_id=slot.stream_id, reason=why))
+            )
+            log.info("event bus: %s stream %s: %s", slot.source, slot.stream_id, why)
 
     def unregister(self, session: BusSession) -> None:
         """The session's call is over: end its streams so their consumers resubscribe."""

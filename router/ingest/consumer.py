@@ -68,7 +68,7 @@ import aiohttp
 import orjson
 
 from bus.backoff import Backoff, ExponentialBackoff
-from bus.errors import ERROR_EVENT
+from bus.errors import BUFFER_OVERFLOW, ERROR_EVENT
 from bus.events import EventError, KvEvent
 from bus.sse import SseOverflow, SseParser, SseRecord
 from bus.supervisor import Attempt, Supervisor, Verdict
@@ -148,6 +148,14 @@ class ConsumerStats:
     """``resync`` events applied (stream start, restart of the listener, expired id...)."""
     overflows: int = 0
     """Streams dropped because a line or record exceeded 1 MiB."""
+    stream_overflows: int = 0
+    """Streams the listener closed with ``buffer_overflow``: the router read too slowly
+    (backpressure); the next connection resumes from the last applied event."""
+    resync_losses: int = 0
+    """``resync`` events that replaced state this consumer already held (a resume the
+    listener's ring could no longer answer, or the listener's own reset): events were
+    lost upstream and the snapshot restated the state. The first stream's resync is not
+    counted."""
     reconnects: int = 0
     """Connection attempts after the first one."""
     last_event_at: datetime | None = None
@@ -291,6 +299,11 @@ class KvEventConsumer:
             why = f"overflow: {exc}"
         elif isinstance(exc, ConsumerError):
             why = str(exc)
+            if (
+                isinstance(exc, StreamClosedByPeer)
+                and exc.reason.split(" ", 1)[0] == BUFFER_OVERFLOW
+            ):
+                self.stats.stream_overflows += 1
             if isinstance(exc, EventApplyError) and exc.__cause__ is not None:
                 why += f": {type(exc.__cause__).__name__}: {exc.__cause__}"
         elif isinstance(exc, (aiohttp.ClientError, OSError, TimeoutError)):
@@ -357,7 +370,7 @@ class KvEventConsumer:
         st = self.stats
         backend = self.backend
         from_json = KvEvent.from_json
-        received = processed = dropped = created = evicted = resyncs = 0
+        received = processed = dropped = created = evicted = resyncs = losses = 0
         last_id = st.last_event_id
         try:
             for start in range(0, len(records), _YIELD_EVERY):
@@ -399,6 +412,8 @@ class KvEventConsumer:
                             evicted += 1
                         if ev.event == "resync":
                             resyncs += 1
+                            if last_id is not None:
+                                losses += 1
                     # A record without id keeps the id in effect (SseParser carries it over);
                     # an empty ``id:`` resets it, as in EventSource: the next connection sends
                     # none. An invalid record is passed over too: asking again cannot help.
@@ -413,6 +428,7 @@ class KvEventConsumer:
             st.index_created += created
             st.index_evicted += evicted
             st.resyncs += resyncs
+            st.resync_losses += losses
             st.last_event_id = last_id
             if processed:
                 st.last_event_at = self._clock()

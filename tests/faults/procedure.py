@@ -75,6 +75,11 @@ class Row:
     #: The row's own account, added to its notes at the end (an abuse row: what the
     #: abusers were answered, whether the abused process lived).
     report: Report | None = None
+    #: Run once the stack is up, before the traffic (e.g. start router replicas).
+    setup: Step | None = None
+    #: The client traffic of the row (e.g. spread over several routers); None: the
+    #: default :class:`Traffic` through ``stack.router``.
+    traffic: Callable[[FaultStack], Traffic] | None = None
 
 
 class _Delivery:
@@ -159,7 +164,9 @@ async def run_row(row: Row, tmp: Path) -> RowResult:
         await stack.start()
         router = stack.router
         assert router is not None
-        traffic = Traffic(url=lambda: router.url)
+        if row.setup is not None:
+            await row.setup(stack)
+        traffic = row.traffic(stack) if row.traffic is not None else Traffic(url=lambda: router.url)
         traffic.start()
         await _warm(stack, traffic)
         delivery = _Delivery(stack)

@@ -19,6 +19,7 @@ here: ``truth`` asks every engine, ``index`` peeks the router's index over gRPC
 from __future__ import annotations
 
 import asyncio
+import copy
 import os
 import signal
 from collections.abc import Callable, Mapping
@@ -43,6 +44,8 @@ from .record import Comparison, compare, pairs
 __all__ = ["FaultStack", "StackOptions"]
 
 MODEL = "demo-model"
+FAKETIME_LIB = "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1"
+"""Debian's ``libfaketime`` (``apt-get install faketime``), for ``StackOptions.faketime``."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,14 @@ class StackOptions:
     source_endpoint: Callable[[str, str], str] | None = None
     #: Merged into every listener source (``max_frame_bytes``, say).
     source_extra: Mapping[str, Any] = field(default_factory=dict)
+    #: Router replicas besides ``router`` (``start_replicas``), on the same Redis index
+    #: and cache, each pulling every source itself: a fleet behind a load balancer.
+    replicas: int = 0
+    #: Replicas run under libfaketime (wall clock only) with a clock file each, which
+    #: ``step_clock`` rewrites at runtime.
+    faketime: bool = False
+    #: ``kv_cache_index.cleanup_interval_ms`` of the replicas (None: the default, 30 s).
+    replica_sweep_ms: int | None = None
 
 
 class FaultStack:
@@ -82,6 +93,7 @@ class FaultStack:
         self._launcher = RouterLauncher(tmp)
         self._channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.KvIndexStub | None = None
+        self.replicas: list[RouterProc] = []
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -244,6 +256,91 @@ class FaultStack:
             await self._channel.close()
         await self.router.start()
         self._open_grpc()
+
+    # -- router replicas (opts.replicas) ---------------------------------------------------
+
+    def clock_file(self, rp: RouterProc) -> Path:
+        """The libfaketime clock file of a replica started with ``opts.faketime``."""
+        return rp.config_path.with_suffix(".clock")
+
+    async def start_replicas(self) -> list[RouterProc]:
+        """Start ``opts.replicas`` routers with ``router``'s config on free ports (the
+        same index, cache and sources), each pinned to its ports for restarts."""
+        for _ in range(self.opts.replicas):
+            await self.start_replica()
+        return self.replicas
+
+    async def start_replica(self) -> RouterProc:
+        assert self.router is not None
+        config = copy.deepcopy(self.router.config)
+        config["server"] = {**config["server"], "listen": "127.0.0.1:0"}
+        config["server"]["grpc_listen"] = "127.0.0.1:0"
+        if self.opts.replica_sweep_ms is not None:
+            config["kv_cache_index"]["cleanup_interval_ms"] = self.opts.replica_sweep_ms
+        env = {SALT_ENV: SECRET}
+        if self.opts.faketime:
+            env |= self._faketime_env(self.next_router_path().with_suffix(".clock"))
+        rp = await self._launcher.start(config, env=env)
+        rp.config["server"]["listen"] = rp.url.removeprefix("http://")
+        rp.config["server"]["grpc_listen"] = rp.grpc_address
+        self.replicas.append(rp)
+        await self.wait_connected_at(rp)
+        return rp
+
+    @staticmethod
+    def _faketime_env(clock: Path) -> dict[str, str]:
+        """libfaketime on the wall clock only, read from ``clock`` (rewritten at runtime)."""
+        if not Path(FAKETIME_LIB).is_file():
+            raise RuntimeError(f"{FAKETIME_LIB} is missing: apt-get install faketime")
+        clock.write_text("+0\n")
+        return {
+            "LD_PRELOAD": FAKETIME_LIB,
+            "FAKETIME_TIMESTAMP_FILE": str(clock),
+            "FAKETIME_CACHE_DURATION": "1",
+            # Wall clock only, as an NTP step: CLOCK_MONOTONIC (asyncio's timers) runs on.
+            "FAKETIME_DONT_FAKE_MONOTONIC": "1",
+        }
+
+    @property
+    def routers(self) -> list[RouterProc]:
+        """``router`` and the replicas, in start order."""
+        return [r for r in (self.router, *self.replicas) if r is not None]
+
+    def step_clock(self, rp: RouterProc, offset: str) -> None:
+        """Step a faketime replica's wall clock to ``offset`` from the real one (``+2h``)."""
+        self.clock_file(rp).write_text(offset + "\n")
+
+    async def restart(self, rp: RouterProc, *, graceful: bool = True) -> int:
+        """SIGTERM (or SIGKILL) one router and start it again on its ports; its exit code."""
+        rc = await (rp.stop() if graceful else rp.kill())
+        if rp is self.router:
+            await self.start_router()
+        else:
+            await rp.start()
+        await self.wait_connected_at(rp)
+        return rc
+
+    def next_router_path(self) -> Path:
+        """The config path of the next router this stack starts (its ``--config``)."""
+        return self.tmp / f"router-{len(self._launcher.started) + 1}.yaml"
+
+    async def launch_router(self, config: dict[str, Any]) -> RouterProc:
+        """One more router on ``config`` (with the salt secret), not a replica."""
+        return await self._launcher.start(config, env={SALT_ENV: SECRET})
+
+    def forget_router(self, rp: RouterProc) -> None:
+        """A router killed on purpose: the teardown does not judge its exit status."""
+        self._launcher.started.remove(rp)
+
+    async def wait_connected_at(self, rp: RouterProc, within: float = 20.0) -> None:
+        """Until every event consumer of router ``rp`` is connected."""
+
+        async def connected() -> bool:
+            r = await http("GET", rp.url + "/admin/kv-index/backends", headers=rp.admin_headers)
+            backends = r.json()["backends"] if r.status == 200 else []
+            return bool(backends) and all(b["connection"]["connected"] for b in backends)
+
+        await wait_until(connected, within=within, what=f"{rp.config_path.name}'s consumers")
 
     async def kill_redis(self) -> None:
         assert self.redis is not None

@@ -90,27 +90,33 @@ class Traffic:
         async with aiohttp.ClientSession(timeout=timeout) as session:
             while not self._stop.is_set():
                 n = next(self._seq)
-                body = tenant_body(n % self.tenants, n)
-                t0 = time.monotonic()
-                try:
-                    async with session.post(self.url() + "/v1/chat/completions", json=body) as resp:
-                        await resp.read()
-                        ok = resp.status == 200
-                        self.outcomes.append(
-                            Outcome(
-                                t0,
-                                time.monotonic() - t0,
-                                ok,
-                                resp.headers.get("x-continuum-backend"),
-                                None if ok else f"HTTP {resp.status}",
-                            )
-                        )
-                except (TimeoutError, aiohttp.ClientError, OSError) as e:
-                    self.outcomes.append(
-                        Outcome(t0, time.monotonic() - t0, False, None, type(e).__name__)
-                    )
+                outcome = await self._request(session, tenant_body(n % self.tenants, n))
+                self.outcomes.append(outcome)
+                if outcome.error is not None and not outcome.error.startswith("HTTP "):
                     await asyncio.sleep(0.05)  # a refused connection fails at once
                 await asyncio.sleep(self.think_s)
+
+    async def _request(self, session: aiohttp.ClientSession, body: dict[str, Any]) -> Outcome:
+        """One client request (a subclass may spread it over several routers)."""
+        return await self._post(session, self.url(), body, time.monotonic())
+
+    async def _post(
+        self, session: aiohttp.ClientSession, url: str, body: dict[str, Any], t0: float
+    ) -> Outcome:
+        """One POST to ``url``; its outcome timed from ``t0``."""
+        try:
+            async with session.post(url + "/v1/chat/completions", json=body) as resp:
+                await resp.read()
+                ok = resp.status == 200
+                return Outcome(
+                    t0,
+                    time.monotonic() - t0,
+                    ok,
+                    resp.headers.get("x-continuum-backend"),
+                    None if ok else f"HTTP {resp.status}",
+                )
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
+            return Outcome(t0, time.monotonic() - t0, False, None, type(e).__name__)
 
     def window(self, start: float, end: float) -> list[Outcome]:
         return [o for o in self.outcomes if start <= o.start < end]

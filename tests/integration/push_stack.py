@@ -321,6 +321,20 @@ async def backend_status(target: str, backend: str) -> kpb.BackendStatus:
         return next(b for b in resp.backends if b.name == backend)
 
 
+async def streaming_from(
+    target: str, backend: str, listeners: list[ListenerProc]
+) -> ListenerProc | None:
+    """The listener whose epoch the router's last applied event id of ``backend`` carries:
+    the one its stream comes from (None before the first event). A listener that no
+    longer answers is left out."""
+    epochs: dict[str, ListenerProc] = {}
+    for p in listeners:
+        with contextlib.suppress(aiohttp.ClientError):  # one that is exiting
+            epochs[(await p.stats())["epoch"]] = p
+    st = await backend_status(target, backend)
+    return epochs.get(st.last_event_id.partition("-")[0])
+
+
 async def wait_router_matches(
     grpc_target: str, listener: ListenerProc, backend: str, within: float = 20.0
 ) -> State:

@@ -10,6 +10,7 @@ no stale entry, the same token counts. Nothing sleeps a fixed time.
 
 from __future__ import annotations
 
+import functools
 import signal
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from .push_stack import (
     make_pki,
     router_config,
     running,
+    streaming_from,
     wait_router_matches,
 )
 
@@ -146,13 +148,11 @@ async def test_sigterm_drains_and_a_second_listener_takes_over(
         await b.warm_up(pub)
         await pub.burst(16, 8)
         # The router streams from the newest session; find which one it is.
-        epochs = {(await a.stats())["epoch"]: a, (await b.stats())["epoch"]: b}
-
-        async def streaming_from() -> ListenerProc | None:
-            st = await backend_status(router.grpc_address, B)
-            return epochs.get(st.last_event_id.partition("-")[0])
-
-        serving = await wait_until(streaming_from, 20, what="a stream from one listener")
+        serving = await wait_until(
+            functools.partial(streaming_from, router.grpc_address, B, [a, b]),
+            20,
+            what="a stream from one listener",
+        )
         other = b if serving is a else a
         await wait_router_matches(router.grpc_address, serving, B)
         assert await serving.terminate() == 0  # SIGTERM: Draining, streams closed, exit 0

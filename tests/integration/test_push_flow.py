@@ -22,7 +22,7 @@ from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
 from bus.sse import encode_record
 from harness.procs import free_port
 
-from .conftest import StartRouter, http, wait_until
+from .conftest import StartRouter, http, metric_value, wait_until
 from .push_stack import (
     STATE_READS,
     TOKENS,
@@ -90,6 +90,11 @@ async def test_a_slow_router_gets_buffer_overflow_and_then_misses_nothing(
         ]
         assert closes and float(closes[0].split()[-1]) >= 1
         assert "continuum_event_bus_open_sessions 1.0" in metrics
+        # Backpressure per backend, as sum by (backend) (rate(...)) reads it.
+        dropped = metric_value(
+            metrics, "continuum_kv_event_dropped_total", backend=B, reason="stream_overflow"
+        )
+        assert dropped >= 1
 
 
 async def _next_subscribe(

@@ -40,7 +40,7 @@ from .test_tier4_e2e import (
     Stack,
     backends,
     direct,
-    engines_with_listener,
+    engines_and_listener,
     event_sources,
     kv_backends,
     quiesce,
@@ -62,7 +62,7 @@ Entries = dict[tuple[str, str], tuple[int, str]]
 async def engines(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> AsyncIterator[tuple[SimFleet, Listener]]:
-    async with engines_with_listener(tmp_path_factory.mktemp("sentinel")) as pair:
+    async with engines_and_listener(tmp_path_factory.mktemp("sentinel")) as pair:
         yield pair
 
 

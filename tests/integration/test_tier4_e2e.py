@@ -32,6 +32,7 @@ from bus.prefix_key import extract_prefix_key
 from bus.salt import SALT_PREFIX, SaltError, verify_salt
 from harness.procs import Service, free_port
 from harness.sim.fleet import SimFleet
+from harness.sim.tokenizer import bundled_qwen2_json
 
 from .conftest import (
     RouterLauncher,
@@ -162,9 +163,12 @@ async def warm_up(fleet: SimFleet, listener: Listener, tag: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def engines_with_listener(tmp: Path) -> AsyncIterator[tuple[SimFleet, Listener]]:
-    """The two engines (each with its own KV event and replay ports) and the listener
-    subscribed to them, warmed up so that every engine's batches reach it."""
+async def engines_and_listener(
+    tmp: Path, *, tag: str = "warm", conversation: bool = False
+) -> AsyncIterator[tuple[SimFleet, Listener]]:
+    """The engines (each with its own KV event and replay ports) and the listener
+    subscribed to them, warmed up; ``conversation``: the listener announces prompt chain
+    keys as well (with the engines' ``tokenizer.json``)."""
     ports = [(free_port(), free_port()) for _ in NAMES]
     overrides = {
         i: {"kv_events": f"tcp://*:{pub}", "kv_events_replay": f"tcp://*:{replay}"}
@@ -178,7 +182,7 @@ async def engines_with_listener(tmp: Path) -> AsyncIterator[tuple[SimFleet, List
         kv_events_format="vllm-0.33",
         overrides=overrides,
     ) as fleet:
-        config = {
+        lconfig: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "salt_secret_env": SALT_ENV,
             "sources": [
@@ -192,13 +196,16 @@ async def engines_with_listener(tmp: Path) -> AsyncIterator[tuple[SimFleet, List
                     "detokenize_endpoint": f"{url}/detokenize",
                     "model": MODEL,
                     "chat_template": "chatml",
+                    **({"tokenizer": str(bundled_qwen2_json())} if conversation else {}),
                 }
                 for name, url, (pub, replay) in zip(NAMES, fleet.urls, ports, strict=True)
             ],
         }
-        listener = await Listener(config, tmp / "listener.yaml").start()
+        if conversation:
+            lconfig["conversation"] = {"enabled": True}
+        listener = await Listener(lconfig, tmp / "listener.yaml").start()
         try:
-            await warm_up(fleet, listener, "warm")
+            await warm_up(fleet, listener, tag)
             yield fleet, listener
         finally:
             if listener.running:
@@ -209,7 +216,8 @@ async def engines_with_listener(tmp: Path) -> AsyncIterator[tuple[SimFleet, List
 async def stack(
     module_router_launcher: RouterLauncher, tmp_path_factory: pytest.TempPathFactory
 ) -> AsyncIterator[Stack]:
-    async with engines_with_listener(tmp_path_factory.mktemp("tier4")) as (fleet, listener):
+    tmp = tmp_path_factory.mktemp("tier4")
+    async with engines_and_listener(tmp) as (fleet, listener):
         router = await module_router_launcher.start(
             {
                 "server": {"grpc_listen": "127.0.0.1:0"},

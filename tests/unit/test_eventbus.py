@@ -240,6 +240,50 @@ async def test_session_end_ends_its_streams_and_draining_sessions_get_no_subscri
         await anext(registry.opener(A)(None))
 
 
+async def test_draining_hands_a_stream_over_to_another_session_at_once() -> None:
+    registry = _registry(entry("kv-a"), entry("kv-b"))
+    a = registry.register(_principal(registry, "kv-a"), hello("kv-a", (A,)))
+    b = registry.register(_principal(registry, "kv-b"), hello("kv-b", (A,)))
+    # The newest session serves; make kv-b the one streaming, then drain it.
+    (it, first), sub = await _subscribed(registry, b, registry.opener(A))
+    slot = registry.claim(_principal(registry, "kv-b"), sub.stream_id)
+    await first
+    await slot.channel.put(b"id: 1\n")
+    registry.draining(b)
+    # Closed now (not when the listener closes it): buffered bytes are not delivered, the
+    # consumer resumes from its last applied id, and the draining listener is told.
+    with pytest.raises(StreamClosedByPeer, match="draining"):
+        await anext(it)
+    msg = b.outbox.get_nowait()
+    assert isinstance(msg, pb.SessionResponse) and msg.unsubscribe.stream_id == sub.stream_id
+    assert f"moving to session {a.id}" in msg.unsubscribe.reason
+    with pytest.raises(ChannelClosed):
+        await slot.channel.put(b"more")  # the Stream call ends (ABORTED)
+    assert registry.counters["drain_handovers"] == 1
+    assert registry.stream_closes == {"draining": 1}
+    # The consumer's next open goes to the live session.
+    (_it2, _first2), sub2 = await _subscribed(registry, a, registry.opener(A))
+    assert sub2.source == A and b.outbox.empty()
+
+
+async def test_draining_keeps_a_stream_nobody_else_serves_until_a_session_arrives() -> None:
+    registry = _registry(entry("kv-a"), entry("kv-b"))
+    a = registry.register(_principal(registry, "kv-a"), hello("kv-a", (A,)))
+    (it, first), sub = await _subscribed(registry, a, registry.opener(A))
+    slot = registry.claim(_principal(registry, "kv-a"), sub.stream_id)
+    await first
+    registry.draining(a)
+    await slot.channel.put(b"id: 1\n")  # still served by the draining listener
+    assert await anext(it) == b"id: 1\n"
+    assert a.outbox.empty() and registry.counters["drain_handovers"] == 0
+    b = registry.register(_principal(registry, "kv-b"), hello("kv-b", (A,)))
+    with pytest.raises(StreamClosedByPeer, match="draining"):
+        await anext(it)
+    msg = a.outbox.get_nowait()
+    assert isinstance(msg, pb.SessionResponse)
+    assert f"moving to session {b.id}" in msg.unsubscribe.reason
+
+
 async def test_subscribe_without_stream_open_times_out() -> None:
     registry = SessionRegistry([entry()], (A,), open_timeout=0.01)
     registry.register(_principal(registry), hello(sources=(A,)))

@@ -179,6 +179,46 @@ def test_listener_errors(bus: dict[str, Any], path: str, text: str) -> None:
     assert text in errs[path], errs
 
 
+def test_several_routers_get_one_single_url_section_each() -> None:
+    cfg, _ = parse_listener_config(
+        listener(
+            {
+                "urls": ["https://router-a:9443", "https://router-b"],
+                "client_id": "kv-a",
+                "credential_env": "T",
+                "reconnect_backoff": "2s",
+            }
+        )
+    )
+    bus = cfg.event_bus
+    assert bus is not None and bus.router_urls == ["https://router-a:9443", "https://router-b"]
+    each = bus.per_router()
+    assert [b.target for b in each] == ["router-a:9443", "router-b:443"]
+    assert all(b.urls == [] and b.reconnect_backoff_s == 2.0 for b in each)
+    assert all(b.client_id == "kv-a" and b.credential_env == "T" for b in each)
+    # The single-URL form is one router, as before.
+    one = EventBusClientConfig(url="https://r:9443", client_id="a", credential_env="X")
+    assert [b.url for b in one.per_router()] == ["https://r:9443"]
+
+
+@pytest.mark.parametrize(
+    ("bus", "path", "text"),
+    [
+        ({"url": None}, "event_bus.url", "set url (one router) or urls"),
+        ({"urls": ["https://r2:9443"]}, "event_bus.urls", "not both"),
+        ({"url": None, "urls": ["https://a:1", "https://A:1/"]}, "event_bus.urls[1]", "twice"),
+        ({"url": None, "urls": ["https://a:1", "http://b:1"]}, "event_bus.urls[1]", "https://"),
+        ({"url": None, "urls": ["https://a:1/x"]}, "event_bus.urls[0]", "no path"),
+        ({"url": None, "urls": "https://a:1"}, "event_bus.urls", "valid list"),
+        ({"url": None, "urls": [f"https://r{i}:1" for i in range(65)]}, "event_bus.urls", "64"),
+    ],
+)
+def test_several_router_urls_errors(bus: dict[str, Any], path: str, text: str) -> None:
+    base = {"url": "https://r:9443", "client_id": "kv-a", "credential_env": "T"}
+    errs = listener_errors({**base, **bus})
+    assert text in errs.get(path, ""), errs
+
+
 def test_durations() -> None:
     assert parse_duration("250ms") == 0.25
     assert parse_duration("2s") == 2.0 and parse_duration("1m") == 60.0

@@ -367,6 +367,8 @@ async def test_listener_restart_with_new_epoch_yields_resync_and_snapshot(h: Har
     assert rec.events[2].event == "resync" and rec.events[2].reason == "unknown_epoch"
     assert rec.events[3:] == [created(100), created(101), created(102)]
     assert c.stats.resyncs == 2 and c.stats.last_event_id == "e2-1"
+    # The first stream's resync starts the view; the second replaced held state.
+    assert c.stats.resync_losses == 1 and c.stats.stream_overflows == 0
 
 
 async def test_buffer_overflow_error_record_resumes_from_last_id(h: Harness) -> None:
@@ -387,6 +389,8 @@ async def test_buffer_overflow_error_record_resumes_from_last_id(h: Harness) -> 
     assert c.stats.last_error == "listener closed the stream: buffer_overflow"
     assert c.stats.dropped == 0 and c.stats.received == 11
     assert backoff.computed == [1] and backoff.resets == 1
+    # Backpressure is counted per backend: one stream closed for overflow, no loss.
+    assert c.stats.stream_overflows == 1 and c.stats.resync_losses == 0
 
 
 async def test_apply_failure_is_retried_not_skipped(h: Harness) -> None:
