@@ -12,6 +12,8 @@ engine's ZMQ socket) are played by putting one of these between them:
   both ends. Bytes already sent stay in the kernel's buffers, so a heal (back to
   forward) delivers them, as TCP retransmission would after a partition. A connection
   accepted during a blackhole is not dialled upstream until the heal (its SYN was lost);
+* **strand** — a NAT that restarted and lost its state: the connections open now stay
+  blackholed for good (neither end hears anything, ever), new ones are forwarded;
 * **reset** — every open connection, both sides, is closed with ``SO_LINGER`` 0 (an
   RST), and so is each one accepted while in this mode, until switched back;
 * **throttle** — forwarding at most ``rate`` bytes per second per direction (a slow
@@ -43,8 +45,10 @@ class Mode(Enum):
 @dataclass(eq=False)
 class _Conn:
     down_w: asyncio.StreamWriter
+    flowing: asyncio.Event
     up_w: asyncio.StreamWriter | None = None
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    stranded: bool = False
 
 
 def _rst(writer: asyncio.StreamWriter | None) -> None:
@@ -85,8 +89,6 @@ class BlackholeProxy:
         self.chunk = chunk
         self.rate = rate
         self.mode = Mode.FORWARD
-        self._flowing = asyncio.Event()
-        self._flowing.set()
         self._server: asyncio.Server | None = None
         self._conns: set[_Conn] = set()
         self.accepted = 0
@@ -124,7 +126,6 @@ class BlackholeProxy:
             self._server.close()
             self._server = None
         self._drop_all(count=False)
-        self._flowing.set()
 
     async def __aenter__(self) -> BlackholeProxy:
         return await self.start()
@@ -137,17 +138,26 @@ class BlackholeProxy:
     def forward(self) -> None:
         """Forward again (the heal): held bytes flow, held connections dial upstream."""
         self.mode = Mode.FORWARD
-        self._flowing.set()
+        for conn in self._conns:
+            if not conn.stranded:
+                conn.flowing.set()
 
     def blackhole(self) -> None:
         """Stop forwarding both ways; keep every socket open."""
         self.mode = Mode.BLACKHOLE
-        self._flowing.clear()
+        for conn in self._conns:
+            conn.flowing.clear()
+
+    def strand(self) -> None:
+        """The open connections go silent for good (sockets kept open); new ones forward."""
+        for conn in self._conns:
+            conn.stranded = True
+            conn.flowing.clear()
+        self.mode = Mode.FORWARD
 
     def reset(self) -> None:
         """RST every open connection now, and each new one until :meth:`forward`."""
         self.mode = Mode.RESET
-        self._flowing.clear()
         self._drop_all(count=True)
 
     def throttle(self, rate: float | None) -> None:
@@ -177,7 +187,9 @@ class BlackholeProxy:
 
     async def _accept(self, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
         self.accepted += 1
-        conn = _Conn(down_w)
+        conn = _Conn(down_w, asyncio.Event())
+        if self.mode is Mode.FORWARD:
+            conn.flowing.set()
         self._conns.add(conn)
         if self.mode is Mode.RESET:
             self._drop(conn, count=True)
@@ -186,7 +198,7 @@ class BlackholeProxy:
         assert task is not None
         conn.tasks.append(task)
         try:
-            await self._flowing.wait()
+            await conn.flowing.wait()
             if self.mode is Mode.RESET or conn not in self._conns:
                 self._drop(conn, count=True)
                 return
@@ -220,13 +232,13 @@ class BlackholeProxy:
         """One direction; a FIN is passed on as a FIN (half-close), an error as an RST."""
         try:
             while True:
-                await self._flowing.wait()
+                await conn.flowing.wait()
                 size = self.chunk
                 if self.rate is not None:
                     size = max(1, min(size, int(self.rate / 10)))
                 data = await r.read(size)
                 # Read before a blackhole began: held (one chunk at most) until the heal.
-                await self._flowing.wait()
+                await conn.flowing.wait()
                 if not data:
                     if w.can_write_eof():
                         w.write_eof()

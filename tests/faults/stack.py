@@ -30,6 +30,7 @@ import grpc
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from certs import dev_bundle
+from harness.netproxy import BlackholeProxy
 from harness.procs import free_port
 from harness.sim.fleet import SimFleet
 from tests.integration.conftest import RouterLauncher, RouterProc, http, wait_until
@@ -58,6 +59,17 @@ class StackOptions:
     #: ``pull`` (the router reads SSE) or ``push`` (the listener dials the router's event
     #: bus over TLS with a bearer token, as the push-mode integration tests set it up).
     transport: str = "pull"
+    #: The listener<->router event path goes through a loopback ``BlackholeProxy``
+    #: (``FaultStack.net``): in pull the router's SSE GETs, in push the listener's dial.
+    net_proxy: bool = False
+    #: Extra keys of every router event source (``read_timeout_ms``, say).
+    event_source_extra: tuple[tuple[str, Any], ...] = ()
+    #: Extra keys of the listener's config (``heartbeat_interval_ms``, ``history_size``).
+    listener_extra: tuple[tuple[str, Any], ...] = ()
+    #: Push: extra keys of the listener's ``event_bus`` (``keepalive_time``, say) and of
+    #: the router's ``dynamo.event_bus`` (``keepalive_time_ms``).
+    listener_bus_extra: tuple[tuple[str, Any], ...] = ()
+    router_bus_extra: tuple[tuple[str, Any], ...] = ()
 
 
 class FaultStack:
@@ -72,6 +84,7 @@ class FaultStack:
         self._launcher = RouterLauncher(tmp)
         self._channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.KvIndexStub | None = None
+        self.net: BlackholeProxy | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -128,6 +141,12 @@ class FaultStack:
                 "connect_timeout": "5s",
                 "credential_env": TOKEN_ENV,
             }
+        config.update(o.listener_extra)
+        if push:
+            config["event_bus"].update(o.listener_bus_extra)
+        if o.net_proxy and push:
+            self.net = await BlackholeProxy("127.0.0.1", bus_port).start()
+            config["event_bus"]["url"] = f"https://localhost:{self.net.port}"
         self.listener = Listener(config, self.tmp / "listener.yaml")
         self.listener.env[TOKEN_ENV] = TOKENS["kv-a"]
         await self.listener.start()
@@ -145,6 +164,14 @@ class FaultStack:
                 for name in self.names
             ],
         }
+        for source in kv["event_sources"]:
+            source.update(o.event_source_extra)
+        if o.net_proxy and not push:
+            lport = int(self.listener.url.rsplit(":", 1)[1])
+            self.net = await BlackholeProxy("127.0.0.1", lport).start()
+            for source in kv["event_sources"]:
+                name = source["backend_name"]
+                source["endpoint"] = f"http://127.0.0.1:{self.net.port}/events/{name}"
         rconf: dict[str, Any] = {
             "server": {"grpc_listen": "127.0.0.1:0"},
             "selection_strategy": "RoundRobin",
@@ -164,6 +191,8 @@ class FaultStack:
                     "brokers": [broker("kv-a", self.names)],
                 }
             }
+        if push:
+            rconf["dynamo"]["event_bus"].update(o.router_bus_extra)
         if o.index == "redis":
             self.redis = RedisServer("redis-server")
             await asyncio.to_thread(self.redis.start)
@@ -198,6 +227,8 @@ class FaultStack:
                 await self.fleet.stop()
             if self.redis is not None:
                 await asyncio.to_thread(self.redis.close)
+            if self.net is not None:
+                await self.net.close()
 
     # -- faults and heals ----------------------------------------------------------------
 
@@ -247,6 +278,35 @@ class FaultStack:
 
     async def resume_redis(self) -> None:
         self._redis_signal(signal.SIGCONT)
+
+    async def blackhole(self) -> None:
+        """The listener<->router path goes dead: no bytes either way, sockets kept open."""
+        assert self.net is not None
+        self.net.blackhole()
+
+    async def reset_path(self) -> None:
+        """Every connection of the listener<->router path gets an RST, new ones too."""
+        assert self.net is not None
+        self.net.reset()
+
+    async def heal_path(self) -> None:
+        assert self.net is not None
+        self.net.forward()
+
+    async def throttle_path(self, rate: float | None) -> None:
+        assert self.net is not None
+        self.net.throttle(rate)
+
+    async def strand_path(self) -> None:
+        """A NAT restart: the open connections stay silent for good, new ones get through."""
+        assert self.net is not None
+        self.net.strand()
+
+    async def clear_engine(self, i: int) -> None:
+        """The engine drops its whole cache (``AllBlocksCleared``): the truth changes."""
+        assert self.fleet is not None
+        r = await http("POST", self.fleet.urls[i] + "/sim/reset", total_s=5)
+        assert r.status == 200, r
 
     # -- observation ---------------------------------------------------------------------
 

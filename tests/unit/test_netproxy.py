@@ -241,3 +241,24 @@ async def test_close_ends_every_connection() -> None:
     w.close()
     assert up.server is not None
     up.server.close()
+
+
+async def test_strand_silences_open_connections_for_good_and_forwards_new_ones(
+    pair: tuple[Upstream, BlackholeProxy],
+) -> None:
+    up, proxy = pair
+    r, w = await _connect(proxy)
+    w.write(b"a")
+    await r.readexactly(1)
+    proxy.strand()
+    w.write(b"lost")
+    await w.drain()
+    r2, w2 = await _connect(proxy)
+    w2.write(b"new")
+    assert await asyncio.wait_for(r2.readexactly(3), 5) == b"new"
+    proxy.blackhole()
+    proxy.forward()  # a later heal does not bring a stranded connection back
+    assert await _nothing_within(r)
+    assert up.received == b"anew" and not up.ends
+    for wr in (w, w2):
+        wr.close()

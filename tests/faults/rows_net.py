@@ -1,0 +1,107 @@
+"""Network faults on the listener<->router event path: a loopback ``BlackholeProxy``
+(``harness.netproxy``) sits between them (``StackOptions.net_proxy``). In pull mode the
+router's SSE GETs go through it; in push mode the listener's TLS/HTTP2 dial to the
+router's event bus does.
+
+A *partition* blackholes the path (no bytes either way, no FIN, no RST: a dead path or a
+crashed NAT) for ``fault_s``, then heals it: held connections dial upstream and held
+bytes flow, as TCP retransmission would deliver them. What bounds the recovery:
+
+* a partition shorter than the dead-stream detection (pull: the router's
+  ``read_timeout_ms``, 60 s by default, four of the listener's 15 s heartbeats; push:
+  HTTP/2 keepalive, a ping after 20 s idle and 10 s for its ack, both sides) leaves the
+  connections up: the heal delivers what was held, nothing is replayed;
+* a longer one is detected, the stream dropped, and reconnects are attempted through the
+  dead path, each one ending in its own timeout (pull: ``read_timeout_ms``; push: the
+  listener's ``connect_timeout``) and backing off; after the heal the one in flight, or
+  the next, resumes by event ID (or ``resync`` when the ring no longer covers the gap).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from .procedure import Row
+from .stack import FaultStack, StackOptions
+
+__all__ = ["NET"]
+
+
+async def _blackhole(s: FaultStack) -> None:
+    """Partition the path, then change the truth behind it: sim-1 drops its cache
+    (``AllBlocksCleared``) and traffic refills it, so the router's index is wrong until
+    the events queued behind the partition arrive."""
+    await s.blackhole()
+    await asyncio.sleep(0.5)
+    await s.clear_engine(0)
+
+
+async def _heal(s: FaultStack) -> None:
+    await s.heal_path()
+
+
+def _partition(transport: str, seconds: float, label: str, *, slow: bool = False) -> Row:
+    mode = "pull, SSE" if transport == "pull" else "push, event bus"
+    return Row(
+        f"net-partition/{transport}-{label}",
+        f"listener<->router path blackholed {label} ({mode}), sim-1 cleared behind it",
+        StackOptions(transport=transport, net_proxy=True),
+        _blackhole,
+        _heal,
+        fault_s=seconds,
+        slow=slow,
+    )
+
+
+async def _strand(s: FaultStack) -> None:
+    """A NAT restarts after ``fault_s`` of blackhole: the connections open through it stay
+    silent for good, new ones get through; sim-1 was cleared during the blackhole."""
+    await s.strand_path()
+
+
+#: Dead-stream bounds of the NAT rows, short so that the row shows the bound at work
+#: (the defaults, 60 s of read timeout and 20 s + 10 s of keepalive, bound it the same way,
+#: only later than this procedure waits).
+_PULL_BOUND = StackOptions(
+    net_proxy=True,
+    listener_extra=(("heartbeat_interval_ms", 1000),),
+    event_source_extra=(("read_timeout_ms", 3000),),
+)
+_PUSH_BOUND = StackOptions(
+    transport="push",
+    net_proxy=True,
+    listener_bus_extra=(("keepalive_time", "2s"), ("keepalive_timeout", "2s")),
+    router_bus_extra=(
+        ("keepalive_time_ms", 2000),
+        ("keepalive_timeout_ms", 2000),
+        ("min_client_ping_interval_ms", 1000),
+    ),
+)
+
+
+NET: tuple[Row, ...] = (
+    _partition("pull", 5.0, "5s"),
+    _partition("pull", 45.0, "45s"),
+    _partition("push", 5.0, "5s"),
+    _partition("push", 45.0, "45s"),
+    Row(
+        "net-nat-restart/pull",
+        "path blackholed 5 s, then its connections silent for good (NAT restart); pull, "
+        "heartbeat 1 s, read_timeout_ms 3000",
+        _PULL_BOUND,
+        _blackhole,
+        _strand,
+        fault_s=5.0,
+    ),
+    Row(
+        "net-nat-restart/push",
+        "path blackholed 5 s, then its connections silent for good (NAT restart); push, "
+        "keepalive 2 s + 2 s both ends",
+        _PUSH_BOUND,
+        _blackhole,
+        _strand,
+        fault_s=5.0,
+    ),
+    _partition("pull", 300.0, "5min", slow=True),
+    _partition("push", 300.0, "5min", slow=True),
+)
