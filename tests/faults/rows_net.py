@@ -79,6 +79,58 @@ _PUSH_BOUND = StackOptions(
 )
 
 
+SLOW_RATE = 4096.0
+"""Bytes per second of a slow path: far below what the traffic's events take."""
+
+
+async def _throttle(s: FaultStack) -> None:
+    """The router's reading falls behind (the path carries a few KB/s) while sim-1's
+    cache is cleared and refilled: its queue at the listener overflows (buffer_overflow)
+    and it reconnects from its last event ID, again and again."""
+    await s.throttle_path(SLOW_RATE)
+    await asyncio.sleep(0.5)
+    await s.clear_engine(0)
+
+
+async def _unthrottle(s: FaultStack) -> None:
+    await s.throttle_path(None)
+
+
+def _slow(transport: str, ring: int | None) -> Row:
+    covered = ring is None
+    extra: tuple[tuple[str, object], ...] = (("subscriber_queue_size", 16),)
+    if ring is not None:
+        extra += (("history_size", ring),)
+    return Row(
+        f"net-slow/{transport}-{'ring-covers' if covered else 'ring-exceeded'}",
+        f"path throttled to {SLOW_RATE / 1024:g} KB/s 10 s ({transport}; listener queue 16, "
+        + ("ring 10000: covers the gap)" if covered else f"ring {ring}: the gap exceeds it)"),
+        StackOptions(transport=transport, net_proxy=True, listener_extra=extra),
+        _throttle,
+        _unthrottle,
+        fault_s=10.0,
+        notes=(
+            ("expected: resumes by event ID, no resync block",)
+            if covered
+            else ("expected: told (resync + snapshot) and converges",)
+        ),
+    )
+
+
+async def _engine_restart_behind_partition(s: FaultStack) -> None:
+    """sim-1's ZMQ path to the listener goes dead; behind it sim-1 is SIGKILLed and
+    started again empty (sequence from 0): the listener hears of it only at the heal."""
+    await s.blackhole_engine_path()
+    await asyncio.sleep(0.5)
+    await s.kill_engine(0)
+    await asyncio.sleep(1.0)
+    await s.start_engine(0)
+
+
+async def _heal_engine_path(s: FaultStack) -> None:
+    await s.heal_engine_path()
+
+
 NET: tuple[Row, ...] = (
     _partition("pull", 5.0, "5s"),
     _partition("pull", 45.0, "45s"),
@@ -101,6 +153,19 @@ NET: tuple[Row, ...] = (
         _blackhole,
         _strand,
         fault_s=5.0,
+    ),
+    _slow("pull", None),
+    _slow("pull", 16),
+    _slow("push", None),
+    _slow("push", 16),
+    Row(
+        "net-engine-partition/restart",
+        "sim-1<->listener ZMQ path blackholed 5 s; behind it sim-1 SIGKILL, restart empty",
+        StackOptions(engine_proxy=True),
+        _engine_restart_behind_partition,
+        _heal_engine_path,
+        fault_s=5.0,
+        notes=("expected: the listener notices the sequence reset at the heal and resyncs",),
     ),
     _partition("pull", 300.0, "5min", slow=True),
     _partition("push", 300.0, "5min", slow=True),

@@ -70,6 +70,9 @@ class StackOptions:
     #: the router's ``dynamo.event_bus`` (``keepalive_time_ms``).
     listener_bus_extra: tuple[tuple[str, Any], ...] = ()
     router_bus_extra: tuple[tuple[str, Any], ...] = ()
+    #: sim-1's ZMQ sockets (events and replay) reach the listener through loopback
+    #: ``BlackholeProxy``s (``FaultStack.engine_net``).
+    engine_proxy: bool = False
 
 
 class FaultStack:
@@ -85,6 +88,7 @@ class FaultStack:
         self._channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.KvIndexStub | None = None
         self.net: BlackholeProxy | None = None
+        self.engine_net: list[BlackholeProxy] = []
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -123,6 +127,13 @@ class FaultStack:
             if o.replay:
                 src["replay_endpoint"] = f"tcp://127.0.0.1:{replay}"
             sources.append(src)
+        if o.engine_proxy:
+            pub, replay = ports[0]
+            self.engine_net = [await BlackholeProxy("127.0.0.1", pub).start()]
+            sources[0]["zmq_endpoint"] = f"tcp://127.0.0.1:{self.engine_net[0].port}"
+            if o.replay:
+                self.engine_net.append(await BlackholeProxy("127.0.0.1", replay).start())
+                sources[0]["replay_endpoint"] = f"tcp://127.0.0.1:{self.engine_net[1].port}"
         config: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "salt_secret_env": SALT_ENV,
@@ -229,6 +240,8 @@ class FaultStack:
                 await asyncio.to_thread(self.redis.close)
             if self.net is not None:
                 await self.net.close()
+            for proxy in self.engine_net:
+                await proxy.close()
 
     # -- faults and heals ----------------------------------------------------------------
 
@@ -301,6 +314,16 @@ class FaultStack:
         """A NAT restart: the open connections stay silent for good, new ones get through."""
         assert self.net is not None
         self.net.strand()
+
+    async def blackhole_engine_path(self) -> None:
+        """sim-1's ZMQ path to the listener goes dead (events and replay), sockets open."""
+        assert self.engine_net
+        for proxy in self.engine_net:
+            proxy.blackhole()
+
+    async def heal_engine_path(self) -> None:
+        for proxy in self.engine_net:
+            proxy.forward()
 
     async def clear_engine(self, i: int) -> None:
         """The engine drops its whole cache (``AllBlocksCleared``): the truth changes."""
