@@ -69,6 +69,10 @@ class BlackholeProxy:
     Args:
         chunk: Most bytes read at once per direction (the proxy's own buffer).
         rate: Bytes per second per direction when throttled (None: unthrottled).
+        sock_buf: ``SO_RCVBUF``/``SO_SNDBUF`` of the proxy's sockets, set before they
+            connect (None: the kernel's autotuned buffers, megabytes on loopback). Small
+            ones make a throttled or blackholed path push back on the sender at once, as
+            a slow reader across a real network does, instead of absorbing megabytes.
     """
 
     def __init__(
@@ -80,6 +84,7 @@ class BlackholeProxy:
         listen_port: int = 0,
         chunk: int = 65_536,
         rate: float | None = None,
+        sock_buf: int | None = None,
     ) -> None:
         if chunk < 1:
             raise ValueError("chunk must be positive")
@@ -88,6 +93,7 @@ class BlackholeProxy:
         self.listen_port = listen_port
         self.chunk = chunk
         self.rate = rate
+        self.sock_buf = sock_buf
         self.mode = Mode.FORWARD
         self._server: asyncio.Server | None = None
         self._conns: set[_Conn] = set()
@@ -101,9 +107,9 @@ class BlackholeProxy:
     # -- lifecycle -----------------------------------------------------------------------
 
     async def start(self) -> BlackholeProxy:
-        self._server = await asyncio.start_server(
-            self._accept, self.listen_host, self.listen_port, limit=self.chunk
-        )
+        sock = self._socket()
+        sock.bind((self.listen_host, self.listen_port))
+        self._server = await asyncio.start_server(self._accept, sock=sock, limit=self.chunk)
         self.listen_port = int(self._server.sockets[0].getsockname()[1])
         return self
 
@@ -168,6 +174,24 @@ class BlackholeProxy:
 
     # -- internals -----------------------------------------------------------------------
 
+    def _socket(self) -> socket.socket:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if self.sock_buf is not None:  # before connect/listen: the window is sized then
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, self.sock_buf)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.sock_buf)
+        sock.setblocking(False)
+        return sock
+
+    async def _dial(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        sock = self._socket()
+        try:
+            await asyncio.get_running_loop().sock_connect(sock, self.upstream)
+        except BaseException:
+            sock.close()
+            raise
+        return await asyncio.open_connection(sock=sock, limit=self.chunk)
+
     def _drop_all(self, *, count: bool) -> None:
         for conn in list(self._conns):
             self._drop(conn, count=count)
@@ -203,7 +227,7 @@ class BlackholeProxy:
                 self._drop(conn, count=True)
                 return
             try:
-                up_r, up_w = await asyncio.open_connection(*self.upstream, limit=self.chunk)
+                up_r, up_w = await self._dial()
             except OSError:
                 self._drop(conn, count=False)  # nothing upstream: the client sees an RST
                 return
@@ -236,8 +260,13 @@ class BlackholeProxy:
                 size = self.chunk
                 if self.rate is not None:
                     size = max(1, min(size, int(self.rate / 10)))
-                data = await r.read(size)
-                # Read before a blackhole began: held (one chunk at most) until the heal.
+                # A read begun before a blackhole: its bytes, EOF or error are held (one
+                # chunk at most) until the heal, not passed on through it.
+                try:
+                    data = await r.read(size)
+                except (ConnectionError, OSError):
+                    await conn.flowing.wait()
+                    raise
                 await conn.flowing.wait()
                 if not data:
                     if w.can_write_eof():

@@ -45,6 +45,9 @@ RESTART_ONLY: tuple[str, ...] = (
     "dynamo.event_bus.max_message_bytes",
     "dynamo.event_bus.max_sessions",
     "dynamo.event_bus.max_streams",
+    "dynamo.event_bus.keepalive_time_ms",
+    "dynamo.event_bus.keepalive_timeout_ms",
+    "dynamo.event_bus.min_client_ping_interval_ms",
 )
 """Sections (or single fields) a reload cannot apply: they own sockets, pools, tasks."""
 """Top-level sections a reload cannot apply (they own sockets and credentials)."""

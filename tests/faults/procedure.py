@@ -71,6 +71,9 @@ class Row:
     fault_s: float = FAULT_S
     #: Minutes, not seconds: run by ``make faults-slow`` (``--slow``), not ``make faults``.
     slow: bool = False
+    #: A note of the row's own account, taken after settling (what the fault did: the
+    #: listener's overflows and resync blocks, a proxy's connections, say).
+    summary: Callable[[FaultStack], Awaitable[str]] | None = None
 
 
 class _Delivery:
@@ -224,6 +227,8 @@ async def run_row(row: Row, tmp: Path) -> RowResult:
             f"truth after settling: {final.held} (key, backend) pairs held, {final.indexed} indexed"
             f"; {await stack.listener_summary()}"
         )
+        if row.summary is not None:
+            result.notes.append(await row.summary(stack))
     except Exception as e:
         result.error = f"{type(e).__name__}: {e}"
     finally:

@@ -15,6 +15,18 @@ bytes flow, as TCP retransmission would deliver them. What bounds the recovery:
   dead path, each one ending in its own timeout (pull: ``read_timeout_ms``; push: the
   listener's ``connect_timeout``) and backing off; after the heal the one in flight, or
   the next, resumes by event ID (or ``resync`` when the ring no longer covers the gap).
+
+Behind every fault the truth changes in a way the client traffic cannot hide: sim-2
+serves tenants the traffic never asks for (straight, bypassing the router), so only their
+events can put them in the index, and sim-1 drops its cache.
+
+Other rows: a *NAT restart* (the path's connections silent for good, new ones through:
+only the dead-stream bounds end them), *resets* (RST mid-stream and for 2 s), *slow
+consumers* (the path throttled to a few KB/s with small socket buffers, so the
+listener's per-subscriber queue overflows: resumption from its history ring when the
+ring covers the gap, ``resync`` + snapshot when it does not), and an *engine restart
+behind a partition* of its ZMQ path (the listener hears of the sequence reset only at
+the heal).
 """
 
 from __future__ import annotations
@@ -27,13 +39,24 @@ from .stack import FaultStack, StackOptions
 __all__ = ["NET"]
 
 
-async def _blackhole(s: FaultStack) -> None:
-    """Partition the path, then change the truth behind it: sim-1 drops its cache
-    (``AllBlocksCleared``) and traffic refills it, so the router's index is wrong until
-    the events queued behind the partition arrive."""
-    await s.blackhole()
+DIRECT = range(100, 104)
+"""Tenants served straight by an engine during a fault: keys the client traffic never
+asks for, so nothing but their events can put them in the index (and nothing hides a
+loss of them: the traffic refills sim-1's cleared keys by itself)."""
+
+
+async def _change_truth(s: FaultStack, tenants: range = DIRECT) -> None:
+    """sim-1 drops its cache (``AllBlocksCleared``) and sim-2 serves ``tenants``."""
     await asyncio.sleep(0.5)
     await s.clear_engine(0)
+    await s.serve_direct(1, tenants)
+
+
+async def _blackhole(s: FaultStack) -> None:
+    """Partition the path, then change the truth behind it: the router's index is wrong
+    until the events queued behind the partition arrive."""
+    await s.blackhole()
+    await _change_truth(s)
 
 
 async def _heal(s: FaultStack) -> None:
@@ -50,6 +73,7 @@ def _partition(transport: str, seconds: float, label: str, *, slow: bool = False
         _heal,
         fault_s=seconds,
         slow=slow,
+        summary=FaultStack.net_summary,
     )
 
 
@@ -79,7 +103,7 @@ _PUSH_BOUND = StackOptions(
 )
 
 
-SLOW_RATE = 4096.0
+SLOW_RATE = 1024.0
 """Bytes per second of a slow path: far below what the traffic's events take."""
 
 
@@ -88,8 +112,7 @@ async def _throttle(s: FaultStack) -> None:
     cache is cleared and refilled: its queue at the listener overflows (buffer_overflow)
     and it reconnects from its last event ID, again and again."""
     await s.throttle_path(SLOW_RATE)
-    await asyncio.sleep(0.5)
-    await s.clear_engine(0)
+    await _change_truth(s, range(100, 400))
 
 
 async def _unthrottle(s: FaultStack) -> None:
@@ -105,10 +128,13 @@ def _slow(transport: str, ring: int | None) -> Row:
         f"net-slow/{transport}-{'ring-covers' if covered else 'ring-exceeded'}",
         f"path throttled to {SLOW_RATE / 1024:g} KB/s 10 s ({transport}; listener queue 16, "
         + ("ring 10000: covers the gap)" if covered else f"ring {ring}: the gap exceeds it)"),
-        StackOptions(transport=transport, net_proxy=True, listener_extra=extra),
+        StackOptions(
+            transport=transport, net_proxy=True, listener_extra=extra, proxy_sock_buf=4096
+        ),
         _throttle,
         _unthrottle,
         fault_s=10.0,
+        summary=FaultStack.net_summary,
         notes=(
             ("expected: resumes by event ID, no resync block",)
             if covered
@@ -125,10 +151,31 @@ async def _engine_restart_behind_partition(s: FaultStack) -> None:
     await s.kill_engine(0)
     await asyncio.sleep(1.0)
     await s.start_engine(0)
+    await s.serve_direct(0, DIRECT)
 
 
 async def _heal_engine_path(s: FaultStack) -> None:
     await s.heal_engine_path()
+
+
+async def _reset(s: FaultStack) -> None:
+    """Every connection of the path is reset (RST) mid-stream, and each new one for
+    ``fault_s``; sim-1 is cleared meanwhile."""
+    await s.reset_path()
+    await _change_truth(s)
+
+
+def _resets(transport: str) -> Row:
+    what = "SSE GETs" if transport == "pull" else "the event bus's HTTP/2 connection"
+    return Row(
+        f"net-reset/{transport}",
+        f"path RST mid-stream, and every new connection for 2 s ({transport}: {what})",
+        StackOptions(transport=transport, net_proxy=True),
+        _reset,
+        _heal,
+        summary=FaultStack.net_summary,
+        notes=("expected: resumes from the last applied event ID, no resync block",),
+    )
 
 
 NET: tuple[Row, ...] = (
@@ -144,6 +191,7 @@ NET: tuple[Row, ...] = (
         _blackhole,
         _strand,
         fault_s=5.0,
+        summary=FaultStack.net_summary,
     ),
     Row(
         "net-nat-restart/push",
@@ -153,6 +201,7 @@ NET: tuple[Row, ...] = (
         _blackhole,
         _strand,
         fault_s=5.0,
+        summary=FaultStack.net_summary,
     ),
     _slow("pull", None),
     _slow("pull", 16),
@@ -165,8 +214,11 @@ NET: tuple[Row, ...] = (
         _engine_restart_behind_partition,
         _heal_engine_path,
         fault_s=5.0,
+        summary=FaultStack.net_summary,
         notes=("expected: the listener notices the sequence reset at the heal and resyncs",),
     ),
+    _resets("pull"),
+    _resets("push"),
     _partition("pull", 300.0, "5min", slow=True),
     _partition("push", 300.0, "5min", slow=True),
 )

@@ -39,6 +39,7 @@ from tests.integration.test_tier4_e2e import SALT_ENV, SECRET, Listener
 from tests.redis_fixture import RedisServer
 
 from .record import Comparison, compare, pairs
+from .traffic import tenant_body
 
 __all__ = ["FaultStack", "StackOptions"]
 
@@ -73,6 +74,8 @@ class StackOptions:
     #: sim-1's ZMQ sockets (events and replay) reach the listener through loopback
     #: ``BlackholeProxy``s (``FaultStack.engine_net``).
     engine_proxy: bool = False
+    #: ``SO_RCVBUF``/``SO_SNDBUF`` of the proxies' sockets (None: the kernel's).
+    proxy_sock_buf: int | None = None
 
 
 class FaultStack:
@@ -156,7 +159,9 @@ class FaultStack:
         if push:
             config["event_bus"].update(o.listener_bus_extra)
         if o.net_proxy and push:
-            self.net = await BlackholeProxy("127.0.0.1", bus_port).start()
+            self.net = await BlackholeProxy(
+                "127.0.0.1", bus_port, sock_buf=o.proxy_sock_buf
+            ).start()
             config["event_bus"]["url"] = f"https://localhost:{self.net.port}"
         self.listener = Listener(config, self.tmp / "listener.yaml")
         self.listener.env[TOKEN_ENV] = TOKENS["kv-a"]
@@ -179,7 +184,7 @@ class FaultStack:
             source.update(o.event_source_extra)
         if o.net_proxy and not push:
             lport = int(self.listener.url.rsplit(":", 1)[1])
-            self.net = await BlackholeProxy("127.0.0.1", lport).start()
+            self.net = await BlackholeProxy("127.0.0.1", lport, sock_buf=o.proxy_sock_buf).start()
             for source in kv["event_sources"]:
                 name = source["backend_name"]
                 source["endpoint"] = f"http://127.0.0.1:{self.net.port}/events/{name}"
@@ -324,6 +329,38 @@ class FaultStack:
     async def heal_engine_path(self) -> None:
         for proxy in self.engine_net:
             proxy.forward()
+
+    async def serve_direct(self, i: int, tenants: range, *, concurrency: int = 4) -> None:
+        """Requests of ``tenants`` straight to engine ``i``, bypassing the router: the
+        engine then holds keys the client traffic never asks for (the router learns of
+        them only from their events, and nothing refills or hides them)."""
+        assert self.fleet is not None
+        url = self.fleet.urls[i] + "/v1/chat/completions"
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(t: int) -> None:
+            async with gate:
+                r = await http("POST", url, json=tenant_body(t, 0), total_s=30)
+                assert r.status == 200, r
+
+        await asyncio.gather(*(one(t) for t in tenants))
+
+    async def net_summary(self) -> str:
+        """What the network fault did, by the listener's and the router's counters."""
+        assert self.listener is not None
+        r = await http("GET", self.listener.url + "/stats", total_s=5)
+        assert r.status == 200, r
+        hub = r.json()["hub"]["backends"].values()
+        overflows = sum(int(b["overflows"]) for b in hub)
+        blocks = sum(int(b["resync_blocks"]) for b in hub)
+        reconnects = sum(int(b["connection"]["reconnect_count"]) for b in await self.kv_backends())
+        proxies = [p for p in (self.net, *self.engine_net) if p is not None]
+        accepted = "/".join(str(p.accepted) for p in proxies) or "-"
+        return (
+            f"listener: {overflows} buffer_overflow close(s), {blocks} resync block(s) sent "
+            f"(from the start); router: {reconnects} reconnect(s); proxy connections "
+            f"accepted: {accepted}"
+        )
 
     async def clear_engine(self, i: int) -> None:
         """The engine drops its whole cache (``AllBlocksCleared``): the truth changes."""

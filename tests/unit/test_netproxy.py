@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import struct
 from collections.abc import AsyncIterator
 
 import pytest
@@ -182,9 +184,6 @@ async def test_an_upstream_rst_reaches_the_client_as_an_rst() -> None:
     async def rude(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
         await r.read(1)
         sock = w.get_extra_info("socket")
-        import socket
-        import struct
-
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         w.transport.abort()
 
@@ -262,3 +261,30 @@ async def test_strand_silences_open_connections_for_good_and_forwards_new_ones(
     assert up.received == b"anew" and not up.ends
     for wr in (w, w2):
         wr.close()
+
+
+async def test_an_rst_during_a_blackhole_is_held_until_the_heal() -> None:
+    peers: list[asyncio.StreamWriter] = []
+    accepted = asyncio.Event()
+
+    async def keep(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+        peers.append(w)
+        accepted.set()
+        await r.read()
+
+    server = await asyncio.start_server(keep, "127.0.0.1", 0)
+    port = int(server.sockets[0].getsockname()[1])
+    async with BlackholeProxy("127.0.0.1", port, sock_buf=4096) as proxy:
+        r, w = await _connect(proxy)
+        w.write(b"x")
+        await asyncio.wait_for(accepted.wait(), 5)
+        proxy.blackhole()
+        sock = peers[0].get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        peers[0].transport.abort()  # the upstream dies behind the partition
+        assert await _nothing_within(r)  # the client hears nothing of it yet
+        proxy.forward()
+        with pytest.raises(ConnectionResetError):
+            await asyncio.wait_for(r.read(1), 5)
+        w.close()
+    server.close()
