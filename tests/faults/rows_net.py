@@ -108,15 +108,20 @@ SLOW_RATE = 1024.0
 
 
 async def _throttle(s: FaultStack) -> None:
-    """The router's reading falls behind (the path carries a few KB/s) while sim-1's
-    cache is cleared and refilled: its queue at the listener overflows (buffer_overflow)
-    and it reconnects from its last event ID, again and again."""
+    """The router's reading falls behind (the path carries 1 KB/s) while hundreds of
+    events are published: the backlog waits in the buffers on the way (the listener's
+    write buffer flushes per 64 KB, the sockets'), behind the router's position."""
     await s.throttle_path(SLOW_RATE)
     await _change_truth(s, range(100, 400))
 
 
-async def _unthrottle(s: FaultStack) -> None:
+async def _drop_behind(s: FaultStack) -> None:
+    """The slow connection is reset with its backlog in flight (lost with it), and the
+    path is whole again: the router asks from its last applied event ID, hundreds of
+    events behind the listener."""
+    await s.reset_path()
     await s.throttle_path(None)
+    await s.heal_path()
 
 
 def _slow(transport: str, ring: int | None) -> Row:
@@ -126,13 +131,14 @@ def _slow(transport: str, ring: int | None) -> Row:
         extra += (("history_size", ring),)
     return Row(
         f"net-slow/{transport}-{'ring-covers' if covered else 'ring-exceeded'}",
-        f"path throttled to {SLOW_RATE / 1024:g} KB/s 10 s ({transport}; listener queue 16, "
+        f"path throttled to {SLOW_RATE / 1024:g} KB/s 10 s, then reset with its backlog "
+        f"({transport}; "
         + ("ring 10000: covers the gap)" if covered else f"ring {ring}: the gap exceeds it)"),
         StackOptions(
             transport=transport, net_proxy=True, listener_extra=extra, proxy_sock_buf=4096
         ),
         _throttle,
-        _unthrottle,
+        _drop_behind,
         fault_s=10.0,
         summary=FaultStack.net_summary,
         notes=(
