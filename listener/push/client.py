@@ -5,8 +5,8 @@
 router's Subscribe / Unsubscribe / Forbidden), one :class:`StreamWriter` task per
 Subscribe; when the call ends for any reason the writers are stopped and, unless the
 listener is draining, the supervisor waits ``reconnect_backoff`` doubling per failure up
-to max(reconnect_backoff, 60 s) and dials again (a session that got its Welcome resets
-the count). ``CancelledError`` always propagates.
+to max(reconnect_backoff, reconnect_backoff_max) and dials again (a session that got its
+Welcome resets the count). ``CancelledError`` always propagates.
 
 Drain (SIGTERM, :meth:`drain`): send ``Draining``, close every open stream with
 ``CLOSE_REASON_DRAINING`` after its in-flight write, half-close the session and wait for
@@ -41,8 +41,6 @@ from .writer import OpenStream, StreamWriter
 __all__ = ["EventBusClient", "SessionEnded", "SessionRefused"]
 
 log = logging.getLogger("continuum.listener.push")
-
-MAX_BACKOFF_S = 60.0
 
 
 def keepalive_options(cfg: EventBusClientConfig) -> list[tuple[str, int | str]]:
@@ -138,7 +136,8 @@ class EventBusClient:
         self._supervisor = Supervisor(
             self._connection,
             self._classify,
-            backoff=backoff or ExponentialBackoff(base, max(base, MAX_BACKOFF_S), 0.2),
+            backoff=backoff
+            or ExponentialBackoff(base, max(base, cfg.reconnect_backoff_max_s), 0.2),
             on_retry=self._log_retry,
             should_stop=lambda: self._draining,
         )

@@ -55,7 +55,14 @@ class EventBusClientConfig(BaseModel):
     client_key_file: str | None = None
     """Its private key."""
     reconnect_backoff: str | int | float = "1s"
-    """First reconnect delay after the session fails; doubles up to max(this, 60 s)."""
+    """First reconnect delay after the session fails; doubles up to
+    max(this, ``reconnect_backoff_max``)."""
+    reconnect_backoff_max: str | int | float = "10s"
+    """Longest wait between two dials. While no session is up the router hears nothing of
+    this listener's sources, and after a long outage (a partition of minutes) every dial
+    through the dead path failed: the wait after the path heals is up to this long, so
+    the bound of a push recovery is ``connect_timeout`` + this (a dial is one TLS
+    handshake: cheap to repeat)."""
     drain_deadline: str | int | float = "5s"
     """On SIGTERM: time to send Draining and close open streams before exiting."""
     connect_timeout: str | int | float = "10s"
@@ -100,6 +107,7 @@ class EventBusClientConfig(BaseModel):
         return v
 
     _backoff = field_validator("reconnect_backoff")(_duration(0.01, 600))
+    _backoff_max = field_validator("reconnect_backoff_max")(_duration(0.01, 600))
     _drain = field_validator("drain_deadline")(_duration(0, 600))
     _connect = field_validator("connect_timeout")(_duration(0.1, 600))
     _keepalive = field_validator("keepalive_time")(_duration(1, 3600))
@@ -117,6 +125,10 @@ class EventBusClientConfig(BaseModel):
     @property
     def reconnect_backoff_s(self) -> float:
         return parse_duration(self.reconnect_backoff)
+
+    @property
+    def reconnect_backoff_max_s(self) -> float:
+        return parse_duration(self.reconnect_backoff_max)
 
     @property
     def drain_deadline_s(self) -> float:

@@ -249,3 +249,24 @@ def test_an_sse_source_read_timeout() -> None:
     assert cfg.kv_cache_index.event_sources[0].read_timeout_ms == 3000
     src[0]["read_timeout_ms"] = 50
     assert "kv_cache_index.event_sources[0].read_timeout_ms" in router_errors(router(None, src))
+
+
+def test_the_push_client_redials_at_least_every_reconnect_backoff_max() -> None:
+    """After a long outage every dial failed; the wait once the path heals is bounded by
+    ``reconnect_backoff_max`` (10 s), not a minute."""
+    from bus.backoff import ExponentialBackoff
+    from listener.push.client import EventBusClient
+    from listener.stream import EventHub
+
+    def cap(**kw: str) -> float:
+        cfg = EventBusClientConfig.model_validate(
+            {"url": "https://r", "client_id": "a", "credential_env": "X", **kw}
+        )
+        client = EventBusClient(cfg, EventHub(backends=["b"]), ["b"])
+        backoff = client._supervisor._backoff
+        assert isinstance(backoff, ExponentialBackoff)
+        return backoff.cap_s
+
+    assert cap() == 10.0
+    assert cap(reconnect_backoff="50ms", reconnect_backoff_max="2s") == 2.0
+    assert cap(reconnect_backoff="30s", reconnect_backoff_max="2s") == 30.0  # never below
