@@ -64,6 +64,16 @@ async def _connect(proxy: BlackholeProxy) -> tuple[asyncio.StreamReader, asyncio
     return await asyncio.open_connection("127.0.0.1", proxy.port)
 
 
+async def _connected(
+    proxy: BlackholeProxy,
+) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection through ``proxy`` that carried one byte there and back."""
+    r, w = await _connect(proxy)
+    w.write(b"a")
+    assert await r.readexactly(1) == b"a"
+    return r, w
+
+
 async def _nothing_within(r: asyncio.StreamReader, s: float = 0.3) -> bool:
     """True when ``r`` yields neither bytes nor EOF nor an error within ``s``."""
     try:
@@ -93,9 +103,7 @@ async def test_blackhole_keeps_sockets_open_and_the_heal_delivers_what_was_held(
     pair: tuple[Upstream, BlackholeProxy],
 ) -> None:
     up, proxy = pair
-    r, w = await _connect(proxy)
-    w.write(b"a")
-    assert await r.readexactly(1) == b"a"
+    r, w = await _connected(proxy)
     proxy.blackhole()
     assert proxy.mode is Mode.BLACKHOLE
     w.write(b"during")
@@ -126,9 +134,7 @@ async def test_blackhole_is_bounded_a_fast_sender_stalls(
     pair: tuple[Upstream, BlackholeProxy],
 ) -> None:
     up, proxy = pair
-    r, w = await _connect(proxy)
-    w.write(b"a")
-    await r.readexactly(1)
+    _r, w = await _connected(proxy)
     proxy.blackhole()
     before = dict(proxy.forwarded)
     w.write(b"z" * (64 << 20))  # far beyond every buffer on the way
@@ -144,9 +150,7 @@ async def test_reset_sends_rst_both_ways_then_new_ones_until_forward(
     pair: tuple[Upstream, BlackholeProxy],
 ) -> None:
     up, proxy = pair
-    r, w = await _connect(proxy)
-    w.write(b"a")
-    await r.readexactly(1)
+    r, w = await _connected(proxy)
     proxy.reset()
     with pytest.raises(ConnectionResetError):
         await asyncio.wait_for(r.read(1), 5)
@@ -230,9 +234,7 @@ async def test_close_ends_every_connection() -> None:
     up = Upstream()
     port = await up.start()
     proxy = await BlackholeProxy("127.0.0.1", port).start()
-    r, w = await _connect(proxy)
-    w.write(b"a")
-    await r.readexactly(1)
+    r, w = await _connected(proxy)
     await proxy.close()
     with contextlib.suppress(ConnectionResetError):
         assert await asyncio.wait_for(r.read(1), 5) == b""
@@ -246,9 +248,7 @@ async def test_strand_silences_open_connections_for_good_and_forwards_new_ones(
     pair: tuple[Upstream, BlackholeProxy],
 ) -> None:
     up, proxy = pair
-    r, w = await _connect(proxy)
-    w.write(b"a")
-    await r.readexactly(1)
+    r, w = await _connected(proxy)
     proxy.strand()
     w.write(b"lost")
     await w.drain()
