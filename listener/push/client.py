@@ -5,8 +5,8 @@
 router's Subscribe / Unsubscribe / Forbidden), one :class:`StreamWriter` task per
 Subscribe; when the call ends for any reason the writers are stopped and, unless the
 listener is draining, the supervisor waits ``reconnect_backoff`` doubling per failure up
-to max(reconnect_backoff, 60 s) and dials again (a session that got its Welcome resets
-the count). ``CancelledError`` always propagates.
+to max(reconnect_backoff, reconnect_backoff_max) and dials again (a session that got its
+Welcome resets the count). ``CancelledError`` always propagates.
 
 Drain (SIGTERM, :meth:`drain`): send ``Draining``, close every open stream with
 ``CLOSE_REASON_DRAINING`` after its in-flight write, half-close the session and wait for
@@ -42,14 +42,20 @@ __all__ = ["EventBusClient", "SessionEnded", "SessionRefused"]
 
 log = logging.getLogger("continuum.listener.push")
 
-MAX_BACKOFF_S = 60.0
 
-_KEEPALIVE = (
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-)
+def keepalive_options(cfg: EventBusClientConfig) -> list[tuple[str, int | str]]:
+    """HTTP/2 keepalive pings (``keepalive_time``/``keepalive_timeout``): without them a
+    session whose path went silent would wait for a FIN that never comes. gRPC core waits
+    for the ack ``grpc.http2.ping_timeout_ms`` (a minute by default) whatever
+    ``keepalive_timeout_ms`` says, so both are set to ``keepalive_timeout``."""
+    timeout_ms = round(cfg.keepalive_timeout_s * 1000)
+    return [
+        ("grpc.keepalive_time_ms", round(cfg.keepalive_time_s * 1000)),
+        ("grpc.keepalive_timeout_ms", timeout_ms),
+        ("grpc.http2.ping_timeout_ms", timeout_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 
 class SessionRefused(Exception):
@@ -130,7 +136,8 @@ class EventBusClient:
         self._supervisor = Supervisor(
             self._connection,
             self._classify,
-            backoff=backoff or ExponentialBackoff(base, max(base, MAX_BACKOFF_S), 0.2),
+            backoff=backoff
+            or ExponentialBackoff(base, max(base, cfg.reconnect_backoff_max_s), 0.2),
             on_retry=self._log_retry,
             should_stop=lambda: self._draining,
         )
@@ -206,7 +213,7 @@ class EventBusClient:
         """One channel, one Session call; healthy once the router's Welcome arrives."""
         cfg = self.cfg
         creds, metadata = await self._credentials()
-        options: list[tuple[str, int | str]] = list(_KEEPALIVE)
+        options = keepalive_options(cfg)
         if cfg.tls_server_name:
             options.append(("grpc.ssl_target_name_override", cfg.tls_server_name))
         async with grpc.aio.secure_channel(cfg.target, creds, options=options) as channel:

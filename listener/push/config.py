@@ -81,11 +81,25 @@ class EventBusClientConfig(BaseModel):
     client_key_file: str | None = None
     """Its private key."""
     reconnect_backoff: str | int | float = "1s"
-    """First reconnect delay after the session fails; doubles up to max(this, 60 s)."""
+    """First reconnect delay after the session fails; doubles up to
+    max(this, ``reconnect_backoff_max``)."""
+    reconnect_backoff_max: str | int | float = "10s"
+    """Longest wait between two dials. While no session is up the router hears nothing of
+    this listener's sources, and after a long outage (a partition of minutes) every dial
+    through the dead path failed: the wait after the path heals is up to this long, so
+    the bound of a push recovery is ``connect_timeout`` + this (a dial is one TLS
+    handshake: cheap to repeat)."""
     drain_deadline: str | int | float = "5s"
     """On SIGTERM: time to send Draining and close open streams before exiting."""
     connect_timeout: str | int | float = "10s"
     """Time to connect, handshake and receive the Welcome."""
+    keepalive_time: str | int | float = "20s"
+    """An HTTP/2 ping to the router after this long without one; with
+    ``keepalive_timeout``, how soon a router gone silent (a partition, a NAT that lost its
+    state: no FIN, no RST ever comes) is noticed and the session dialled again. Not under
+    the router's ``min_client_ping_interval_ms`` (5 s), or it answers GOAWAY."""
+    keepalive_timeout: str | int | float = "10s"
+    """How long a ping may go unanswered before the connection counts as dead."""
     batch_max_bytes: Annotated[int, Field(ge=1024, le=1 << 20)] = 256 * 1024
     """A StreamData message is sent once it holds this many bytes of SSE records..."""
     batch_linger_ms: Annotated[int, Field(ge=0, le=1000)] = 10
@@ -110,8 +124,11 @@ class EventBusClientConfig(BaseModel):
         return v
 
     _backoff = field_validator("reconnect_backoff")(_duration(0.01, 600))
+    _backoff_max = field_validator("reconnect_backoff_max")(_duration(0.01, 600))
     _drain = field_validator("drain_deadline")(_duration(0, 600))
     _connect = field_validator("connect_timeout")(_duration(0.1, 600))
+    _keepalive = field_validator("keepalive_time")(_duration(1, 3600))
+    _keepalive_timeout = field_validator("keepalive_timeout")(_duration(0.1, 600))
 
     @property
     def router_urls(self) -> list[str]:
@@ -136,12 +153,24 @@ class EventBusClientConfig(BaseModel):
         return parse_duration(self.reconnect_backoff)
 
     @property
+    def reconnect_backoff_max_s(self) -> float:
+        return parse_duration(self.reconnect_backoff_max)
+
+    @property
     def drain_deadline_s(self) -> float:
         return parse_duration(self.drain_deadline)
 
     @property
     def connect_timeout_s(self) -> float:
         return parse_duration(self.connect_timeout)
+
+    @property
+    def keepalive_time_s(self) -> float:
+        return parse_duration(self.keepalive_time)
+
+    @property
+    def keepalive_timeout_s(self) -> float:
+        return parse_duration(self.keepalive_timeout)
 
     def issues(self, path: str = "event_bus") -> list[tuple[str, str]]:
         """Cross-field errors as ``(yaml path, message)``; files are checked to exist."""

@@ -374,6 +374,13 @@ class EventSourceConfig(_Section):
     transport: Literal["sse", "event_bus"] = "sse"
     reconnect_interval_ms: Annotated[int, Field(ge=10, le=600_000)] = 1_000
     """First reconnect delay; doubles up to max(this, 60 s)."""
+    read_timeout_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 60_000
+    """``transport: sse``: an open stream that brings no byte for this long counts as dead
+    (a partition, a NAT that lost its state: no FIN, no RST ever comes) and is dropped and
+    reopened from the last event ID; the same bound applies to the answer to a GET. Keep
+    it a few of the listener's ``heartbeat_interval_ms`` (15 s: 60 s is four): an idle
+    stream carries only heartbeats. ``event_bus`` sources rely on HTTP/2 keepalive
+    (``dynamo.event_bus.keepalive_time_ms``) instead."""
 
     @field_validator("endpoint")
     @classmethod
@@ -629,6 +636,15 @@ class EventBusConfig(_Section):
     max_streams: Annotated[int, Field(ge=1, le=1_000_000)] = 4096
     """Stream calls in progress at once (authenticated or not); one more is refused with
     RESOURCE_EXHAUSTED. A listener holds one per source the router consumes from it."""
+    keepalive_time_ms: Annotated[int, Field(ge=1_000, le=3_600_000)] = 20_000
+    """An HTTP/2 ping to each listener's connection after this long without one; with
+    ``keepalive_timeout_ms``, how soon a listener gone silent (a partition, a host down, a
+    NAT that lost its state) is noticed and its streams are ended (restart-only)."""
+    keepalive_timeout_ms: Annotated[int, Field(ge=100, le=600_000)] = 10_000
+    """How long a ping may go unanswered before the connection counts as dead."""
+    min_client_ping_interval_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 5_000
+    """Least interval between a listener's pings the router accepts; more often gets
+    GOAWAY (too_many_pings). Keep it at or under the listeners' ``keepalive_time``."""
 
     @field_validator("listen")
     @classmethod

@@ -79,6 +79,7 @@ RELOADABLE: tuple[str, ...] = (
     "kv_cache_index.event_sources[].endpoint",
     "kv_cache_index.event_sources[].transport",
     "kv_cache_index.event_sources[].reconnect_interval_ms",
+    "kv_cache_index.event_sources[].read_timeout_ms",
     # A session whose announced sources are no longer allowed ends with Forbidden.
     "dynamo.event_bus.brokers[].id",
     "dynamo.event_bus.brokers[].role",
@@ -168,6 +169,9 @@ RESTART_ONLY: tuple[str, ...] = (
     "dynamo.event_bus.max_message_bytes",
     "dynamo.event_bus.max_sessions",
     "dynamo.event_bus.max_streams",
+    "dynamo.event_bus.keepalive_time_ms",
+    "dynamo.event_bus.keepalive_timeout_ms",
+    "dynamo.event_bus.min_client_ping_interval_ms",
     # Its map and background tasks (and the dialect choice made with them).
     "gemini_context_cache.enabled",
     "gemini_context_cache.min_prefix_bytes",

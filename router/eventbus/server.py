@@ -25,15 +25,27 @@ log = logging.getLogger("continuum.eventbus")
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["EventBus"].full_name
 
-# HTTP/2 keepalive: a listener that vanished without a FIN (host down, partition) is
-# noticed within about half a minute, and its sources move to another session.
-_KEEPALIVE = (
-    ("grpc.keepalive_time_ms", 20_000),
-    ("grpc.keepalive_timeout_ms", 10_000),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-)
+
+def keepalive_options(config: EventBusConfig) -> list[tuple[str, int]]:
+    """HTTP/2 keepalive: a listener that vanished without a FIN (host down, partition, a
+    NAT that lost its state) is noticed within ``keepalive_time_ms`` +
+    ``keepalive_timeout_ms`` (30 s by default), and its sources move to another session.
+    Listeners ping too (their own ``keepalive_time``); one pinging more often than
+    ``min_client_ping_interval_ms`` would be sent GOAWAY (too_many_pings).
+
+    gRPC core waits for a ping's ack ``grpc.http2.ping_timeout_ms`` (a minute by default),
+    not ``keepalive_timeout_ms`` alone: without it a silent connection took 20 s + 60 s to
+    be noticed; both are set to the same bound.
+    """
+    return [
+        ("grpc.keepalive_time_ms", config.keepalive_time_ms),
+        ("grpc.keepalive_timeout_ms", config.keepalive_timeout_ms),
+        ("grpc.http2.ping_timeout_ms", config.keepalive_timeout_ms),
+        ("grpc.http2.min_ping_interval_without_data_ms", config.min_client_ping_interval_ms),
+        ("grpc.keepalive_permit_without_calls", 1),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
+
 
 # HTTP/2 flow control at gRPC's fixed 64 KiB per stream, without BDP probing (which grows
 # the window towards megabytes on a fast link): a call is refused before the servicer
@@ -129,7 +141,7 @@ class EventBusServer:
             options=[
                 ("grpc.max_receive_message_length", limit),
                 ("grpc.max_send_message_length", limit),
-                *_KEEPALIVE,
+                *keepalive_options(self.config),
                 *_FLOW_CONTROL,
             ],
         )

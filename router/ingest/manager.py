@@ -188,6 +188,7 @@ class KvEventConsumerManager:
                 self._clock,
                 stream_opener=opener,
                 last_event_id=last_event_id,
+                read_timeout=src.read_timeout_ms / 1000,
                 apply_many=self._apply_many,
                 end_resync=self._end_resync,
             )

@@ -80,6 +80,9 @@ class Row:
     #: The client traffic of the row (e.g. spread over several routers); None: the
     #: default :class:`Traffic` through ``stack.router``.
     traffic: Callable[[FaultStack], Traffic] | None = None
+    #: A note of the row's own account, taken after settling (what the fault did: the
+    #: listener's overflows and resync blocks, a proxy's connections, say).
+    summary: Callable[[FaultStack], Awaitable[str]] | None = None
 
 
 class _Delivery:
@@ -237,6 +240,8 @@ async def run_row(row: Row, tmp: Path) -> RowResult:
             f"truth after settling: {final.held} (key, backend) pairs held, {final.indexed} indexed"
             f"; {await stack.listener_summary()}"
         )
+        if row.summary is not None:
+            result.notes.append(await row.summary(stack))
     except Exception as e:
         result.error = f"{type(e).__name__}: {e}"
     finally:

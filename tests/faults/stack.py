@@ -32,6 +32,7 @@ import grpc
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from certs import dev_bundle
+from harness.netproxy import BlackholeProxy
 from harness.procs import free_port
 from harness.sim.fleet import SimFleet
 from tests.integration.conftest import RouterLauncher, RouterProc, http, wait_until
@@ -40,6 +41,7 @@ from tests.integration.test_tier4_e2e import SALT_ENV, SECRET, Listener
 from tests.redis_fixture import RedisServer
 
 from .record import Comparison, compare, pairs
+from .traffic import tenant_body
 
 __all__ = ["FaultStack", "StackOptions"]
 
@@ -62,7 +64,8 @@ class StackOptions:
     #: ``pull`` (the router reads SSE) or ``push`` (the listener dials the router's event
     #: bus over TLS with a bearer token, as the push-mode integration tests set it up).
     transport: str = "pull"
-    #: Merged into the listener's YAML at its top level (an abuse row's SSE limits).
+    #: Merged into the listener's YAML at its top level (SSE limits, ``heartbeat_interval_ms``,
+    #: ``history_size``).
     listener_extra: Mapping[str, Any] = field(default_factory=dict)
     #: Merged into the router's ``server`` section (an abuse row's HTTP limits).
     router_server: Mapping[str, Any] = field(default_factory=dict)
@@ -79,6 +82,20 @@ class StackOptions:
     faketime: bool = False
     #: ``kv_cache_index.cleanup_interval_ms`` of the replicas (None: the default, 30 s).
     replica_sweep_ms: int | None = None
+    #: The listener<->router event path goes through a loopback ``BlackholeProxy``
+    #: (``FaultStack.net``): in pull the router's SSE GETs, in push the listener's dial.
+    net_proxy: bool = False
+    #: Extra keys of every router event source (``read_timeout_ms``, say).
+    event_source_extra: tuple[tuple[str, Any], ...] = ()
+    #: Push: extra keys of the listener's ``event_bus`` (``keepalive_time``, say) and of
+    #: the router's ``dynamo.event_bus`` (``keepalive_time_ms``).
+    listener_bus_extra: tuple[tuple[str, Any], ...] = ()
+    router_bus_extra: tuple[tuple[str, Any], ...] = ()
+    #: sim-1's ZMQ sockets (events and replay) reach the listener through loopback
+    #: ``BlackholeProxy``s (``FaultStack.engine_net``).
+    engine_proxy: bool = False
+    #: ``SO_RCVBUF``/``SO_SNDBUF`` of the proxies' sockets (None: the kernel's).
+    proxy_sock_buf: int | None = None
 
 
 class FaultStack:
@@ -94,6 +111,8 @@ class FaultStack:
         self._channel: grpc.aio.Channel | None = None
         self.stub: pb_grpc.KvIndexStub | None = None
         self.replicas: list[RouterProc] = []
+        self.net: BlackholeProxy | None = None
+        self.engine_net: list[BlackholeProxy] = []
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -137,6 +156,13 @@ class FaultStack:
                 src["zmq_endpoint"] = o.source_endpoint(src["backend_name"], src["zmq_endpoint"])
         for src in sources:
             src.update(o.source_extra)
+        if o.engine_proxy:
+            pub, replay = ports[0]
+            self.engine_net = [await BlackholeProxy("127.0.0.1", pub).start()]
+            sources[0]["zmq_endpoint"] = f"tcp://127.0.0.1:{self.engine_net[0].port}"
+            if o.replay:
+                self.engine_net.append(await BlackholeProxy("127.0.0.1", replay).start())
+                sources[0]["replay_endpoint"] = f"tcp://127.0.0.1:{self.engine_net[1].port}"
         config: dict[str, Any] = {
             "listen": "127.0.0.1:0",
             "salt_secret_env": SALT_ENV,
@@ -156,6 +182,13 @@ class FaultStack:
                 "connect_timeout": "5s",
                 "credential_env": TOKEN_ENV,
             }
+        if push:
+            config["event_bus"].update(o.listener_bus_extra)
+        if o.net_proxy and push:
+            self.net = await BlackholeProxy(
+                "127.0.0.1", bus_port, sock_buf=o.proxy_sock_buf
+            ).start()
+            config["event_bus"]["url"] = f"https://localhost:{self.net.port}"
         self.listener = Listener(config, self.tmp / "listener.yaml")
         self.listener.env[TOKEN_ENV] = TOKENS["kv-a"]
         await self.listener.start()
@@ -173,6 +206,14 @@ class FaultStack:
                 for name in self.names
             ],
         }
+        for source in kv["event_sources"]:
+            source.update(o.event_source_extra)
+        if o.net_proxy and not push:
+            lport = int(self.listener.url.rsplit(":", 1)[1])
+            self.net = await BlackholeProxy("127.0.0.1", lport, sock_buf=o.proxy_sock_buf).start()
+            for source in kv["event_sources"]:
+                name = source["backend_name"]
+                source["endpoint"] = f"http://127.0.0.1:{self.net.port}/events/{name}"
         rconf: dict[str, Any] = {
             "server": {"grpc_listen": "127.0.0.1:0"},
             "selection_strategy": "RoundRobin",
@@ -193,6 +234,8 @@ class FaultStack:
                     "brokers": [broker("kv-a", self.names)],
                 }
             }
+        if push:
+            rconf["dynamo"]["event_bus"].update(o.router_bus_extra)
         if o.index == "redis":
             self.redis = RedisServer("redis-server")
             await asyncio.to_thread(self.redis.start)
@@ -227,6 +270,10 @@ class FaultStack:
                 await self.fleet.stop()
             if self.redis is not None:
                 await asyncio.to_thread(self.redis.close)
+            if self.net is not None:
+                await self.net.close()
+            for proxy in self.engine_net:
+                await proxy.close()
 
     # -- faults and heals ----------------------------------------------------------------
 
@@ -361,6 +408,77 @@ class FaultStack:
 
     async def resume_redis(self) -> None:
         self._redis_signal(signal.SIGCONT)
+
+    async def blackhole(self) -> None:
+        """The listener<->router path goes dead: no bytes either way, sockets kept open."""
+        assert self.net is not None
+        self.net.blackhole()
+
+    async def reset_path(self) -> None:
+        """Every connection of the listener<->router path gets an RST, new ones too."""
+        assert self.net is not None
+        self.net.reset()
+
+    async def heal_path(self) -> None:
+        assert self.net is not None
+        self.net.forward()
+
+    async def throttle_path(self, rate: float | None) -> None:
+        assert self.net is not None
+        self.net.throttle(rate)
+
+    async def strand_path(self) -> None:
+        """A NAT restart: the open connections stay silent for good, new ones get through."""
+        assert self.net is not None
+        self.net.strand()
+
+    async def blackhole_engine_path(self) -> None:
+        """sim-1's ZMQ path to the listener goes dead (events and replay), sockets open."""
+        assert self.engine_net
+        for proxy in self.engine_net:
+            proxy.blackhole()
+
+    async def heal_engine_path(self) -> None:
+        for proxy in self.engine_net:
+            proxy.forward()
+
+    async def serve_direct(self, i: int, tenants: range, *, concurrency: int = 4) -> None:
+        """Requests of ``tenants`` straight to engine ``i``, bypassing the router: the
+        engine then holds keys the client traffic never asks for (the router learns of
+        them only from their events, and nothing refills or hides them)."""
+        assert self.fleet is not None
+        url = self.fleet.urls[i] + "/v1/chat/completions"
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(t: int) -> None:
+            async with gate:
+                r = await http("POST", url, json=tenant_body(t, 0), total_s=30)
+                assert r.status == 200, r
+
+        await asyncio.gather(*(one(t) for t in tenants))
+
+    async def net_summary(self) -> str:
+        """What the network fault did, by the listener's and the router's counters."""
+        assert self.listener is not None
+        r = await http("GET", self.listener.url + "/stats", total_s=5)
+        assert r.status == 200, r
+        hub = r.json()["hub"]["backends"].values()
+        overflows = sum(int(b["overflows"]) for b in hub)
+        blocks = sum(int(b["resync_blocks"]) for b in hub)
+        reconnects = sum(int(b["connection"]["reconnect_count"]) for b in await self.kv_backends())
+        proxies = [p for p in (self.net, *self.engine_net) if p is not None]
+        accepted = "/".join(str(p.accepted) for p in proxies) or "-"
+        return (
+            f"listener: {overflows} buffer_overflow close(s), {blocks} resync block(s) sent "
+            f"(from the start); router: {reconnects} reconnect(s); proxy connections "
+            f"accepted: {accepted}"
+        )
+
+    async def clear_engine(self, i: int) -> None:
+        """The engine drops its whole cache (``AllBlocksCleared``): the truth changes."""
+        assert self.fleet is not None
+        r = await http("POST", self.fleet.urls[i] + "/sim/reset", total_s=5)
+        assert r.status == 200, r
 
     # -- observation ---------------------------------------------------------------------
 

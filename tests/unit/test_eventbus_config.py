@@ -171,6 +171,8 @@ def test_listener_section(tmp_path: Path) -> None:
         ({"drain_deadline": "soon"}, "event_bus.drain_deadline", "duration"),
         ({"client_id": "a b"}, "event_bus.client_id", "DNS label-like"),
         ({"client_id": "kv-a\n"}, "event_bus.client_id", "DNS label-like"),
+        ({"keepalive_time": "500ms"}, "event_bus.keepalive_time", "between 1s"),
+        ({"keepalive_timeout": "never"}, "event_bus.keepalive_timeout", "duration"),
     ],
 )
 def test_listener_errors(bus: dict[str, Any], path: str, text: str) -> None:
@@ -227,3 +229,79 @@ def test_durations() -> None:
     for bad in ("1 week", "-1s", "s", "", "1e3s"):
         with pytest.raises(ValueError):
             parse_duration(bad)
+
+
+def test_keepalive_bounds_the_ping_ack_wait_on_both_ends(tls: dict[str, str]) -> None:
+    """gRPC core waits ``grpc.http2.ping_timeout_ms`` (a minute unless set) for a ping's
+    ack, whatever ``keepalive_timeout_ms`` says: both ends set it to their timeout."""
+    from listener.push.client import keepalive_options as client_options
+    from router.eventbus.server import keepalive_options as server_options
+
+    cfg, _ = parse_config(
+        router(
+            {"enabled": True, "tls": tls, "keepalive_time_ms": 4000, "keepalive_timeout_ms": 2000}
+        )
+    )
+    server = dict(server_options(cfg.dynamo.event_bus))
+    assert server["grpc.keepalive_time_ms"] == 4000
+    assert server["grpc.keepalive_timeout_ms"] == server["grpc.http2.ping_timeout_ms"] == 2000
+    assert server["grpc.http2.min_ping_interval_without_data_ms"] == 5000
+    bus = EventBusClientConfig(
+        url="https://r:9443",
+        client_id="a",
+        credential_env="X",
+        keepalive_time="3s",
+        keepalive_timeout="1500ms",
+    )
+    client = dict(client_options(bus))
+    assert client["grpc.keepalive_time_ms"] == 3000
+    assert client["grpc.keepalive_timeout_ms"] == client["grpc.http2.ping_timeout_ms"] == 1500
+    defaults = dict(client_options(EventBusClientConfig(url="https://r", client_id="a")))
+    assert defaults["grpc.keepalive_time_ms"] == 20_000
+    assert defaults["grpc.http2.ping_timeout_ms"] == 10_000
+
+
+@pytest.mark.parametrize(
+    ("bus", "path"),
+    [
+        ({"keepalive_time_ms": 999}, "dynamo.event_bus.keepalive_time_ms"),
+        ({"keepalive_timeout_ms": 0}, "dynamo.event_bus.keepalive_timeout_ms"),
+        ({"min_client_ping_interval_ms": "often"}, "dynamo.event_bus.min_client_ping_interval_ms"),
+    ],
+)
+def test_router_keepalive_errors(tls: dict[str, str], bus: dict[str, Any], path: str) -> None:
+    assert path in router_errors(router({"enabled": True, "tls": tls, **bus}))
+
+
+def test_an_sse_source_read_timeout() -> None:
+    src: list[dict[str, Any]] = [
+        {"backend_name": "vllm-1", "endpoint": "http://l:7817/events/vllm-1"}
+    ]
+    cfg, _ = parse_config(router(None, src))
+    assert cfg.kv_cache_index.event_sources[0].read_timeout_ms == 60_000
+    src[0]["read_timeout_ms"] = 3000
+    cfg, _ = parse_config(router(None, src))
+    assert cfg.kv_cache_index.event_sources[0].read_timeout_ms == 3000
+    src[0]["read_timeout_ms"] = 50
+    assert "kv_cache_index.event_sources[0].read_timeout_ms" in router_errors(router(None, src))
+
+
+def test_the_push_client_redials_at_least_every_reconnect_backoff_max() -> None:
+    """After a long outage every dial failed; the wait once the path heals is bounded by
+    ``reconnect_backoff_max`` (10 s), not a minute."""
+    from bus.backoff import ExponentialBackoff
+    from listener.push.client import EventBusClient
+    from listener.stream import EventHub
+
+    def cap(**kw: str) -> float:
+        cfg = EventBusClientConfig.model_validate(
+            {"url": "https://r", "client_id": "a", "credential_env": "X", **kw}
+        )
+        client = EventBusClient(cfg, EventHub(backends=["b"]), ["b"])
+        backoff = client._supervisor._backoff
+        assert isinstance(backoff, ExponentialBackoff)
+        return backoff.cap_s
+
+    assert cap() == 10.0
+    assert cap(reconnect_backoff="50ms", reconnect_backoff_max="2s") == 2.0
+    assert cap(reconnect_backoff="30s", reconnect_backoff_max="2s") == 30.0  # never below
