@@ -104,6 +104,11 @@ class KvEvent:
     ``malformed_event``, ``tracker_error``, ``callback_error``...); informational."""
     chain_key: str | None = None
     """The hex of a ``bus.prompt_chain`` key, for the ``chain_*`` kinds."""
+    incomplete: bool = False
+    """``resync`` only: the state that follows may lack entries the engine holds (the
+    listener resumed from a checkpoint and events of its downtime could not be
+    replayed). Nothing listed is invented; some holdings may be missing until stored
+    again. Sent as ``"incomplete": true``, absent otherwise."""
 
     def to_json(self) -> bytes:
         d: dict[str, Any] = {"event": self.event, "backend": self.backend}
@@ -117,6 +122,8 @@ class KvEvent:
             d["tier"] = self.tier
         if self.reason is not None:
             d["reason"] = self.reason
+        if self.incomplete:
+            d["incomplete"] = True
         return orjson.dumps(d)
 
     @classmethod
@@ -178,6 +185,7 @@ class KvEvent:
         _set_tier(ev, tier)
         _set_reason(ev, reason)
         _set_chain_key(ev, chain)
+        _set_incomplete(ev, kind == "resync" and get("incomplete") is True)
         return ev
 
 
@@ -190,3 +198,4 @@ _set_token_count = _slot["token_count"].__set__
 _set_tier = _slot["tier"].__set__
 _set_reason = _slot["reason"].__set__
 _set_chain_key = _slot["chain_key"].__set__
+_set_incomplete = _slot["incomplete"].__set__

@@ -286,6 +286,7 @@ class AdminApi:
                     "index_created": c.get("index_created", 0),
                     "index_evicted": c.get("index_evicted", 0),
                 },
+                "view_incomplete": bool(c.get("view_incomplete")),
             }
             for name, c in kv.consumer_stats().items()
         ]
