@@ -99,13 +99,13 @@ def _with_body(body: bytes, version: int = FORMAT_VERSION) -> bytes:
                 )
             ),
             "malformed",
-        ),  # fmt: skip
+        ),
         (
             _with_body(
                 msgpack.packb({"identity": [], "written_at": 1.0, "resume": [], "state": None})
             ),
             "malformed",
-        ),  # fmt: skip
+        ),
     ],
 )
 def test_each_kind_of_bad_file_is_named(data: bytes, kind: str) -> None:
