@@ -71,7 +71,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -790,7 +790,7 @@ class ZmqSource:
                 self.stats.replayed_batches += 1
                 await self._deliver(seq, payload)
 
-    async def _replies(self, start: int) -> AsyncIterator[tuple[int, bytes]]:
+    async def _replies(self, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
         """The replay ROUTER's batches from ``start`` on, until its end marker.
 
         Raises:

@@ -247,7 +247,7 @@ def _import(tracker: ChainTracker, state: object) -> None:
             raise StateError("block key repeated")
         st = BlockState(_int(state_v))
         prefix = None if _int(p_ix) == _NONE else prefixes[p_ix]
-        b = cls(key, _int(start), _int(depth), tier, st, prefix)  # type: ignore[arg-type]
+        b = cls(key, _int(start), _int(depth), tier, st, prefix)
         tokens = _tokens_in(row[9])
         b.tokens = tokens
         b.insufficient = bool(row[13])
@@ -319,9 +319,9 @@ def _import_conversation(conv: ConversationLedger, state: dict[str, Any], at: An
         b.chain_key, b.chain_length, b.chain_data = key, _int(length), data
         b.chain_after, b.chain_tier, b.chain_used = bool(after), tier, bool(used)
         b.chain_keys = tuple(refs[_int(k)] for k in keys)
-        b.chain_parent, b.chain_child = at(row[8]), at(row[9])  # type: ignore[assignment]
-        b.chain_next, b.chain_prev = at(row[10]), at(row[11])  # type: ignore[assignment]
-        b.chain_older, b.chain_newer = at(row[12]), at(row[13])  # type: ignore[assignment]
+        b.chain_parent, b.chain_child = at(row[8]), at(row[9])
+        b.chain_next, b.chain_prev = at(row[10]), at(row[11])
+        b.chain_older, b.chain_newer = at(row[12]), at(row[13])
         conv.live += 1
         if data:
             conv.retained += len(data)
@@ -330,6 +330,6 @@ def _import_conversation(conv: ConversationLedger, state: dict[str, Any], at: An
                 r.gpu_refs += 1
             else:
                 r.storage_refs += 1
-    conv._oldest = at(state.get("oldest", _NONE))  # type: ignore[assignment]
-    conv._newest = at(state.get("newest", _NONE))  # type: ignore[assignment]
+    conv._oldest = at(state.get("oldest", _NONE))
+    conv._newest = at(state.get("newest", _NONE))
     conv.touched.clear()

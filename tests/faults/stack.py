@@ -58,6 +58,9 @@ class StackOptions:
     #: ``pull`` (the router reads SSE) or ``push`` (the listener dials the router's event
     #: bus over TLS with a bearer token, as the push-mode integration tests set it up).
     transport: str = "pull"
+    #: The listener checkpoints its sources (``checkpoint_dir`` in the stack's directory,
+    #: the default interval) and resumes from them when restarted.
+    checkpoint: bool = False
 
 
 class FaultStack:
@@ -115,6 +118,8 @@ class FaultStack:
             "salt_secret_env": SALT_ENV,
             "sources": sources,
         }
+        if o.checkpoint:
+            config["checkpoint_dir"] = str(self.tmp / "checkpoints")
         push = o.transport == "push"
         bus_port = free_port()
         if push:

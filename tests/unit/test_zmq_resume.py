@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from listener.checkpoint import payload_digest
-from listener.zmq_source import ZmqSourceConfig
+from listener.zmq_source import ZmqSource, ZmqSourceConfig
 from tests.unit.test_zmq_source import (
     FakeEngine,
     Recorder,
@@ -23,7 +23,9 @@ from tests.unit.test_zmq_source import (
 __all__ = ["engine_factory", "zctx"]  # the fixtures, used by name
 
 
-def resumed(rec: Recorder, cfg: ZmqSourceConfig, seq: int, digest: bytes | None, gaps: list[int]):  # type: ignore[no-untyped-def]
+def resumed(
+    rec: Recorder, cfg: ZmqSourceConfig, seq: int, digest: bytes | None, gaps: list[int]
+) -> ZmqSource:
     source = rec.source(cfg)
     source.resume(seq, digest, gaps.append)
     return source
@@ -41,7 +43,7 @@ async def test_resume_is_verified_and_replays_what_followed(
     engine = engine_factory()
     cfg = ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
     await offline(engine, 5)  # 0..4; the checkpoint was taken after 2
-    rec, gaps = Recorder(), []
+    rec, gaps = Recorder(), list[int]()
     source = resumed(rec, cfg, 2, payload_digest(batch_payload(2)), gaps)
     assert source.position() == (2, payload_digest(batch_payload(2)))
     async with running(source):
@@ -62,7 +64,7 @@ async def test_a_short_buffer_loses_batches_reported_without_a_resync(
     engine = engine_factory(buffer_steps=2)
     cfg = ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
     await offline(engine, 6)  # 0..5; the checkpoint has 1
-    rec, gaps = Recorder(), []
+    rec, gaps = Recorder(), list[int]()
     source = resumed(rec, cfg, 1, payload_digest(batch_payload(1)), gaps)
     async with running(source):
         await engine.subscribed()
@@ -80,7 +82,7 @@ async def test_without_replay_the_missed_batches_are_reported(
     engine = engine_factory()
     cfg = ZmqSourceConfig(endpoint=engine.bind())
     await offline(engine, 4)  # 0..3; the checkpoint has 0
-    rec, gaps = Recorder(), []
+    rec, gaps = Recorder(), list[int]()
     source = resumed(rec, cfg, 0, None, gaps)
     async with running(source):
         await engine.subscribed()
@@ -98,7 +100,7 @@ async def test_the_next_batch_continues_without_asking_replay(
     engine = engine_factory()
     cfg = ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
     await offline(engine, 3)  # 0..2; the checkpoint has 2
-    rec, gaps = Recorder(), []
+    rec, gaps = Recorder(), list[int]()
     source = resumed(rec, cfg, 2, payload_digest(batch_payload(2)), gaps)
     async with running(source):
         await engine.subscribed()
@@ -112,7 +114,7 @@ async def test_a_seq_below_the_checkpoint_is_an_engine_restart(
 ) -> None:
     engine = engine_factory()
     cfg = ZmqSourceConfig(endpoint=engine.bind())
-    rec, gaps = Recorder(), []
+    rec, gaps = Recorder(), list[int]()
     source = resumed(rec, cfg, 10, b"x" * 16, gaps)  # the old engine had reached 10
     async with running(source):
         await engine.subscribed()
@@ -131,7 +133,7 @@ async def test_another_batch_at_the_checkpoints_seq_is_an_engine_restart(
     engine = engine_factory()
     cfg = ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
     await offline(engine, 5)  # the new engine's 0..4
-    rec, gaps = Recorder(), []
+    rec, gaps = Recorder(), list[int]()
     source = resumed(rec, cfg, 2, payload_digest(b"the old engine's batch 2"), gaps)
     async with running(source):
         await engine.subscribed()
