@@ -108,6 +108,13 @@ class Checkpointer:
                 e,
             )
             return False
+        except Exception:  # a case no check foresaw: still never a failed start
+            self.stats["checkpoint_rejected"] += 1
+            log.exception(
+                "source %s: checkpoint %s ignored; starting empty", self.tracker.backend, self.path
+            )
+            self.tracker.reset()
+            return False
         for r, t in zip(cp.resume, self.transports, strict=True):
             t.resume(r.seq, r.digest, on_gap)
         self.stats["checkpoint_loaded"] += 1

@@ -5,6 +5,7 @@ second router) lives in its own ``rows_<group>.py`` and is listed in ``GROUPS`` 
 from __future__ import annotations
 
 from .procedure import Row
+from .rows_checkpoint import CHECKPOINT
 from .stack import FaultStack, StackOptions
 
 __all__ = ["ROWS"]
@@ -159,6 +160,6 @@ CORE: tuple[Row, ...] = (
 )
 
 #: Every group of rows, in the order the table shows them.
-GROUPS: tuple[tuple[Row, ...], ...] = (CORE,)
+GROUPS: tuple[tuple[Row, ...], ...] = (CORE, CHECKPOINT)
 
 ROWS: dict[str, Row] = {row.name: row for group in GROUPS for row in group}
