@@ -176,13 +176,28 @@ def fill(rt: SourceRuntime) -> None:
     t._last_seq, t._last_payload = 9, b"payload 9"  # type: ignore[union-attr]
 
 
+async def saved(monkeypatch: pytest.MonkeyPatch, directory: Path) -> SourceRuntime:
+    """A source that took batch 9 and wrote its checkpoint."""
+    rt, _ = runtime(monkeypatch, directory)
+    fill(rt)
+    assert rt.checkpointer is not None
+    await rt.checkpointer.save()
+    return rt
+
+
+async def assert_started_empty(rt: SourceRuntime, *others: SourceRuntime) -> None:
+    st = rt.stats()
+    assert (st["checkpoint_rejected"], st["checkpoint_loaded"], st["tracked_blocks"]) == (1, 0, 0)
+    assert rt.transports[0]._resume is None  # type: ignore[union-attr]
+    for r in (rt, *others):
+        await r.aclose()
+
+
 async def test_a_source_resumes_from_its_own_checkpoint(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    first, _ = runtime(monkeypatch, tmp_path)
-    fill(first)
+    first = await saved(monkeypatch, tmp_path)
     assert first.checkpointer is not None
-    await first.checkpointer.save()
     await first.checkpointer.save()  # unchanged: not written again
     assert first.checkpointer.stats["checkpoint_writes"] == 1
     second, hub = runtime(monkeypatch, tmp_path)
@@ -231,19 +246,12 @@ async def test_a_gap_keeps_the_view_and_marks_it_incomplete(
 async def test_a_damaged_checkpoint_starts_empty_and_is_counted(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage: Any, caplog: Any
 ) -> None:
-    first, _ = runtime(monkeypatch, tmp_path)
-    fill(first)
-    assert first.checkpointer is not None
-    await first.checkpointer.save()
+    first = await saved(monkeypatch, tmp_path)
     path = tmp_path / "b1.ckpt"
     path.write_bytes(damage(path.read_bytes()))
     second, _ = runtime(monkeypatch, tmp_path)
-    st = second.stats()
-    assert (st["checkpoint_rejected"], st["checkpoint_loaded"], st["tracked_blocks"]) == (1, 0, 0)
-    assert second.transports[0]._resume is None  # type: ignore[union-attr]
     assert "checkpoint" in caplog.text and "ignored" in caplog.text
-    await first.aclose()
-    await second.aclose()
+    await assert_started_empty(second, first)
 
 
 @pytest.mark.parametrize(
@@ -258,29 +266,20 @@ async def test_a_damaged_checkpoint_starts_empty_and_is_counted(
 async def test_a_checkpoint_of_other_settings_is_not_loaded(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, other: dict[str, Any]
 ) -> None:
-    first, _ = runtime(monkeypatch, tmp_path)
-    fill(first)
-    assert first.checkpointer is not None
-    await first.checkpointer.save()
+    first = await saved(monkeypatch, tmp_path)
     second, _ = runtime(monkeypatch, tmp_path, **other)
-    assert (second.stats()["checkpoint_rejected"], second.stats()["tracked_blocks"]) == (1, 0)
-    await first.aclose()
-    await second.aclose()
+    await assert_started_empty(second, first)
 
 
 async def test_a_checkpoint_whose_state_the_tracker_refuses_starts_empty(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    first, _ = runtime(monkeypatch, tmp_path)
-    fill(first)
-    assert first.checkpointer is not None
-    data = decode_checkpoint(first.checkpointer.encode() or b"")
+    first = await saved(monkeypatch, tmp_path)
+    data = decode_checkpoint((tmp_path / "b1.ckpt").read_bytes())
     bad = Checkpoint(data.identity, data.written_at, data.resume, {"blocks": [["junk"]]})
     write_checkpoint(tmp_path / "b1.ckpt", encode_checkpoint(bad))
     second, _ = runtime(monkeypatch, tmp_path)
-    assert (second.stats()["checkpoint_rejected"], second.stats()["tracked_blocks"]) == (1, 0)
-    await first.aclose()
-    await second.aclose()
+    await assert_started_empty(second, first)
 
 
 async def test_nothing_is_written_before_the_first_batch(
