@@ -15,7 +15,8 @@ Reference counts are recomputed from the blocks. What is not kept: counters (the
 since the process started) and work in flight (a pending root with dirty leaves is queued
 again on import, so attribution resumes where it stood).
 
-Blocks are referred to by their place in the exported list (``-1``: none). Import
+Blocks are referred to by their place in the exported list (``-1``: none); a block that is
+not pending has a short row (its key, extent, state and prefix: nothing else is set). Import
 validates as it goes and finally runs the tracker's own invariant check, so data that is
 well formed but inconsistent is refused (``StateError``) like data that is not; the
 tracker is then reset, never half loaded.
@@ -99,27 +100,16 @@ def export_state(tracker: ChainTracker) -> dict[str, Any]:
         [p.key, p.gpu_hw, p.storage_hw, p.sent_tier, p.sent_count] for p in ledger.prefixes.values()
     ]
     out_blocks = []
+    append = out_blocks.append
     for b in blocks:
         dp, group, medium, h = b.key
-        out_blocks.append(
-            [
-                dp,
-                group,
-                medium,
-                h,
-                b.start,
-                b.depth,
-                b.tier,
-                int(b.state),
-                _NONE if b.prefix is None else prefix_ix[id(b.prefix)],
-                _tokens_out(b.tokens),
-                ix(b.parent),
-                ix(b.root),
-                ix(b.frontier),
-                b.insufficient,
-                _dirty(b, index),
-            ]
-        )
+        prefix = b.prefix
+        row = [dp, group, medium, h, b.start, b.depth, b.tier, int(b.state),
+               _NONE if prefix is None else prefix_ix[id(prefix)]]  # fmt: skip
+        if b.state == PENDING:  # the rest is only ever set while pending (``states``)
+            row += (_tokens_out(b.tokens), ix(b.parent), ix(b.root), ix(b.frontier),
+                    b.insufficient, _dirty(b, index))  # fmt: skip
+        append(row)
     state: dict[str, Any] = {
         "blocks": out_blocks,
         "prefixes": prefixes,
@@ -248,11 +238,14 @@ def _import(tracker: ChainTracker, state: object) -> None:
         st = BlockState(_int(state_v))
         prefix = None if _int(p_ix) == _NONE else prefixes[p_ix]
         b = cls(key, _int(start), _int(depth), tier, st, prefix)
-        tokens = _tokens_in(row[9])
-        b.tokens = tokens
-        b.insufficient = bool(row[13])
-        if isinstance(b, ChainBlock):
-            b.chain_key = None
+        tokens = None
+        if st == PENDING:
+            if len(row) != 15:
+                raise StateError("a pending block without its links")
+            b.tokens = tokens = _tokens_in(row[9])
+            b.insufficient = bool(row[13])
+        elif len(row) != 9:
+            raise StateError("a settled block with pending links")
         blocks.append(b)
         nodes[key] = b
         counts[st] += 1
