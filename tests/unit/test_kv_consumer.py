@@ -313,6 +313,23 @@ async def test_applies_resync_then_events_in_order(h: Harness) -> None:
     assert h.sent_ids == [None]
 
 
+async def test_the_latest_resync_says_whether_the_view_may_be_incomplete(h: Harness) -> None:
+    hub = EventHub(backends=[B], epoch="e1")
+    lst = await h.listener(hub)
+    rec = Recorder()
+    c = h.consumer(lst.url, rec)
+    h.run(c)
+    await wait_until(lambda: rec.kinds() == ["resync"], "the resync block")
+    assert c.stats.view_incomplete is False
+    hub.set_incomplete(B, True)
+    hub.resync(B, "checkpoint_gap", [created(1)])
+    await wait_until(lambda: c.stats.view_incomplete, "the incomplete resync")
+    assert rec.events[1].incomplete and rec.events[1].reason == "checkpoint_gap"
+    hub.set_incomplete(B, False)
+    hub.resync(B, "restart")
+    await wait_until(lambda: not c.stats.view_incomplete, "a complete resync")
+
+
 async def test_server_restart_resumes_from_last_event_id_without_gap_or_duplicate(
     h: Harness,
 ) -> None:

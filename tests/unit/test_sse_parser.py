@@ -333,3 +333,24 @@ def test_any_json_in_any_chain_field_is_an_event_or_an_event_error(field: str, v
 )
 def test_chain_json_round_trip_is_exact(ev: KvEvent) -> None:
     assert KvEvent.from_json(ev.to_json()) == ev
+
+
+@pytest.mark.parametrize(
+    ("obj", "incomplete"),
+    [
+        ({"event": "resync", "backend": "b", "incomplete": True}, True),
+        ({"event": "resync", "backend": "b"}, False),
+        ({"event": "resync", "backend": "b", "incomplete": 1}, False),  # only JSON true
+        ({"event": "resync", "backend": "b", "incomplete": "yes"}, False),
+        ({**VALID, "incomplete": True}, False),  # only a resync says it
+    ],
+)
+def test_incomplete_is_read_from_a_resync_only(obj: dict[str, Any], incomplete: bool) -> None:
+    assert KvEvent.from_json(orjson.dumps(obj)).incomplete is incomplete
+
+
+def test_incomplete_round_trips_and_is_absent_when_false() -> None:
+    ev = KvEvent("resync", "b", reason="checkpoint_gap", incomplete=True)
+    assert b'"incomplete":true' in ev.to_json()
+    assert KvEvent.from_json(ev.to_json()) == ev
+    assert b"incomplete" not in KvEvent("resync", "b", reason="gap").to_json()
