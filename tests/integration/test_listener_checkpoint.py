@@ -12,6 +12,7 @@ the index must keep every (key, backend) pair the engine holds, and nothing stal
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -90,5 +91,12 @@ async def test_a_restarted_listener_keeps_what_the_engine_holds(
         assert st["gap_batches"] > 0  # the buffer (or no replay) could not cover the outage
         assert st["view_incomplete"] == 1
         assert any(b["view_incomplete"] for b in await stack.kv_backends())
+
+        assert stack.listener is not None
+        before = time.time()
+        assert await stack.listener.stop() == 0  # SIGTERM: the last state is written
+        cp = read_checkpoint(path)
+        assert cp is not None and cp.written_at >= before
+        assert {p[0].hex() for p in cp.state["prefixes"]} >= keys
     finally:
         await stack.close()
