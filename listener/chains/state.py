@@ -99,7 +99,7 @@ def export_state(tracker: ChainTracker) -> dict[str, Any]:
     prefixes = [
         [p.key, p.gpu_hw, p.storage_hw, p.sent_tier, p.sent_count] for p in ledger.prefixes.values()
     ]
-    out_blocks = []
+    out_blocks: list[list[Any]] = []
     append = out_blocks.append
     for b in blocks:
         dp, group, medium, h = b.key
