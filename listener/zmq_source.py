@@ -663,7 +663,7 @@ class ZmqSource:
             return
         self._last_seq = self.stats.last_seq = start
         self._dup_floor = None
-        if self.config.replay_endpoint and seq > start + 1:
+        if self.config.replay_endpoint:  # even for seq == start + 1: verify the engine
             try:
                 await self._replay_resume(start, digest)
             except _OtherEngine:
@@ -773,15 +773,12 @@ class ZmqSource:
             _OtherEngine: the engine's batch ``start`` is not the checkpoint's.
             _ReplayError, TimeoutError, zmq.ZMQError: as ``_replay``.
         """
-        first = True
         async with contextlib.aclosing(self._replies(start)) as replies:
             async for seq, payload in replies:
-                if first:
-                    first = False
-                    if seq == start and digest is not None:
-                        if payload_digest(payload) != digest:
-                            raise _OtherEngine
-                        self.stats.resumes_verified += 1
+                if seq == start and digest is not None:
+                    if payload_digest(payload) != digest:
+                        raise _OtherEngine
+                    self.stats.resumes_verified += 1
                 last = self._last_seq
                 assert last is not None
                 if seq <= last:

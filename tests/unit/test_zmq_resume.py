@@ -94,7 +94,7 @@ async def test_without_replay_the_missed_batches_are_reported(
     assert (source.stats.gap_batches, source.stats.resyncs) == (3, 0)
 
 
-async def test_the_next_batch_continues_without_asking_replay(
+async def test_the_next_batch_continues_once_the_engine_is_verified(
     engine_factory: Callable[..., FakeEngine],
 ) -> None:
     engine = engine_factory()
@@ -106,7 +106,10 @@ async def test_the_next_batch_continues_without_asking_replay(
         await engine.subscribed()
         await engine.publish()  # 3
         await eventually(lambda: rec.seqs() == [3])
-    assert engine.replay_requests == [] and gaps == [] and source.stats.resyncs == 0
+        await engine.publish()  # 4
+        await eventually(lambda: rec.seqs() == [3, 4])
+    assert engine.replay_requests == [2] and gaps == [] and source.stats.resyncs == 0
+    assert (source.stats.resumes_verified, source.stats.replayed_batches) == (1, 1)
 
 
 async def test_a_seq_below_the_checkpoint_is_an_engine_restart(
