@@ -34,7 +34,7 @@ from typing import Any
 
 from bus.events import KvEvent
 from bus.salt import encode_salt
-from listener.chains import ChainTracker
+from listener.chains import ChainTracker, export_state, import_state
 from listener.checkpoint import (
     Checkpoint,
     Resume,
@@ -111,12 +111,12 @@ def _ingest(t: ChainTracker, evs: list[EventBatch]) -> None:
 
 def _save(t: ChainTracker) -> bytes:
     cp = Checkpoint({"backend": "b"}, time.time(), (Resume("tcp://e:1", 1, None),),
-                    t.export_state())  # fmt: skip
+                    export_state(t))  # fmt: skip
     return encode_checkpoint(cp)
 
 
 def _load(t: ChainTracker, data: bytes) -> None:
-    t.import_state(decode_checkpoint(data).state)
+    import_state(t, decode_checkpoint(data).state)
 
 
 def _clock(fn: Callable[..., Any], *args: Any, wall: bool = False) -> tuple[float, Any]:

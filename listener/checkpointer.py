@@ -9,7 +9,7 @@ transports (trtllm pollers have no sequence to resume from and are not checkpoin
   refuses) is counted in ``checkpoint_rejected``, logged with its reason, and ignored:
   the source starts empty, as without checkpoints. A usable one fills the tracker and
   tells each transport where to resume (``ZmqSource.resume``);
-* **save**: the tracker's state (``ChainTracker.export_state``) and each transport's
+* **save**: the tracker's state (``chains.export_state``) and each transport's
   position, encoded on the event loop (the state must not change while it is read) and
   written in a thread (``write_checkpoint``: atomic and durable). ``run`` saves every
   ``checkpoint_interval_ms`` when something changed (a batch applied, an event
@@ -23,9 +23,9 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .chains import ChainTracker, StateError
+from .chains import ChainTracker, StateError, export_state, import_state
 from .checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -35,9 +35,7 @@ from .checkpoint import (
     read_checkpoint,
     write_checkpoint,
 )
-
-if TYPE_CHECKING:
-    from .zmq_source import ZmqSource
+from .zmq_source import ZmqSource
 
 __all__ = ["Checkpointer"]
 
@@ -96,7 +94,7 @@ class Checkpointer:
             ):
                 raise CheckpointError("foreign", "written for other endpoints")
             try:
-                self.tracker.import_state(cp.state)
+                import_state(self.tracker, cp.state)
             except StateError as e:
                 raise CheckpointError("state", str(e)) from None
         except CheckpointError as e:
@@ -145,7 +143,7 @@ class Checkpointer:
         if resume is None:
             return None
         return encode_checkpoint(
-            Checkpoint(self.identity, time.time(), resume, self.tracker.export_state())
+            Checkpoint(self.identity, time.time(), resume, export_state(self.tracker))
         )
 
     async def save(self, *, force: bool = False) -> None:

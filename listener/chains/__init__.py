@@ -51,7 +51,7 @@ resyncs).
 from .attribution import ChainAttributor
 from .blocks import LruPolicy, PruningPolicy, TrackedBlock
 from .conversation import ConversationSettings
-from .state import StateError
+from .state import StateError, export_state, import_state
 from .states import (
     KEYED,
     PENDING,
@@ -78,4 +78,6 @@ __all__ = [
     "PruningPolicy",
     "StateError",
     "TrackedBlock",
+    "export_state",
+    "import_state",
 ]

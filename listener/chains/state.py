@@ -26,15 +26,13 @@ from __future__ import annotations
 
 import sys
 from array import array
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .blocks import LruPolicy, TrackedBlock
 from .conversation import ChainBlock, ChainRef, ConversationLedger
 from .prefixes import Prefix
 from .states import KEYED, PENDING, BlockState
-
-if TYPE_CHECKING:
-    from .tracker import ChainTracker
+from .tracker import ChainTracker
 
 __all__ = ["StateError", "export_state", "import_state"]
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import logging
 from array import array
 from collections.abc import Callable, Iterator
-from typing import Any, Literal, cast
+from typing import Literal, cast
 
 from bus.backoff import Backoff, ExponentialBackoff
 from bus.events import KvEvent
@@ -48,7 +48,6 @@ from .attribution import AttributionJobs, ChainAttributor
 from .blocks import BlockKey, BlockStore, LruPolicy, PruningPolicy, TrackedBlock
 from .conversation import ChainBlock, ConversationLedger, ConversationSettings
 from .prefixes import PrefixLedger
-from .state import export_state, import_state
 from .states import KEYED, PENDING, UNATTRIBUTED
 
 __all__ = ["ChainTracker"]
@@ -512,15 +511,6 @@ class ChainTracker:
         if self._conv is None:
             return self._ledger.snapshot()
         return self._ledger.snapshot() + self._conv.snapshot()
-
-    def export_state(self) -> dict[str, Any]:
-        """The whole state as plain data (``state``: what a checkpoint holds)."""
-        return export_state(self)
-
-    def import_state(self, data: object) -> None:
-        """Rebuild this empty tracker from ``export_state`` data; ``StateError`` (and
-        empty again) when the data is malformed or inconsistent."""
-        import_state(self, data)
 
     def stats(self) -> dict[str, int]:
         """Gauges (tracked/pending/... now) and counters (since start)."""

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from listener.chains import ChainTracker, StateError
+from listener.chains import ChainTracker, StateError, export_state, import_state
 from listener.checkpoint import Checkpoint, Resume, decode_checkpoint, encode_checkpoint
 from listener.engine_events import EngineEvent
 from tests.unit import test_chain_conversation as conv
@@ -24,7 +24,7 @@ from tests.unit import test_chains as chains
 def through_file(tracker: ChainTracker) -> Any:
     """The tracker's exported state after a trip through the checkpoint encoding."""
     cp = Checkpoint({"backend": "b1"}, time.time(), (Resume("tcp://x:1", 7, b"d" * 16),),
-                    tracker.export_state())  # fmt: skip
+                    export_state(tracker))  # fmt: skip
     back = decode_checkpoint(encode_checkpoint(cp))
     assert back.resume == cp.resume and back.identity == cp.identity
     return back.state
@@ -33,7 +33,7 @@ def through_file(tracker: ChainTracker) -> Any:
 def same_tracker(a: ChainTracker, b: ChainTracker) -> None:
     a.check_invariants()
     b.check_invariants()
-    assert a.export_state() == b.export_state()
+    assert export_state(a) == export_state(b)
     assert a.snapshot() == b.snapshot()
     sa, sb = a.stats(), b.stats()
     for k in ("tracked_blocks", "retained_tokens", "attributed_prefixes", "keyed_blocks",
@@ -73,7 +73,7 @@ def test_property_prefix_state_round_trips(
             if settle:
                 await original.idle()
         loaded, r2, _ = chains.make(**limits)  # type: ignore[arg-type]
-        loaded.import_state(through_file(original))
+        import_state(loaded, through_file(original))
         same_tracker(original, loaded)
         r2.state = dict(r1.state)  # what subscribers were told, e.g. by a snapshot
         mark1, mark2 = len(r1.events), len(r2.events)
@@ -111,7 +111,7 @@ def test_property_conversation_state_round_trips(
     for ev in events[:split]:
         original.apply(conv.batch(ev))
     loaded, r2 = conv.make(**limits)  # type: ignore[arg-type]
-    loaded.import_state(through_file(original))
+    import_state(loaded, through_file(original))
     same_tracker(original, loaded)
     r2.keys = dict(r1.keys)
     mark1, mark2 = len(r1.events), len(r2.events)
@@ -134,7 +134,7 @@ def _filled() -> ChainTracker:
 def test_a_tracker_with_state_refuses_an_import() -> None:
     tracker = _filled()
     with pytest.raises(RuntimeError):
-        tracker.import_state(tracker.export_state())
+        import_state(tracker, export_state(tracker))
 
 
 @pytest.mark.parametrize(
@@ -156,22 +156,22 @@ def test_a_tracker_with_state_refuses_an_import() -> None:
     ],
 )
 def test_malformed_state_is_refused_and_leaves_the_tracker_empty(damage: Any) -> None:
-    state = _filled().export_state()
+    state = export_state(_filled())
     assert state["blocks"], "the fixture must hold blocks"
     fresh, _, _ = chains.make()
     with pytest.raises(StateError):
-        fresh.import_state(damage(state))
+        import_state(fresh, damage(state))
     assert fresh.stats()["tracked_blocks"] == 0 and fresh.snapshot() == []
     fresh.check_invariants()
-    fresh.import_state(state)  # and it still takes a good one
+    import_state(fresh, state)  # and it still takes a good one
     assert fresh.stats()["tracked_blocks"] == len(state["blocks"])
 
 
 def test_state_over_the_entry_bound_is_refused() -> None:
-    state = _filled().export_state()
+    state = export_state(_filled())
     small, _, _ = chains.make(max_tracked_blocks=1)
     with pytest.raises(StateError, match="max_tracked_blocks"):
-        small.import_state(state)
+        import_state(small, state)
 
 
 def test_conversation_state_needs_conversation_mode() -> None:
@@ -179,7 +179,7 @@ def test_conversation_state_needs_conversation_mode() -> None:
     tracker.apply(conv.batch(conv.stored(b"abcdefgh" * 8)))
     plain, _, _ = chains.make()
     with pytest.raises(StateError, match="conversation"):
-        plain.import_state(tracker.export_state())
+        import_state(plain, export_state(tracker))
     other, _ = conv.make(chunk=conv.C * 2)
     with pytest.raises(StateError, match="chunk_bytes"):
-        other.import_state(tracker.export_state())
+        import_state(other, export_state(tracker))
