@@ -109,6 +109,11 @@ class KvEvent:
     snapshot_size: int | None = None
     """For ``resync``: how many snapshot records follow it (None: not said). An invalid
     value reads as None: a resync is never dropped for it."""
+    incomplete: bool = False
+    """``resync`` only: the state that follows may lack entries the engine holds (the
+    listener resumed from a checkpoint and events of its downtime could not be
+    replayed). Nothing listed is invented; some holdings may be missing until stored
+    again. Sent as ``"incomplete": true``, absent otherwise."""
 
     def to_json(self) -> bytes:
         d: dict[str, Any] = {"event": self.event, "backend": self.backend}
@@ -124,6 +129,8 @@ class KvEvent:
             d["reason"] = self.reason
         if self.snapshot_size is not None:
             d["snapshot_size"] = self.snapshot_size
+        if self.incomplete:
+            d["incomplete"] = True
         return orjson.dumps(d)
 
     @classmethod
@@ -189,6 +196,7 @@ class KvEvent:
         _set_reason(ev, reason)
         _set_chain_key(ev, chain)
         _set_snapshot_size(ev, size)
+        _set_incomplete(ev, kind == "resync" and get("incomplete") is True)
         return ev
 
 
@@ -202,3 +210,4 @@ _set_tier = _slot["tier"].__set__
 _set_reason = _slot["reason"].__set__
 _set_chain_key = _slot["chain_key"].__set__
 _set_snapshot_size = _slot["snapshot_size"].__set__
+_set_incomplete = _slot["incomplete"].__set__

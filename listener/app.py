@@ -22,6 +22,7 @@ import functools
 import logging
 import signal
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from bus.config import parse_hostport
@@ -31,6 +32,7 @@ from bus.tasks import cancel_and_wait
 
 from .chains import ChainTracker
 from .chains.conversation import ConversationSettings
+from .checkpointer import Checkpointer
 from .config import ListenerConfig, SourceConfig
 from .decode import decode_batch
 from .engine_events import EventBatch
@@ -63,6 +65,22 @@ def _templates(src: SourceConfig) -> Sequence[ChatTemplate]:
     if src.default_system_prompt:
         chosen = tuple(t.with_default_system_prompt(src.default_system_prompt) for t in chosen)
     return chosen
+
+
+def _identity(cfg: ListenerConfig, src: SourceConfig) -> dict[str, Any]:
+    """What a checkpoint's state depends on: one written under other values is refused."""
+    conv = cfg.conversation
+    return {
+        "backend": src.backend_name,
+        "engine": src.engine,
+        "model": src.model,
+        "max_chain_tokens": src.max_chain_tokens,
+        "max_tracked_blocks": src.max_tracked_blocks,
+        "max_retained_tokens": src.max_retained_tokens,
+        "pruning_policy": src.pruning_policy,
+        "max_prefix_length": cfg.max_prefix_length,
+        "conversation": [conv.chunk_bytes, conv.max_retained_bytes] if conv.enabled else None,
+    }
 
 
 class SourceRuntime:
@@ -149,6 +167,34 @@ class SourceRuntime:
                         on_drained=self.tracker.flush,
                     )
                 )
+        self.incomplete = False
+        """The view was resumed from a checkpoint and misses batches no replay gave back."""
+        self.checkpointer: Checkpointer | None = None
+        zmq_transports = [t for t in self.transports if isinstance(t, ZmqSource)]
+        if cfg.checkpoint_dir is not None and zmq_transports:
+            self.checkpointer = Checkpointer(
+                Path(cfg.checkpoint_dir) / f"{self.name}.ckpt",
+                _identity(cfg, src),
+                self.tracker,
+                zmq_transports,
+                self._changes,
+                cfg.checkpoint_max_age_s,
+            )
+            self.checkpointer.load(self._on_gap)
+
+    def _changes(self) -> tuple[int, ...]:
+        """Moves whenever the state may have changed: what the hub published for the
+        backend and the batches the transports took."""
+        seq = self.hub.stats()["backends"][self.name]["seq"]
+        return (seq, *(t.stats.batches + t.stats.resyncs for t in self.transports))
+
+    def _on_gap(self, lost: int) -> None:
+        """Batches after a checkpoint are lost for good: the view is kept (it is all there
+        is of what the engine holds) and subscribers are told it may be incomplete."""
+        self.incomplete = True
+        self.hub.set_incomplete(self.name, True)
+        self.tracker.flush()
+        self.hub.resync(self.name, "checkpoint_gap", self.tracker.snapshot())
 
     def _emit(self, ev: KvEvent) -> None:
         self.hub.publish(self.name, ev)
@@ -163,6 +209,9 @@ class SourceRuntime:
         """The engine restarted or events were lost (a gap, an undecodable batch, an event
         the tracker failed on): forget, then tell subscribers."""
         self.tracker.reset()
+        if self.incomplete:  # empty now: nothing is missing any more
+            self.incomplete = False
+            self.hub.set_incomplete(self.name, False)
         self.hub.resync(self.name, reason, self.tracker.snapshot())
 
     def _on_fault(self, reason: str) -> None:
@@ -184,6 +233,9 @@ class SourceRuntime:
                     transport[k] = transport.get(k, 0) + v
         out.update(transport)
         out.update(self.tracker.stats())
+        if self.checkpointer is not None:
+            out.update(self.checkpointer.stats)
+        out["view_incomplete"] = int(self.incomplete)
         return out
 
     async def aclose(self) -> None:
@@ -219,6 +271,7 @@ class ListenerApp:
         ]
         self._push_tasks: list[asyncio.Task[None]] = []
         self._tasks: list[asyncio.Task[None]] = []
+        self._checkpoint_tasks: list[asyncio.Task[None]] = []
         self.http_port: int | None = None
         self.grpc_port: int | None = None
 
@@ -269,6 +322,13 @@ class ListenerApp:
         for rt in self.sources.values():
             for t in rt.transports:
                 self._tasks.append(loop.create_task(t.run(), name=f"source-{rt.name}"))
+            if rt.checkpointer is not None:
+                self._checkpoint_tasks.append(
+                    loop.create_task(
+                        rt.checkpointer.run(self.cfg.checkpoint_interval_ms / 1000),
+                        name=f"checkpoint-{rt.name}",
+                    )
+                )
         self._push_tasks = [
             loop.create_task(client.run(), name=f"event-bus:{client.cfg.url}")
             for client in self.push
@@ -283,6 +343,10 @@ class ListenerApp:
                 *(c.drain(t) for c, t in zip(self.push, self._push_tasks, strict=False))
             )
         await cancel_and_wait(*self._tasks)
+        await cancel_and_wait(*self._checkpoint_tasks)
+        for rt in self.sources.values():  # the sources stopped: the last state is final
+            if rt.checkpointer is not None:
+                await rt.checkpointer.save(force=True)
         if self.grpc is not None:
             await self.grpc.stop()
         await self.sse.stop()

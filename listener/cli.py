@@ -59,6 +59,8 @@ CONFIGURATION
       heartbeat_interval_ms  idle SSE comment interval (15000)
       subscriber_queue_size  live events queued per subscriber (4096)
       salt_secret_file|_env  HMAC secret shared with the router for cache salts
+      checkpoint_dir         per-source checkpoint files (unset = off);
+                             checkpoint_interval_ms (1000), checkpoint_max_age_s (3600)
       sources[]              backend_name, engine (vllm|sglang|trtllm), zmq_endpoint,
                              zmq_mode, topic, replay_endpoint, dp_ranks,
                              trtllm_endpoint, poll_interval_ms, detokenize_endpoint,
@@ -84,8 +86,9 @@ SIGNALS
     SIGTERM, SIGINT
         In push mode first send Draining and close the bus streams within
         drain_deadline (the router moves the sources to another listener). Stop the
-        sources, end every SSE and gRPC stream (consumers resume from their
-        last event id elsewhere or after restart) and exit with status 0.
+        sources, write each source's checkpoint (with checkpoint_dir), end every
+        SSE and gRPC stream (consumers resume from their last event id elsewhere or
+        after restart) and exit with status 0.
     SIGHUP
         Not used in this version: the configuration is read once at start.
 

@@ -300,6 +300,7 @@ class Subscription:
 class _Backend:
     __slots__ = (
         "history",
+        "incomplete",
         "name",
         "overflows",
         "published",
@@ -320,6 +321,8 @@ class _Backend:
         self.published = 0
         self.resync_blocks = 0
         self.resyncs_published = 0
+        self.incomplete = False
+        """Every ``resync`` carries ``incomplete`` while set (``set_incomplete``)."""
 
 
 class EventHub:
@@ -404,6 +407,12 @@ class EventHub:
             be.overflows += 1
         return rec.id
 
+    def set_incomplete(self, backend: str, incomplete: bool) -> None:
+        """Whether the backend's state may lack entries (a checkpoint resume that could not
+        replay everything): every ``resync`` record, shared or in a resync block, says so
+        from now on (``KvEvent.incomplete``)."""
+        self._get(backend).incomplete = incomplete
+
     def resync(self, backend: str, reason: str, snapshot: Iterable[KvEvent] = ()) -> str:
         """Publish a shared ``resync`` (a source restarted or found a gap), then ``snapshot``
         as ``cache_created`` records; every subscriber drops the backend's entries.
@@ -411,9 +420,14 @@ class EventHub:
         Returns the id of the ``resync`` record.
         """
         events = _snapshot_events(backend, snapshot)
-        rid = self.publish(
-            backend, KvEvent("resync", backend, reason=reason, snapshot_size=len(events))
+        head = KvEvent(
+            "resync",
+            backend,
+            reason=reason,
+            snapshot_size=len(events),
+            incomplete=self._get(backend).incomplete,
         )
+        rid = self.publish(backend, head)
         for ev in events:
             self.publish(backend, ev)
         return rid
@@ -488,7 +502,13 @@ class EventHub:
 
         def gen() -> Iterator[HubRecord]:
             # Encoded lazily: a large snapshot is not held twice in memory.
-            head = KvEvent("resync", name, reason=reason, snapshot_size=len(events))
+            head = KvEvent(
+                "resync",
+                name,
+                reason=reason,
+                snapshot_size=len(events),
+                incomplete=be.incomplete,
+            )
             yield _record(head.to_json(), "resync", final_id if total == 1 else f"{private}-1")
             for i, ev in enumerate(events, start=2):
                 rid = final_id if i == total else f"{private}-{i}"
@@ -528,6 +548,7 @@ class EventHub:
                     "resyncs_published": be.resyncs_published,
                     "resync_blocks": be.resync_blocks,
                     "overflows": be.overflows,
+                    "incomplete": be.incomplete,
                 }
                 for name, be in self._backends.items()
             },

@@ -43,6 +43,21 @@ slipped in under a real sequence number is replaced by the real one. Faults duri
 replay resync without learning again, so an engine whose own buffer holds a bad batch
 costs one replay, not one per batch.
 
+Resuming from a checkpoint (``resume``: the last batch ``S`` a previous process applied,
+and a digest of its payload) replaces the baseline rule for the first live batch ``s``:
+
+* ``s <= S``: the engine restarted meanwhile (its seq starts at 0 again):
+  ``on_resync("restart")`` drops the checkpoint's view, then as above;
+* with a ``replay_endpoint``, replay is asked from ``S`` itself: if the engine still
+  buffers ``S`` and its payload's digest differs, it is another engine instance (a
+  restart that already ran past ``S``): ``on_resync("restart")`` as above; if it matches,
+  the resume is verified and ``S+1..`` are delivered. If the buffer starts after ``S+1``
+  (it is bounded), what it holds is delivered and the batches before it are lost:
+  ``on_gap(n)`` with their number, and the view is kept (it may be incomplete, never
+  invented); the same when replay fails or there is no replay endpoint and ``s > S+1``.
+  A checkpoint's view is all there is of the engine's cache (cache hits store nothing),
+  so a gap after a resume keeps it rather than resyncing to empty.
+
 Access control: ``allowed_publishers`` (IPs, CIDRs, hostnames). In bind mode a ZAP handler
 on ``inproc://zeromq.zap.01`` of the source's private context accepts only listed peer
 addresses (the SUB socket sets a ZAP domain and enforces it, so the check fails closed);
@@ -66,7 +81,7 @@ import asyncio
 import contextlib
 import inspect
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Literal, TypeAlias
 
@@ -75,6 +90,7 @@ import zmq.asyncio
 
 from bus.backoff import Backoff, ExponentialBackoff
 from bus.supervisor import Attempt, Supervisor, Verdict
+from listener.checkpoint import payload_digest
 from listener.decode import DEFAULT_MAX_FRAME_BYTES
 from listener.endpoints import (
     SCHEMES as _SCHEMES,
@@ -211,6 +227,13 @@ class ZmqSourceStats:
     resyncs: int = 0
     relearns: int = 0
     """Resyncs after which the engine's whole buffer was fetched again (replay endpoint)."""
+    resumes: int = 0
+    """Starts from a checkpoint's sequence number (``resume``)."""
+    resumes_verified: int = 0
+    """Of those, ones whose last batch the engine's replay still had, identical."""
+    gap_batches: int = 0
+    """Batches lost between a checkpoint and the first live batch that no replay gave
+    back (``on_gap``): what the resumed view may lack."""
     publishers_denied: int = 0
     """Connections refused by the ZAP handler (bind mode)."""
     callback_errors: int = 0
@@ -256,6 +279,11 @@ def _parse_replay(frames: list[bytes]) -> tuple[int, bytes] | object | None:
 
 class _ReplayError(Exception):
     pass
+
+
+class _OtherEngine(Exception):
+    """The replayed batch at the resume point differs from the checkpoint's: the engine
+    restarted (and ran past the checkpoint's sequence number)."""
 
 
 def _classify(error: Exception | None) -> Verdict:
@@ -360,6 +388,10 @@ class ZmqSource:
         )
         self._ctx: zmq.asyncio.Context | None = None
         self._last_seq: int | None = None
+        self._last_payload: bytes | None = None
+        self._resume: tuple[int, bytes | None] | None = None
+        """(seq, digest) of a checkpoint, until the first live batch (``resume``)."""
+        self._on_gap: Callable[[int], object] | None = None
         self._dup_floor: int | None = None
         """After a replay, live batches with ``dup_floor < seq <= last_seq`` are duplicates."""
         self._supervisor = Supervisor(
@@ -389,6 +421,24 @@ class ZmqSource:
         self.stats.relearns += 1
         self._last_seq = None
         self._dup_floor = None
+
+    def resume(self, seq: int, digest: bytes | None, on_gap: Callable[[int], object]) -> None:
+        """Continue after batch ``seq`` (with payload digest ``digest``,
+        ``listener.checkpoint.payload_digest``) that a previous process applied; before
+        ``run``. ``on_gap(n)``: ``n`` batches after it could not be fetched (module
+        docstring)."""
+        if seq < 0:
+            raise ValueError("seq must be >= 0")
+        self._resume = (seq, digest)
+        self._on_gap = on_gap
+
+    def position(self) -> tuple[int, bytes | None] | None:
+        """The last batch applied and its payload digest (what a checkpoint keeps), or the
+        resume point while no live batch came yet."""
+        if self._last_seq is None:
+            return self._resume
+        payload = self._last_payload
+        return self._last_seq, None if payload is None else payload_digest(payload)
 
     @property
     def bound_endpoint(self) -> str | None:
@@ -589,7 +639,10 @@ class ZmqSource:
             self._supervisor.healthy()
         seq, payload = parsed
         last = self._last_seq
-        if last is None and seq > 0 and self.config.replay_endpoint:
+        if last is None and self._resume is not None:
+            resume, self._resume = self._resume, None
+            await self._resume_at(resume, seq, payload)
+        elif last is None and seq > 0 and self.config.replay_endpoint:
             # A listener (re)starting beside a running engine: fetch what the engine still
             # buffers from its start, so the blocks it already holds are known too.
             self._dup_floor = None
@@ -603,17 +656,82 @@ class ZmqSource:
         elif self._dup_floor is not None and seq > self._dup_floor:
             self.stats.duplicates += 1
         else:
-            self.stats.restarts += 1
             logger.warning(
                 "zmq source %s: seq fell from %d to %d: engine restarted", self._name, last, seq
             )
-            await self._resync("restart")
-            self._last_seq = self.stats.last_seq = None
-            self._dup_floor = None
-            if self.config.replay_endpoint and seq > 0:
-                await self._recover(0, seq, payload, after_restart=True)
-            else:
-                await self._deliver(seq, payload)
+            await self._restarted(seq, payload)
+
+    async def _restarted(self, seq: int, payload: bytes) -> None:
+        self.stats.restarts += 1
+        await self._resync("restart")
+        self._last_seq = self.stats.last_seq = None
+        self._dup_floor = None
+        if self.config.replay_endpoint and seq > 0:
+            await self._recover(0, seq, payload, after_restart=True)
+        else:
+            await self._deliver(seq, payload)
+
+    async def _resume_at(self, resume: tuple[int, bytes | None], seq: int, payload: bytes) -> None:
+        """The first live batch ``seq`` after a checkpoint at ``resume`` (module docstring)."""
+        start, digest = resume
+        self.stats.resumes += 1
+        if seq <= start:
+            logger.warning(
+                "zmq source %s: seq %d at or below the checkpoint's %d: engine restarted;"
+                " the checkpoint's view is dropped",
+                self._name,
+                seq,
+                start,
+            )
+            await self._restarted(seq, payload)
+            return
+        self._last_seq = self.stats.last_seq = start
+        self._dup_floor = None
+        if self.config.replay_endpoint:  # even for seq == start + 1: verify the engine
+            try:
+                await self._replay_resume(start, digest)
+            except _OtherEngine:
+                logger.warning(
+                    "zmq source %s: the engine's batch %d is not the checkpoint's: engine"
+                    " restarted; the checkpoint's view is dropped",
+                    self._name,
+                    start,
+                )
+                self._last_seq = self.stats.last_seq = None
+                await self._restarted(seq, payload)
+                return
+            except (_ReplayError, TimeoutError, zmq.ZMQError) as exc:
+                self.stats.replay_failures += 1
+                logger.warning(
+                    "zmq source %s: replay after the checkpoint (seq %d) failed: %s",
+                    self._name,
+                    start,
+                    str(exc) or type(exc).__name__,
+                )
+        covered = self._last_seq
+        assert covered is not None
+        if covered >= seq:
+            self._dup_floor = start
+            return
+        self._lost(seq - 1 - covered)
+        await self._deliver(seq, payload)
+
+    def _lost(self, n: int) -> None:
+        """``n`` batches after a resume point are gone for good: counted, reported."""
+        if n <= 0:
+            return
+        self.stats.gap_batches += n
+        logger.warning(
+            "zmq source %s: %d batch(es) after the checkpoint are not in the engine's replay"
+            " buffer; the view may be incomplete",
+            self._name,
+            n,
+        )
+        if self._on_gap is not None:
+            try:
+                self._on_gap(n)
+            except Exception:
+                self._callback_failed()
 
     async def _recover(self, start: int, seq: int, payload: bytes, *, after_restart: bool) -> None:
         """Fill ``start..seq-1`` by replay, then make sure live batch ``seq`` is delivered.
@@ -659,6 +777,47 @@ class ZmqSource:
             _ReplayError: malformed reply, or the first batch is past ``start`` (lost).
             TimeoutError: no reply within ``replay_timeout_s``.
         """
+        expected = start
+        async with contextlib.aclosing(self._replies(start)) as replies:
+            async for seq, payload in replies:
+                if seq < expected or (self._last_seq is not None and seq <= self._last_seq):
+                    continue
+                if seq > expected:
+                    raise _ReplayError(f"replay buffer starts at {seq}, needed {expected}")
+                self.stats.replayed_batches += 1
+                await self._deliver(seq, payload)
+                expected = seq + 1
+
+    async def _replay_resume(self, start: int, digest: bytes | None) -> None:
+        """Replay after a checkpoint at batch ``start``: the batch itself, if buffered,
+        must match ``digest`` (else ``_OtherEngine``); the batches after it are delivered
+        as far as the buffer holds them, a hole before the first is ``_lost``.
+
+        Raises:
+            _OtherEngine: the engine's batch ``start`` is not the checkpoint's.
+            _ReplayError, TimeoutError, zmq.ZMQError: as ``_replay``.
+        """
+        async with contextlib.aclosing(self._replies(start)) as replies:
+            async for seq, payload in replies:
+                if seq == start and digest is not None:
+                    if payload_digest(payload) != digest:
+                        raise _OtherEngine
+                    self.stats.resumes_verified += 1
+                last = self._last_seq
+                assert last is not None
+                if seq <= last:
+                    continue
+                self._lost(seq - 1 - last)
+                self.stats.replayed_batches += 1
+                await self._deliver(seq, payload)
+
+    async def _replies(self, start: int) -> AsyncGenerator[tuple[int, bytes], None]:
+        """The replay ROUTER's batches from ``start`` on, until its end marker.
+
+        Raises:
+            _ReplayError: malformed reply.
+            TimeoutError: no reply within ``replay_timeout_s``.
+        """
         assert self._ctx is not None and self.config.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         self._replaying = True
@@ -669,7 +828,6 @@ class ZmqSource:
                 dealer.setsockopt(zmq.IPV6, 1)
             dealer.connect(self.config.replay_endpoint)
             await dealer.send_multipart([b"", start.to_bytes(SEQ_LEN, "big")])
-            expected = start
             while True:
                 async with asyncio.timeout(self.config.replay_timeout_s):
                     frames = await dealer.recv_multipart()
@@ -679,14 +837,7 @@ class ZmqSource:
                 if item is None:
                     raise _ReplayError(f"malformed replay reply ({len(frames)} frames)")
                 assert isinstance(item, tuple)
-                seq, payload = item
-                if seq < expected or (self._last_seq is not None and seq <= self._last_seq):
-                    continue
-                if seq > expected:
-                    raise _ReplayError(f"replay buffer starts at {seq}, needed {expected}")
-                self.stats.replayed_batches += 1
-                await self._deliver(seq, payload)
-                expected = seq + 1
+                yield item
         finally:
             self._replaying = False
             dealer.close(0)
@@ -695,6 +846,7 @@ class ZmqSource:
 
     def _decoded(self, seq: int, payload: bytes) -> tuple[EventBatch, int | None] | None:
         self._last_seq = stats_seq = seq
+        self._last_payload = payload
         stats = self.stats
         stats.last_seq = stats_seq
         try:

@@ -291,6 +291,7 @@ class AdminApi:
                     "stream_overflows": c.get("stream_overflows", 0),
                     "resync_losses": c.get("resync_losses", 0),
                 },
+                "view_incomplete": bool(c.get("view_incomplete")),
             }
             for name, c in kv.consumer_stats().items()
         ]

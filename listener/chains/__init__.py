@@ -20,6 +20,8 @@ The tracker turns one into the other:
                    (``bus.prompt_chain``), from its tokens' bytes (``listener.token_bytes``);
                    per-key counts announced as ``chain_created`` / ``chain_offloaded`` /
                    ``chain_evicted``, withdrawn with the block's subtree;
+* ``state``        the whole state as plain data and back (``export_state`` /
+                   ``import_state``): what a listener checkpoint holds;
 * ``tracker``      ``ChainTracker``, the facade: ``apply`` (synchronous, O(blocks in the
                    event), never waits for I/O), ``flush``, ``reset``, ``snapshot``,
                    ``stats``, ``idle``, ``aclose``, ``check_invariants``.
@@ -49,6 +51,7 @@ resyncs).
 from .attribution import ChainAttributor
 from .blocks import LruPolicy, PruningPolicy, TrackedBlock
 from .conversation import ConversationSettings
+from .state import StateError, export_state, import_state
 from .states import (
     KEYED,
     PENDING,
@@ -73,5 +76,8 @@ __all__ = [
     "IllegalTransition",
     "LruPolicy",
     "PruningPolicy",
+    "StateError",
     "TrackedBlock",
+    "export_state",
+    "import_state",
 ]

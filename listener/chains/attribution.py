@@ -125,6 +125,13 @@ class AttributionJobs:
             self._queue[root] = None
         self._kick()
 
+    def requeue(self, root: TrackedBlock) -> None:
+        """Queue ``root`` (pending, with dirty leaves) again: a tracker restored from a
+        checkpoint resumes the attribution it had not finished."""
+        if root not in self._active:
+            self._queue[root] = None
+        self._kick()
+
     def _kick(self) -> None:
         try:
             asyncio.get_running_loop()

@@ -333,6 +333,19 @@ class ListenerConfig(_Section):
     (``advisor_clamped_timestamps``), so one bad event cannot poison the advisor's clock."""
     conversation: ConversationConfig = Field(default_factory=ConversationConfig)
     """Conversation keys for the router's conversation-depth index (off by default)."""
+    checkpoint_dir: str | None = None
+    """Directory of the per-source checkpoint files (``<backend_name>.ckpt``, mode 0600,
+    the directory created 0700): each ZMQ source's chain state and last sequence number,
+    written every ``checkpoint_interval_ms`` when changed and at shutdown, loaded at start
+    so a restarted listener keeps what the engines hold (their replay buffers are
+    bounded, and cache hits store nothing). Unset = off. Put it on storage that outlives
+    the process (a volume), private to one listener."""
+    checkpoint_interval_ms: Annotated[int, Field(ge=100, le=3_600_000)] = 1000
+    """How often a changed source is checkpointed (ms): the events of the last interval
+    before a crash are what the engine's replay must give back."""
+    checkpoint_max_age_s: Annotated[float, Field(gt=0, le=30 * 86_400)] = 3600.0
+    """A checkpoint older than this (seconds) is ignored at start: after a long outage the
+    engines have moved on too far for it to help."""
     session_predictor: str | None = None
     """Model file of the SAECache session predictor (``python -m listener.saecache.train``;
     needs torch). The eviction advisor then classifies a new session whose first

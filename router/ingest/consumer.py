@@ -166,6 +166,9 @@ class ConsumerStats:
     """SSE id of the latest applied (or invalid, passed-over) record; sent on reconnect."""
     last_error: str | None = None
     """Why the latest connection ended, if it ended."""
+    view_incomplete: bool = False
+    """The latest ``resync`` said the backend's state may lack entries (its listener
+    resumed from a checkpoint and could not replay every event of its downtime)."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-able copy (``last_event_at`` as ISO 8601)."""
@@ -414,6 +417,7 @@ class KvEventConsumer:
                             resyncs += 1
                             if last_id is not None:
                                 losses += 1
+                            st.view_incomplete = ev.incomplete
                     # A record without id keeps the id in effect (SseParser carries it over);
                     # an empty ``id:`` resets it, as in EventSource: the next connection sends
                     # none. An invalid record is passed over too: asking again cannot help.

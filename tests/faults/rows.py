@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .procedure import Row
 from .rows_abuse import ABUSE
+from .rows_checkpoint import CHECKPOINT
 from .rows_multi import MULTI
 from .rows_net import NET
 from .stack import FaultStack, StackOptions
@@ -79,16 +80,16 @@ CORE: tuple[Row, ...] = (
     ),
     Row(
         "listener-kill/short-replay",
-        "listener SIGKILL 2 s, restart (pull); replay buffer 8 batches",
-        StackOptions(replay=True, buffer_steps=8),
+        "listener SIGKILL 2 s, restart (pull); replay buffer 8 batches; checkpoints",
+        StackOptions(replay=True, buffer_steps=8, checkpoint=True),
         _kill_listener,
         _start_listener,
         listener_restarts=True,
     ),
     Row(
         "listener-kill/no-replay",
-        "listener SIGKILL 2 s, restart (pull); no replay socket",
-        StackOptions(replay=False),
+        "listener SIGKILL 2 s, restart (pull); no replay socket; checkpoints",
+        StackOptions(replay=False, checkpoint=True),
         _kill_listener,
         _start_listener,
         listener_restarts=True,
@@ -162,6 +163,6 @@ CORE: tuple[Row, ...] = (
 )
 
 #: Every group of rows, in the order the table shows them.
-GROUPS: tuple[tuple[Row, ...], ...] = (CORE, NET, ABUSE, MULTI)
+GROUPS: tuple[tuple[Row, ...], ...] = (CORE, CHECKPOINT, NET, ABUSE, MULTI)
 
 ROWS: dict[str, Row] = {row.name: row for group in GROUPS for row in group}

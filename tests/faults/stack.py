@@ -96,6 +96,9 @@ class StackOptions:
     engine_proxy: bool = False
     #: ``SO_RCVBUF``/``SO_SNDBUF`` of the proxies' sockets (None: the kernel's).
     proxy_sock_buf: int | None = None
+    #: The listener checkpoints its sources (``checkpoint_dir`` in the stack's directory,
+    #: the default interval) and resumes from them when restarted.
+    checkpoint: bool = False
 
 
 class FaultStack:
@@ -169,6 +172,8 @@ class FaultStack:
             "sources": sources,
         }
         config.update(o.listener_extra)
+        if o.checkpoint:
+            config["checkpoint_dir"] = str(self.tmp / "checkpoints")
         push = o.transport == "push"
         bus_port = free_port()
         if push:

@@ -285,13 +285,19 @@ async def h() -> AsyncIterator[Harness]:
 # -- against the listener's own hub and SSE server -----------------------------------------------
 
 
-async def test_applies_resync_then_events_in_order(h: Harness) -> None:
-    hub = EventHub(backends=[B], epoch="e1")
+async def subscribed(h: Harness, hub: EventHub) -> tuple[Recorder, KvEventConsumer]:
+    """A consumer of ``hub``'s backend through a real SSE server, past its resync block."""
     lst = await h.listener(hub)
     rec = Recorder()
     c = h.consumer(lst.url, rec)
     h.run(c)
     await wait_until(lambda: rec.kinds() == ["resync"], "the resync block")
+    return rec, c
+
+
+async def test_applies_resync_then_events_in_order(h: Harness) -> None:
+    hub = EventHub(backends=[B], epoch="e1")
+    rec, c = await subscribed(h, hub)
     assert c.stats.connected
     hub.publish(B, created(1))
     hub.publish(B, KvEvent("cache_offloaded", B, f"{1:064x}", tier="storage"))
@@ -311,6 +317,19 @@ async def test_applies_resync_then_events_in_order(h: Harness) -> None:
     assert st.last_event_id == hub.last_event_id(B) == "e1-4"
     assert st.last_event_at == NOW and st.reconnects == 0
     assert h.sent_ids == [None]
+
+
+async def test_the_latest_resync_says_whether_the_view_may_be_incomplete(h: Harness) -> None:
+    hub = EventHub(backends=[B], epoch="e1")
+    rec, c = await subscribed(h, hub)
+    assert c.stats.view_incomplete is False
+    hub.set_incomplete(B, True)
+    hub.resync(B, "checkpoint_gap", [created(1)])
+    await wait_until(lambda: c.stats.view_incomplete, "the incomplete resync")
+    assert rec.events[1].incomplete and rec.events[1].reason == "checkpoint_gap"
+    hub.set_incomplete(B, False)
+    hub.resync(B, "restart")
+    await wait_until(lambda: not c.stats.view_incomplete, "a complete resync")
 
 
 async def test_server_restart_resumes_from_last_event_id_without_gap_or_duplicate(

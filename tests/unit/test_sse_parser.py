@@ -353,3 +353,24 @@ def test_resync_snapshot_size_round_trips_and_only_on_resync(size: int | None) -
     assert KvEvent.from_json(ev.to_json()) == ev
     other = orjson.dumps({**VALID, "snapshot_size": 3})
     assert KvEvent.from_json(other).snapshot_size is None
+
+
+@pytest.mark.parametrize(
+    ("obj", "incomplete"),
+    [
+        ({"event": "resync", "backend": "b", "incomplete": True}, True),
+        ({"event": "resync", "backend": "b"}, False),
+        ({"event": "resync", "backend": "b", "incomplete": 1}, False),  # only JSON true
+        ({"event": "resync", "backend": "b", "incomplete": "yes"}, False),
+        ({**VALID, "incomplete": True}, False),  # only a resync says it
+    ],
+)
+def test_incomplete_is_read_from_a_resync_only(obj: dict[str, Any], incomplete: bool) -> None:
+    assert KvEvent.from_json(orjson.dumps(obj)).incomplete is incomplete
+
+
+def test_incomplete_round_trips_and_is_absent_when_false() -> None:
+    ev = KvEvent("resync", "b", reason="checkpoint_gap", incomplete=True)
+    assert b'"incomplete":true' in ev.to_json()
+    assert KvEvent.from_json(ev.to_json()) == ev
+    assert b"incomplete" not in KvEvent("resync", "b", reason="gap").to_json()
