@@ -33,6 +33,14 @@ reconnects, so a reconnect is just another chance to see a gap. For each live ba
   baseline; with a replay endpoint the restarted engine's batches ``0..s-1`` (lost to the
   slow-joiner rule) are fetched first.
 
+A restarted engine that publishes nothing shows no sequence at all, so in connect mode
+with a replay endpoint a reconnect after a disconnect is checked (``_probe``): the replay
+ROUTER is asked for batches from ``last_seq`` itself. The engine that published it still
+buffers its newest batch and sends it back; an engine that answers without it (only the
+end marker) never published that sequence number: it restarted, and is treated as above
+(``on_resync("restart")``, then a fresh baseline). The probe acts only if no batch was
+delivered meanwhile; a probe that fails or times out leaves things as they are.
+
 Access control: ``allowed_publishers`` (IPs, CIDRs, hostnames). In bind mode a ZAP handler
 on ``inproc://zeromq.zap.01`` of the source's private context accepts only listed peer
 addresses (the SUB socket sets a ZAP domain and enforces it, so the check fails closed);
@@ -462,16 +470,30 @@ class ZmqSource:
         error, and a frame over ``ZMQ_MAXMSGSIZE`` is one: without a new ``connect`` the
         SUB would stay silent for good. Connecting again after any disconnect is harmless.
         """
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        probing = self.config.mode == "connect" and self.config.replay_endpoint is not None
+        dropped = False
+        probes: set[asyncio.Task[None]] = set()
         try:
             while True:
-                await mon.recv_multipart()
+                frames = await mon.recv_multipart()
+                event = int.from_bytes(frames[0][:2], "little") if frames and frames[0] else 0
+                if event == zmq.EVENT_CONNECTED:
+                    if dropped and probing and self._last_seq is not None:
+                        task = asyncio.create_task(self._probe(self._last_seq))
+                        probes.add(task)
+                        task.add_done_callback(probes.discard)
+                    dropped = False
+                    continue
+                dropped = True
                 self.stats.disconnects += 1
                 if self.config.mode == "connect":
                     with contextlib.suppress(zmq.ZMQError):
                         sock.disconnect(self.config.endpoint)
                     sock.connect(self.config.endpoint)
         finally:
+            for task in probes:
+                task.cancel()
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
             mon.close(0)
@@ -627,6 +649,36 @@ class ZmqSource:
             await self._resync("gap")
         self._dup_floor = None
         await self._deliver(seq, payload)
+
+    async def _probe(self, last: int) -> None:
+        """After a reconnect: does the engine still hold batch ``last``? (module docstring)"""
+        assert self._ctx is not None and self.config.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+            if is_ipv6_endpoint(self.config.replay_endpoint):
+                dealer.setsockopt(zmq.IPV6, 1)
+            dealer.connect(self.config.replay_endpoint)
+            await dealer.send_multipart([b"", last.to_bytes(SEQ_LEN, "big")])
+            async with asyncio.timeout(self.config.replay_timeout_s):
+                item = _parse_replay(await dealer.recv_multipart())
+        except (TimeoutError, zmq.ZMQError):
+            return
+        finally:
+            dealer.close(0)
+        if item is not _END or self._last_seq != last:
+            return  # it still holds the batch (or something was delivered meanwhile)
+        self.stats.restarts += 1
+        logger.warning(
+            "zmq source %s: the engine no longer holds batch %d after a reconnect: engine "
+            "restarted",
+            self._name,
+            last,
+        )
+        self._last_seq = self.stats.last_seq = None
+        self._dup_floor = None
+        await self._resync("restart")
 
     async def _replay(self, start: int) -> None:
         """Ask the replay ROUTER for batches from ``start`` and deliver them as they arrive.
