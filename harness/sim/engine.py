@@ -35,7 +35,8 @@ Engine-side features for the KV-event listener (all off by default):
 
 ``GET /sim/held-prefixes`` is the fault tests' oracle (:mod:`harness.sim.held`): the router
 prefix keys of the requests served, those whose blocks are still cached, computed with the
-router's own key function.
+router's own key function; ``GET /sim/held-conversation`` the same for conversation keys
+(``--conversation-chunk-bytes``, the router's ``chunk_bytes``).
 """
 
 from __future__ import annotations
