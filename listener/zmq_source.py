@@ -650,8 +650,9 @@ class ZmqSource:
         self._dup_floor = None
         await self._deliver(seq, payload)
 
-    async def _probe(self, last: int) -> None:
-        """After a reconnect: does the engine still hold batch ``last``? (module docstring)"""
+    async def _replay_request(self, start: int) -> zmq.asyncio.Socket:
+        """A DEALER on the replay endpoint that has asked for the batches from ``start``
+        (the caller reads the answer and closes it)."""
         assert self._ctx is not None and self.config.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         try:
@@ -660,7 +661,19 @@ class ZmqSource:
             if is_ipv6_endpoint(self.config.replay_endpoint):
                 dealer.setsockopt(zmq.IPV6, 1)
             dealer.connect(self.config.replay_endpoint)
-            await dealer.send_multipart([b"", last.to_bytes(SEQ_LEN, "big")])
+            await dealer.send_multipart([b"", start.to_bytes(SEQ_LEN, "big")])
+        except BaseException:
+            dealer.close(0)
+            raise
+        return dealer
+
+    async def _probe(self, last: int) -> None:
+        """After a reconnect: does the engine still hold batch ``last``? (module docstring)"""
+        try:
+            dealer = await self._replay_request(last)
+        except zmq.ZMQError:
+            return
+        try:
             async with asyncio.timeout(self.config.replay_timeout_s):
                 item = _parse_replay(await dealer.recv_multipart())
         except (TimeoutError, zmq.ZMQError):
@@ -687,15 +700,8 @@ class ZmqSource:
             _ReplayError: malformed reply, or the first batch is past ``start`` (lost).
             TimeoutError: no reply within ``replay_timeout_s``.
         """
-        assert self._ctx is not None and self.config.replay_endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
+        dealer = await self._replay_request(start)
         try:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
-            if is_ipv6_endpoint(self.config.replay_endpoint):
-                dealer.setsockopt(zmq.IPV6, 1)
-            dealer.connect(self.config.replay_endpoint)
-            await dealer.send_multipart([b"", start.to_bytes(SEQ_LEN, "big")])
             expected = start
             while True:
                 async with asyncio.timeout(self.config.replay_timeout_s):

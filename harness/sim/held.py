@@ -231,13 +231,12 @@ class HeldConversation:
         }
 
     def report(self) -> dict[str, Any]:
-        """The document of ``GET /sim/held-conversation``."""
+        """The document of ``GET /sim/held-conversation``: the fields of
+        ``GET /sim/held-prefixes`` (``held`` maps a key to its token count here), and the
+        chunk size."""
         held = self.held()
-        return {
-            "held": held,
-            "held_keys": len(held),
-            "served_keys": len(self._keys),
-            "forgotten_keys": self.forgotten_keys,
-            "unkeyed_requests": self.unkeyed_requests,
-            "chunk_bytes": self.chunk_bytes,
-        }
+        counts = (len(held), len(self._keys), self.forgotten_keys, self.unkeyed_requests)
+        names = ("held_keys", "served_keys", "forgotten_keys", "unkeyed_requests")
+        doc: dict[str, Any] = {"held": held, **dict(zip(names, counts, strict=True))}
+        doc["chunk_bytes"] = self.chunk_bytes
+        return doc

@@ -382,15 +382,17 @@ class FaultStack:
     async def truth_conversation(self) -> dict[str, set[str]]:
         """``{backend: conversation keys it holds}`` (``GET /sim/held-conversation``)."""
         assert self.fleet is not None
-        out: dict[str, set[str]] = {}
-        for sim in self.fleet:
-            if not sim.running:
-                out[sim.name] = set()
-                continue
-            r = await http("GET", sim.url + "/sim/held-conversation", total_s=5)
+        sims = list(self.fleet)
+
+        async def held(url: str, running: bool) -> set[str]:
+            if not running:  # a dead engine holds none
+                return set()
+            r = await http("GET", url + "/sim/held-conversation", total_s=5)
             assert r.status == 200, r
-            out[sim.name] = set(r.json()["held"])
-        return out
+            return set(r.json()["held"])
+
+        found = await asyncio.gather(*(held(sim.url, sim.running) for sim in sims))
+        return {sim.name: keys for sim, keys in zip(sims, found, strict=True)}
 
     async def index_conversation(self, keys: set[str]) -> tuple[set[tuple[str, str]], int]:
         """(chain key, backend) pairs the router's conversation index holds for ``keys``,
