@@ -29,6 +29,10 @@ resynced (its stream starts over without its id: the listener answers ``resync``
 snapshot, and the backend's entries are rebuilt whole), counted in ``repairs``. Divergence
 seen once may be a transient the next events heal; twice is not.
 
+Presence per (key, backend) is compared, not tiers or token counts. ``backend_counts`` is
+the indexes' admin count: a scan of the whole index per backend checked, hence a long
+default interval.
+
 Push mode (``transport: event_bus``) is not checked: the router cannot reach the listener,
 which dials it. Predictions (``conversation.predict_ttl_seconds``) are entries no snapshot
 states: while they live they count as extra conversation entries.

@@ -50,7 +50,7 @@ async def _stack(tmp: Path, repair: bool) -> FaultStack:
                 (await stack.truth()).values()
             )
 
-        await wait_until(both_kinds_held, within=30, what="prefix and conversation keys")
+        await wait_until(both_kinds_held, within=60, what="prefix and conversation keys")
     finally:
         await traffic.stop()
 
@@ -58,7 +58,7 @@ async def _stack(tmp: Path, repair: bool) -> FaultStack:
         kinds = await stack.compare_kinds(set())
         return all(c.clean for c in kinds.values())
 
-    await wait_until(matches, within=15, what="the index to match the engines' truth")
+    await wait_until(matches, within=30, what="the index to match the engines' truth")
     return stack
 
 
@@ -83,7 +83,7 @@ async def _settled_twice_more(stack: FaultStack, backend: str) -> None:
         now = metric_value(await _metrics(stack), CHECKS, backend=backend, outcome="settled")
         return now >= before + 2
 
-    await wait_until(more, within=15, what=f"two more settled checks of {backend}")
+    await wait_until(more, within=30, what=f"two more settled checks of {backend}")
 
 
 async def test_divergence_is_zero_then_the_count_removed_behind_the_routers_back(
@@ -122,13 +122,13 @@ async def test_repair_resyncs_a_backend_divergent_twice(tmp_path: Path) -> None:
             text = await _metrics(stack)
             return metric_value(text, REPAIRS, backend="sim-2") >= 1
 
-        await wait_until(repaired, within=15, what="a repair of sim-2")
+        await wait_until(repaired, within=30, what="a repair of sim-2")
 
         async def matches() -> bool:
             kinds = await stack.compare_kinds(set())
             return all(c.clean for c in kinds.values())
 
-        await wait_until(matches, within=15, what="sim-2's entries back from the resync")
+        await wait_until(matches, within=30, what="sim-2's entries back from the resync")
         await _settled_twice_more(stack, "sim-2")
         text = await _metrics(stack)
         assert metric_value(text, DIVERGENCE, backend="sim-2", kind="missing") == 0, text
