@@ -48,21 +48,25 @@ def snapshot_session(timeout_s: float) -> aiohttp.ClientSession:
 
 
 async def fetch_snapshot(
-    session: aiohttp.ClientSession, url: str, backend: str
+    session: aiohttp.ClientSession, url: str, backend: str, max_bytes: int = _MAX_BYTES
 ) -> tuple[str, list[KvEvent]]:
     """(the id of the last record the snapshot reflects, its events) of ``backend``.
 
     Raises:
-        SnapshotError: not a 200 with a snapshot of ``backend``.
+        SnapshotError: not a 200 with a snapshot of ``backend`` of at most ``max_bytes``.
         aiohttp.ClientError, TimeoutError: the listener did not answer.
     """
     async with session.get(url, headers={"Accept": "application/json"}) as resp:
         if resp.status != 200:
             raise SnapshotError(f"{url}: HTTP {resp.status}")
-        raw = await resp.content.read(_MAX_BYTES + 1)
-    if len(raw) > _MAX_BYTES:
-        raise SnapshotError(f"{url}: snapshot larger than {_MAX_BYTES} bytes")
-    return parse_snapshot(raw, backend)
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in resp.content.iter_chunked(1 << 16):
+            size += len(chunk)
+            if size > max_bytes:
+                raise SnapshotError(f"{url}: snapshot larger than {max_bytes} bytes")
+            chunks.append(chunk)
+    return parse_snapshot(b"".join(chunks), backend)
 
 
 def parse_snapshot(raw: bytes, backend: str) -> tuple[str, list[KvEvent]]:

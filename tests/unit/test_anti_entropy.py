@@ -18,9 +18,16 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bus.events import KvEvent
+from listener.sse_server import SseServer
 from listener.stream import EventHub
 from router.config.models import StorageOffloadingConfig
-from router.ingest.snapshot import SnapshotError, parse_snapshot, snapshot_url
+from router.ingest.snapshot import (
+    SnapshotError,
+    fetch_snapshot,
+    parse_snapshot,
+    snapshot_session,
+    snapshot_url,
+)
 from router.kvindex.anti_entropy import AntiEntropy, Position, divergence
 from router.kvindex.base import StorageTier
 from router.kvindex.memory import InMemoryKvIndex
@@ -246,3 +253,27 @@ def test_snapshot_url_sits_beside_the_event_stream() -> None:
 def test_snapshot_url_is_total(endpoint: str) -> None:
     url = snapshot_url(endpoint)
     assert url is None or url.startswith(("http://", "https://"))
+
+
+async def test_fetch_reads_a_large_snapshot_from_the_listeners_server_whole() -> None:
+    """Over real HTTP from the listener's own server: thousands of entries arrive in many
+    chunks and are read whole; an unknown backend and an oversized body are errors."""
+    hub = EventHub(epoch="feed")
+    state = [created("b1", i) for i in range(3000)] + [created("b1", i, True) for i in range(3000)]
+    hub.add_backend("b1", lambda: state)
+    for i in range(4):
+        hub.publish("b1", created("b1", i))
+    server = SseServer(hub)
+    port = await server.start("127.0.0.1", 0)
+    session = snapshot_session(10.0)
+    try:
+        url = f"http://127.0.0.1:{port}/snapshot/b1"
+        event_id, events = await fetch_snapshot(session, url, "b1")
+        assert event_id == "feed-4" and events == state
+        with pytest.raises(SnapshotError, match="HTTP 404"):
+            await fetch_snapshot(session, f"http://127.0.0.1:{port}/snapshot/nope", "nope")
+        with pytest.raises(SnapshotError, match="larger than"):
+            await fetch_snapshot(session, url, "b1", max_bytes=100_000)
+    finally:
+        await session.close()
+        await server.stop()
