@@ -652,7 +652,8 @@ class ZmqSource:
 
     async def _replay_request(self, start: int) -> zmq.asyncio.Socket:
         """A DEALER on the replay endpoint that has asked for the batches from ``start``
-        (the caller reads the answer and closes it)."""
+        (the caller reads the answer and closes it). ``_replay`` sets up its own inline,
+        where its replay bookkeeping brackets it."""
         assert self._ctx is not None and self.config.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         try:
@@ -700,8 +701,15 @@ class ZmqSource:
             _ReplayError: malformed reply, or the first batch is past ``start`` (lost).
             TimeoutError: no reply within ``replay_timeout_s``.
         """
-        dealer = await self._replay_request(start)
+        assert self._ctx is not None and self.config.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
         try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+            if is_ipv6_endpoint(self.config.replay_endpoint):
+                dealer.setsockopt(zmq.IPV6, 1)
+            dealer.connect(self.config.replay_endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(SEQ_LEN, "big")])
             expected = start
             while True:
                 async with asyncio.timeout(self.config.replay_timeout_s):
