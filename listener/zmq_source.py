@@ -34,8 +34,8 @@ reconnects, so a reconnect is just another chance to see a gap. For each live ba
   slow-joiner rule) are fetched first.
 
 A restarted engine that publishes nothing shows no sequence at all, so in connect mode
-with a replay endpoint a reconnect after a disconnect is checked (``_probe``): the replay
-ROUTER is asked for batches from ``last_seq`` itself. The engine that published it still
+with a replay endpoint a disconnect is followed by a check (``_probe``): the replay ROUTER
+is asked, until it answers, for batches from ``last_seq`` itself. The engine that published it still
 buffers its newest batch and sends it back; an engine that answers without it (only the
 end marker) never published that sequence number: it restarted, and is treated as above
 (``on_resync("restart")``, then a fresh baseline). The probe acts only if no batch was
@@ -470,23 +470,17 @@ class ZmqSource:
         error, and a frame over ``ZMQ_MAXMSGSIZE`` is one: without a new ``connect`` the
         SUB would stay silent for good. Connecting again after any disconnect is harmless.
         """
-        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECTED)
+        mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         probing = self.config.mode == "connect" and self.config.replay_endpoint is not None
-        dropped = False
         probes: set[asyncio.Task[None]] = set()
         try:
             while True:
-                frames = await mon.recv_multipart()
-                event = int.from_bytes(frames[0][:2], "little") if frames and frames[0] else 0
-                if event == zmq.EVENT_CONNECTED:
-                    if dropped and probing and self._last_seq is not None:
-                        task = asyncio.create_task(self._probe(self._last_seq))
-                        probes.add(task)
-                        task.add_done_callback(probes.discard)
-                    dropped = False
-                    continue
-                dropped = True
+                await mon.recv_multipart()
                 self.stats.disconnects += 1
+                if probing and self._last_seq is not None and not probes:
+                    task = asyncio.create_task(self._probe(self._last_seq))
+                    probes.add(task)
+                    task.add_done_callback(probes.discard)
                 if self.config.mode == "connect":
                     with contextlib.suppress(zmq.ZMQError):
                         sock.disconnect(self.config.endpoint)
@@ -494,6 +488,8 @@ class ZmqSource:
         finally:
             for task in probes:
                 task.cancel()
+            if probes:  # none outlives the socket (nor the context it was made in)
+                await asyncio.wait(probes)
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
             mon.close(0)
@@ -669,18 +665,24 @@ class ZmqSource:
         return dealer
 
     async def _probe(self, last: int) -> None:
-        """After a reconnect: does the engine still hold batch ``last``? (module docstring)"""
-        try:
-            dealer = await self._replay_request(last)
-        except zmq.ZMQError:
-            return
-        try:
-            async with asyncio.timeout(self.config.replay_timeout_s):
-                item = _parse_replay(await dealer.recv_multipart())
-        except (TimeoutError, zmq.ZMQError):
-            return
-        finally:
-            dealer.close(0)
+        """After a disconnect: does the engine, once it answers, still hold batch ``last``?
+        (module docstring). Asks again every ``replay_timeout_s`` until it answers or a
+        batch is delivered."""
+        item: object = None
+        while self._last_seq == last and item is None:
+            try:
+                dealer = await self._replay_request(last)
+            except zmq.ZMQError:
+                return
+            try:
+                async with asyncio.timeout(self.config.replay_timeout_s):
+                    item = _parse_replay(await dealer.recv_multipart())
+            except TimeoutError:
+                continue
+            except zmq.ZMQError:
+                return
+            finally:
+                dealer.close(0)
         if item is not _END or self._last_seq != last:
             return  # it still holds the batch (or something was delivered meanwhile)
         self.stats.restarts += 1
