@@ -12,6 +12,11 @@ Routes:
   client's socket does not take within ``write_timeout`` (a client that stopped reading)
   disconnects it and counts it in ``stalled_subscribers``: its backlog (a resync block's
   snapshot) and queue are released instead of held for as long as the client lives.
+* ``GET /snapshot/{backend}`` — ``{"backend", "event_id", "events": [...]}``: the
+  backend's current prefixes and conversation keys as the ``cache_created`` /
+  ``chain_created`` events of a resync block, and the id of the last record they reflect
+  (``EventHub.snapshot``). The router's anti-entropy check compares its index with it.
+  Unknown backend: 404.
 * ``GET /health`` — ``{"status": "ok", "epoch": ..., "backends": [...]}``.
 * ``GET /stats`` — ``{"epoch", "sources": <stats provider>, "hub": EventHub.stats()}``.
 * ``GET /metrics`` — Prometheus text from a registry of this server's own. Label values
@@ -213,6 +218,7 @@ class SseServer:
     def make_app(self) -> web.Application:
         app = web.Application()
         app.router.add_get("/events/{backend}", self._events)
+        app.router.add_get("/snapshot/{backend}", self._snapshot)
         app.router.add_get("/health", self._health)
         app.router.add_get("/stats", self._stats_handler)
         app.router.add_get("/metrics", self._metrics)
@@ -291,6 +297,22 @@ class SseServer:
             sub.close()
             self._subs.discard(sub)
         return resp
+
+    async def _snapshot(self, request: web.Request) -> web.Response:
+        backend = request.match_info["backend"]
+        if backend not in self.hub:
+            known = ", ".join(self.hub.backends) or "none"
+            return _error(404, f"unknown backend {backend!r} (configured: {known})", "not_found")
+        event_id, events = self.hub.snapshot(backend)
+        body = b"".join(
+            (
+                orjson.dumps({"backend": backend, "event_id": event_id})[:-1],
+                b',"events":[',
+                b",".join(ev.to_json() for ev in events),
+                b"]}",
+            )
+        )
+        return web.Response(body=body, content_type="application/json")
 
     async def _health(self, request: web.Request) -> web.Response:
         body = {"status": "ok", "epoch": self.hub.epoch, "backends": list(self.hub.backends)}

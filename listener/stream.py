@@ -432,6 +432,20 @@ class EventHub:
             self.publish(backend, ev)
         return rid
 
+    def snapshot(self, backend: str) -> tuple[str, list[KvEvent]]:
+        """The backend's current state (its provider's snapshot, as a resync block states
+        it) and the id of the last record it reflects: a consumer that applied every
+        record up to that id holds exactly these entries. Taken without awaiting, so no
+        publish falls between the two (the anti-entropy check's reference).
+
+        Raises:
+            UnknownBackendError: ``backend`` is not registered.
+        """
+        be = self._get(backend)
+        provider = be.snapshot
+        events = _snapshot_events(backend, provider() if provider is not None else ())
+        return format_event_id(self.epoch, be.seq), events
+
     # -- consuming -------------------------------------------------------------------------
 
     def subscribe(

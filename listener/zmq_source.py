@@ -58,6 +58,14 @@ and a digest of its payload) replaces the baseline rule for the first live batch
   A checkpoint's view is all there is of the engine's cache (cache hits store nothing),
   so a gap after a resume keeps it rather than resyncing to empty.
 
+A restarted engine that publishes nothing shows no sequence at all, so in connect mode
+with a replay endpoint a disconnect is followed by a check (``_probe``): the replay ROUTER
+is asked, until it answers, for batches from ``last_seq`` itself. The engine that published it still
+buffers its newest batch and sends it back; an engine that answers without it (only the
+end marker) never published that sequence number: it restarted, and is treated as above
+(``on_resync("restart")``, then a fresh baseline). The probe acts only if no batch was
+delivered meanwhile; a probe that fails or times out leaves things as they are.
+
 Access control: ``allowed_publishers`` (IPs, CIDRs, hostnames). In bind mode a ZAP handler
 on ``inproc://zeromq.zap.01`` of the source's private context accepts only listed peer
 addresses (the SUB socket sets a ZAP domain and enforces it, so the check fails closed);
@@ -537,15 +545,25 @@ class ZmqSource:
         SUB would stay silent for good. Connecting again after any disconnect is harmless.
         """
         mon = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        probing = self.config.mode == "connect" and self.config.replay_endpoint is not None
+        probes: set[asyncio.Task[None]] = set()
         try:
             while True:
                 await mon.recv_multipart()
                 self.stats.disconnects += 1
+                if probing and self._last_seq is not None and not probes:
+                    task = asyncio.create_task(self._probe(self._last_seq))
+                    probes.add(task)
+                    task.add_done_callback(probes.discard)
                 if self.config.mode == "connect":
                     with contextlib.suppress(zmq.ZMQError):
                         sock.disconnect(self.config.endpoint)
                     sock.connect(self.config.endpoint)
         finally:
+            for task in probes:
+                task.cancel()
+            if probes:  # none outlives the socket (nor the context it was made in)
+                await asyncio.wait(probes)
             with contextlib.suppress(zmq.ZMQError):
                 sock.disable_monitor()
             mon.close(0)
@@ -769,6 +787,56 @@ class ZmqSource:
             await self._resync("gap")
         self._dup_floor = None
         await self._deliver(seq, payload)
+
+    async def _replay_request(self, start: int) -> zmq.asyncio.Socket:
+        """A DEALER on the replay endpoint that has asked for the batches from ``start``
+        (the caller reads the answer and closes it). ``_replay`` sets up its own inline,
+        where its replay bookkeeping brackets it."""
+        assert self._ctx is not None and self.config.replay_endpoint is not None
+        dealer = self._ctx.socket(zmq.DEALER)
+        try:
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
+            if is_ipv6_endpoint(self.config.replay_endpoint):
+                dealer.setsockopt(zmq.IPV6, 1)
+            dealer.connect(self.config.replay_endpoint)
+            await dealer.send_multipart([b"", start.to_bytes(SEQ_LEN, "big")])
+        except BaseException:
+            dealer.close(0)
+            raise
+        return dealer
+
+    async def _probe(self, last: int) -> None:
+        """After a disconnect: does the engine, once it answers, still hold batch ``last``?
+        (module docstring). Asks again every ``replay_timeout_s`` until it answers or a
+        batch is delivered."""
+        item: object = None
+        while self._last_seq == last and item is None:
+            try:
+                dealer = await self._replay_request(last)
+            except zmq.ZMQError:
+                return
+            try:
+                async with asyncio.timeout(self.config.replay_timeout_s):
+                    item = _parse_replay(await dealer.recv_multipart())
+            except TimeoutError:
+                continue
+            except zmq.ZMQError:
+                return
+            finally:
+                dealer.close(0)
+        if item is not _END or self._last_seq != last:
+            return  # it still holds the batch (or something was delivered meanwhile)
+        self.stats.restarts += 1
+        logger.warning(
+            "zmq source %s: the engine no longer holds batch %d after a reconnect: engine "
+            "restarted",
+            self._name,
+            last,
+        )
+        self._last_seq = self.stats.last_seq = None
+        self._dup_floor = None
+        await self._resync("restart")
 
     async def _replay(self, start: int) -> None:
         """Ask the replay ROUTER for batches from ``start`` and deliver them as they arrive.

@@ -229,6 +229,12 @@ class AdminApi:
         }
         if kv.event_bus is not None:
             doc["event_bus"] = kv.event_bus.stats()
+        if kv.anti_entropy is not None:
+            doc["anti_entropy"] = {
+                "interval_seconds": cfg.anti_entropy.interval_seconds,
+                "repair": cfg.anti_entropy.repair,
+                "backends": kv.anti_entropy.document(),
+            }
         doc["prediction_accuracy"] = kv.accuracy.document()
         scorer, chains = kv.conversation, kv.chain_index
         if scorer is not None and chains is not None:

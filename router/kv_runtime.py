@@ -16,6 +16,10 @@ This is where the KV index (``router.kvindex``, which knows nothing of where its
 come from) meets ingestion (``router.ingest``, which knows nothing of the index but an
 ``apply`` callable) and push mode's session registry (built once by the process and handed
 in: the opener of every ``transport: event_bus`` source).
+
+With ``kv_cache_index.anti_entropy.interval_seconds`` > 0 it runs the anti-entropy check
+(``router.kvindex.anti_entropy``) of every pull-mode source: the listener's snapshot
+(``router.ingest.snapshot``) against the indexes, at the consumer's position.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from .config.models import EventSourceConfig
 from .eventbus.sessions import SessionRegistry
 from .gemini.usage import cached_tokens_of
 from .ingest import KvEventConsumerManager, StreamOpener
+from .ingest.snapshot import fetch_snapshot, snapshot_session, snapshot_url
 from .kvindex import (
     CHAIN_KEY_PREFIX,
     FallbackKvIndex,
@@ -45,6 +50,7 @@ from .kvindex import (
     end_resync,
 )
 from .kvindex.accuracy import PredictionAccuracy
+from .kvindex.anti_entropy import AntiEntropy, Position
 from .kvindex.cost import ConversationScorer
 from .kvindex.prefill import PrefillLoad, PrefillTicket
 from .kvindex.scorer import KvOverlapScorer
@@ -132,6 +138,26 @@ class KvRuntime:
         self._cleanup: asyncio.Task[None] | None = None
         self._resync: asyncio.Task[None] | None = None
         self._restart: asyncio.Task[None] | None = None
+        self.anti_entropy: AntiEntropy | None = None
+        self._anti_entropy_task: asyncio.Task[None] | None = None
+        self._snapshot_urls = {
+            s.backend_name: url
+            for s in kv.event_sources
+            if s.transport == "sse" and (url := snapshot_url(s.endpoint)) is not None
+        }
+        ae = kv.anti_entropy
+        self._snapshot_session: Any = None
+        if ae.interval_seconds > 0 and self._snapshot_urls:
+            self.anti_entropy = AntiEntropy(
+                list(self._snapshot_urls),
+                self.index,
+                self.chain_index,
+                offloading,
+                fetch=self._fetch_snapshot,
+                position=self._position,
+                repair=self._repair if ae.repair else None,
+                interval=ae.interval_seconds,
+            )
         self.index_resyncs = 0
         """Times every stream was started over because a Redis index came back."""
         for idx in (self.index, self.chain_index):
@@ -174,7 +200,11 @@ class KvRuntime:
 
     async def start(self) -> None:
         await self.consumers.start()
-        self._cleanup = asyncio.get_running_loop().create_task(self._cleanup_loop())
+        loop = asyncio.get_running_loop()
+        self._cleanup = loop.create_task(self._cleanup_loop())
+        if self.anti_entropy is not None:
+            self._snapshot_session = snapshot_session(self.config.anti_entropy.timeout_seconds)
+            self._anti_entropy_task = loop.create_task(self.anti_entropy.run())
 
     def reconfigure(self, sources: Sequence[EventSourceConfig]) -> None:
         """Hot reload of ``kv_cache_index.event_sources``: the consumers switch to
@@ -194,6 +224,15 @@ class KvRuntime:
             except Exception:  # a reload never raises; the running consumers stay as they are
                 log.exception("KV event sources: reload failed")
                 return
+            self._snapshot_urls = {
+                s.backend_name: url
+                for s in sources
+                if s.transport == "sse" and (url := snapshot_url(s.endpoint)) is not None
+            }
+            if self.anti_entropy is not None:
+                # The check follows the sources (a runtime started without a pull source
+                # has none to follow: anti-entropy starts with a restart then).
+                self.anti_entropy.follow(list(self._snapshot_urls))
             log.info(
                 "KV event sources reloaded: %s",
                 ", ".join(f"{s.backend_name} ({s.transport})" for s in sources) or "none",
@@ -203,6 +242,9 @@ class KvRuntime:
 
     async def stop(self) -> None:
         await cancel_and_wait(self._restart, log=log)
+        await cancel_and_wait(self._anti_entropy_task, log=log)
+        if self._snapshot_session is not None:
+            await self._snapshot_session.close()
         await cancel_and_wait(self._cleanup, log=log)
         await cancel_and_wait(self._resync, log=log)
         await self.consumers.stop()
@@ -227,6 +269,20 @@ class KvRuntime:
             "KV index: Redis serves again; resyncing %d event stream(s) from snapshots",
             len(backends),
         )
+
+    # -- anti-entropy ----------------------------------------------------------------
+
+    async def _fetch_snapshot(self, backend: str) -> Any:
+        return await fetch_snapshot(self._snapshot_session, self._snapshot_urls[backend], backend)
+
+    def _position(self, backend: str) -> Position | None:
+        consumer = self.consumers.consumers.get(backend)
+        if consumer is None or not consumer.stats.connected:
+            return None
+        return Position(consumer.last_event_id, consumer.applying)
+
+    async def _repair(self, backend: str) -> None:
+        await self.consumers.resync([backend])
 
     async def _cleanup_loop(self) -> None:
         while True:
@@ -319,6 +375,8 @@ class KvRuntime:
             snap["chain_index"] = index_figures(self.chain_index.last_stats)
         if self.event_bus is not None:
             snap["event_bus"] = self.event_bus.stats()
+        if self.anti_entropy is not None:
+            snap["anti_entropy"] = self.anti_entropy
         return snap
 
 

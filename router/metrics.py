@@ -131,6 +131,41 @@ class _PoolCollector(Collector):
         yield success
 
 
+def _anti_entropy_metrics(ae: Any) -> Iterator[Any]:
+    """The anti-entropy check (``router.kvindex.anti_entropy.AntiEntropy``): divergence of
+    each backend's entries (both kinds of keys) at its last settled check, checks by
+    outcome, repairs."""
+    div = GaugeMetricFamily(
+        "continuum_kv_index_divergence",
+        "Entries the router's KV indexes (prefix and conversation keys) lack (missing) or "
+        "hold beyond (extra) the listener's snapshot of the backend, at the last settled "
+        "anti-entropy check.",
+        labels=["backend", "kind"],
+    )
+    checks = CounterMetricFamily(
+        "continuum_kv_anti_entropy_checks",
+        "Anti-entropy checks by outcome: settled (compared at the snapshot's position), "
+        "unsettled (events kept moving), failed (no snapshot).",
+        labels=["backend", "outcome"],
+    )
+    repairs = CounterMetricFamily(
+        "continuum_kv_anti_entropy_repairs",
+        "Streams resynced after two divergent checks in a row (anti_entropy.repair).",
+        labels=["backend"],
+    )
+    for backend in ae.backends:
+        found = ae.last.get(backend)
+        if found is not None:
+            div.add_metric([backend, "missing"], found.total_missing)
+            div.add_metric([backend, "extra"], found.total_extra)
+        for outcome, n in ae.checks[backend].items():
+            checks.add_metric([backend, outcome], n)
+        repairs.add_metric([backend], ae.repairs[backend])
+    yield div
+    yield checks
+    yield repairs
+
+
 class _KvCollector(Collector):
     """Tier 4 state read at scrape time: consumer counters and index size."""
 
@@ -217,6 +252,9 @@ class _KvCollector(Collector):
         bus = snap.get("event_bus")
         if bus is not None:
             yield from _event_bus_metrics(bus)
+        ae = snap.get("anti_entropy")
+        if ae is not None:
+            yield from _anti_entropy_metrics(ae)
 
 
 class _ConversationSeries(Collector):

@@ -126,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--trtllm-window-size", type=int, default=4096)
     tr.add_argument("--trtllm-max-events", type=int, default=10_000, metavar="N")
     p.add_argument(
+        "--conversation-chunk-bytes",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="bytes per conversation key of GET /sim/held-conversation (the router's chunk_bytes)",
+    )
+    p.add_argument(
         "--eviction-advisor",
         metavar="HOST:PORT",
         help="evict in the order of a listener's gRPC EvictionAdvisor (SAECache) instead of LRU",
@@ -167,6 +174,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         trtllm_window_size=args.trtllm_window_size,
         trtllm_max_events=args.trtllm_max_events,
         eviction_advisor=args.eviction_advisor,
+        conversation_chunk_bytes=args.conversation_chunk_bytes,
     )
 
 

@@ -35,7 +35,8 @@ Engine-side features for the KV-event listener (all off by default):
 
 ``GET /sim/held-prefixes`` is the fault tests' oracle (:mod:`harness.sim.held`): the router
 prefix keys of the requests served, those whose blocks are still cached, computed with the
-router's own key function.
+router's own key function; ``GET /sim/held-conversation`` the same for conversation keys
+(``--conversation-chunk-bytes``, the router's ``chunk_bytes``).
 """
 
 from __future__ import annotations
@@ -55,8 +56,10 @@ from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from bus.prompt_chain import DEFAULT_CHUNK_BYTES
+
 from .chat_template import ChatTemplateError, anthropic_to_openai
-from .held import HeldPrefixes
+from .held import HeldConversation, HeldPrefixes
 from .httpserver import (
     JSONDecodeError,
     Request,
@@ -167,6 +170,9 @@ class SimConfig:
     trtllm_max_events: int = 10_000
     #: gRPC ``host:port`` of a listener's EvictionAdvisor: evict in its order, not LRU's.
     eviction_advisor: str | None = None
+    #: Bytes per conversation key of the oracle (``GET /sim/held-conversation``); the
+    #: router's and the listener's ``conversation.chunk_bytes``.
+    conversation_chunk_bytes: int = DEFAULT_CHUNK_BYTES
 
 
 class ApiError(Exception):
@@ -387,6 +393,9 @@ class SimEngine:
         if self.advisor is not None:
             self.advisor.attach(self.cache)
         self.held = HeldPrefixes(self.cache, cfg.capacity_blocks)
+        self.held_conversation = HeldConversation(
+            self.cache, cfg.capacity_blocks, chunk_bytes=cfg.conversation_chunk_bytes
+        )
         self.requests = 0
         self.errors = 0
         self.in_flight = 0
@@ -409,6 +418,7 @@ class SimEngine:
             ("GET", "/sim/last-headers"): self._last_headers,
             ("POST", "/sim/burst"): self._burst,
             ("GET", "/sim/held-prefixes"): self._held_prefixes,
+            ("GET", "/sim/held-conversation"): self._held_conversation,
             ("POST", "/detokenize"): self._detokenize,
             ("POST", "/v1/detokenize"): self._detokenize,
             ("POST", "/reset_prefix_cache"): self._reset_prefix_cache,
@@ -635,10 +645,12 @@ class SimEngine:
         session: str | None = None,
         reply: _Reply | None = None,
         key: bytes | None = None,
+        model: str | None = None,
     ) -> tuple[int, int, int, _Decoder]:
         """Run the cache model on the prompt; returns (cached, total, newly stored tokens)
         and the decoder that caches ``reply``'s tokens as they are generated. The
-        sequence's blocks are recorded under the request's prefix ``key`` (the oracle)."""
+        sequence's blocks are recorded under the request's prefix ``key`` and, for a
+        request of ``model``, under its conversation keys (the oracles)."""
         tokens = self.tokenizer.encode(prompt)
         out = reply.token_ids if reply is not None and self.cache_output else []
         full = self.cache.sequence([*tokens, *out], salt, len(tokens))
@@ -649,6 +661,10 @@ class SimEngine:
         finally:
             self._salt = None
         self.held.served(key, full.hashes)
+        if model is not None:
+            pieces = self.tokenizer.token_bytes(full.tokens)
+            bs = self.cache.block_size
+            self.held_conversation.served(model, salt, pieces, bs, full.hashes)
         if self.advisor is not None:
             self.advisor.prefilled(tokens, salt, cached, session)
         return cached, total, self.cache.last_stored_tokens, _Decoder(self, seq, len(out))
@@ -724,7 +740,7 @@ class SimEngine:
         session = req.headers.get("x-session-id") or body.get("user")
         session = session if isinstance(session, str) else None
         key = self.held.key_of(body)
-        cached, total, _, decoder = self._prefill(prompt, salt, session, reply, key)
+        cached, total, _, decoder = self._prefill(prompt, salt, session, reply, key, model)
         await self._model_latency(total - cached)
         answer = reply.answer
         calls = reply.tool_calls
@@ -890,7 +906,7 @@ class SimEngine:
             chat, chat_tools = anthropic_to_openai(system, messages, tools)
             reply.token_ids = self.tokenizer.reply_tokens(prompt, chat, chat_tools, reply.message)
         key = self.held.key_of(body)
-        cached, total, stored, decoder = self._prefill(prompt, salt, None, reply, key)
+        cached, total, stored, decoder = self._prefill(prompt, salt, None, reply, key, model)
         await self._model_latency(total - cached)
         # Anthropic only writes cache where the request asks for it (cache_control); the
         # three input counters partition the prompt.
@@ -1117,6 +1133,13 @@ class SimEngine:
         test compares the router's index with, never the listener's view of it."""
         return json_response(
             dict(self.held.report(), backend=self.config.name), headers=self._headers
+        )
+
+    async def _held_conversation(self, req: Request) -> Response:
+        """The conversation keys this engine truly holds (:mod:`harness.sim.held`)."""
+        return json_response(
+            dict(self.held_conversation.report(), backend=self.config.name),
+            headers=self._headers,
         )
 
     async def _reset(self, req: Request) -> Response:

@@ -111,6 +111,11 @@ class SimTokenizer(Protocol):
         answers ``messages`` with), without the final end-of-turn token."""
         ...
 
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes] | None:
+        """The bytes each of ``ids`` spells in the text it was encoded from (None: this
+        tokenizer cannot rebuild its text, so nothing can be keyed by text)."""
+        ...
+
 
 class SimpleTokenizer:
     """The crc32 word tokenizer plus an id -> piece table for a lossy ``decode``."""
@@ -169,6 +174,9 @@ class SimpleTokenizer:
         # The sim's own layout puts the reply's text (and its tool calls) after
         # "<|assistant|>\n", and this tokenizer ignores whitespace.
         return self.encode(render_chat_prompt([reply])[len("<|assistant|>\n") :])
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes] | None:
+        return None  # whitespace is dropped: the text is not in the ids
 
 
 def _bundled(name: str) -> Path:
@@ -229,6 +237,7 @@ class Qwen2Tokenizer:
         self.template = ChatTemplate.from_tokenizer_config(config)
         eos = self.template.eos_token
         self.eos_id = self._tok.token_to_id(eos) if eos is not None else None
+        self._bytes: list[bytes] | None = None
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=False).ids
@@ -284,6 +293,37 @@ class Qwen2Tokenizer:
             if self.eos_id in ids:
                 return ids[: ids.index(self.eos_id)]
         return self.encode(content_text(reply.get("content")))
+
+    def token_bytes(self, ids: Sequence[int]) -> list[bytes] | None:
+        # The engine's own spelling of its vocabulary, built on first use: a byte-level
+        # piece in GPT-2's printable alphabet read back to its bytes, an added token as the
+        # UTF-8 of its content (the chat template renders it as that text).
+        if self._bytes is None:
+            self._bytes = _vocabulary_bytes(self._tok, self.vocab_size)
+        table = self._bytes
+        return [table[t] for t in ids]
+
+
+def _gpt2_alphabet() -> dict[str, int]:
+    """Each character of GPT-2's byte alphabet -> the byte it spells."""
+    shown = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    hidden = [b for b in range(256) if b not in shown]
+    out = {chr(b): b for b in shown}
+    out.update({chr(0x100 + n): b for n, b in enumerate(hidden)})
+    return out
+
+
+def _vocabulary_bytes(tok: Any, size: int) -> list[bytes]:
+    alphabet = _gpt2_alphabet()
+    added = {i: t.content for i, t in tok.get_added_tokens_decoder().items()}
+    out: list[bytes] = []
+    for i in range(size):
+        if i in added:
+            out.append(added[i].encode())
+            continue
+        piece = tok.id_to_token(i)
+        out.append(b"" if piece is None else bytes(alphabet[c] for c in piece))
+    return out
 
 
 def make_tokenizer(name: str, file: str | None = None, config: str | None = None) -> SimTokenizer:

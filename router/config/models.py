@@ -476,6 +476,18 @@ class ConversationConfig(_Section):
     for a 32k-token chat, more than that for chats of 2k-8k tokens)."""
 
 
+class AntiEntropyConfig(_Section):
+    """The periodic check of the index against each pull-mode listener's snapshot
+    (``router.kvindex.anti_entropy``): ``continuum_kv_index_divergence``."""
+
+    interval_seconds: Annotated[float, Field(ge=0.0, le=86_400.0)] = 60.0
+    """Seconds between checks of every backend (0: off)."""
+    repair: bool = False
+    """Resync a backend found divergent by two checks in a row."""
+    timeout_seconds: Annotated[float, Field(gt=0.0, le=600.0)] = 10.0
+    """How long one snapshot fetch may take."""
+
+
 class KvCacheIndexConfig(_Section):
     """Tier 4: the index of which backend holds which prefix. Restart-only but for
     ``event_sources`` (``router.config.reloading``)."""
@@ -496,6 +508,7 @@ class KvCacheIndexConfig(_Section):
     salt_secret_env: str | None = None
     """Environment variable holding that secret."""
     conversation: ConversationConfig = Field(default_factory=ConversationConfig)
+    anti_entropy: AntiEntropyConfig = Field(default_factory=AntiEntropyConfig)
 
 
 class GeminiContextCacheConfig(_Section):

@@ -257,6 +257,9 @@ class KvEventConsumer:
         self._applied_now = 0
         """Events applied by the current connection."""
         self._drop_logged = False
+        self.applying = False
+        """A chunk's records are being applied: the index may be ahead of
+        ``last_event_id`` (which moves when the chunk is done)."""
 
     @property
     def last_event_id(self) -> str | None:
@@ -375,6 +378,7 @@ class KvEventConsumer:
         from_json = KvEvent.from_json
         received = processed = dropped = created = evicted = resyncs = losses = 0
         last_id = st.last_event_id
+        self.applying = True
         try:
             for start in range(0, len(records), _YIELD_EVERY):
                 if start:
@@ -426,6 +430,7 @@ class KvEventConsumer:
                 if closing is not None:
                     raise StreamClosedByPeer(_error_reason(closing.data))
         finally:
+            self.applying = False
             st.received += received
             st.processed += processed
             st.dropped += dropped

@@ -142,15 +142,19 @@ class KvEventConsumerManager:
             if src.backend_name not in self._consumers:
                 self._spawn(src, carry.get(src.backend_name))
 
-    async def resync(self) -> list[str]:
-        """Start every running stream over without its last event ID, so each listener
-        answers ``resync`` + snapshot and the backend's entries are rebuilt whole. For an
-        index that lost what it held (a Redis restarted empty): resuming would only bring
-        what came after the router's position. Counters carry over; returns the backends.
+    async def resync(self, backends: Iterable[str] | None = None) -> list[str]:
+        """Start every running stream (of ``backends``, default all) over without its last
+        event ID, so each listener answers ``resync`` + snapshot and the backend's entries
+        are rebuilt whole. For an index that lost what it held (a Redis restarted empty):
+        resuming would only bring what came after the router's position. Counters carry
+        over; returns the backends.
         """
         if not self._started:
             return []
         old = dict(self._consumers)
+        if backends is not None:
+            wanted = set(backends)
+            old = {name: c for name, c in old.items() if name in wanted}
         await self._cancel(list(old))
         for name, consumer in old.items():
             self._spawn(consumer.source, None)

@@ -97,6 +97,19 @@ def _plan(
     return "offloaded", chain, None  # set_tier
 
 
+def entry_of(
+    ev: KvEvent, offloading: StorageOffloadingConfig, chains: bool
+) -> tuple[bool, str | bytes] | None:
+    """The entry a ``*_created`` / ``*_offloaded`` event leaves in an index, as (in the
+    chain index, key), or None when it leaves none (a storage-tier entry without
+    ``storage_offloading``, an event of another kind): what a snapshot states."""
+    action, chain, change = _plan(ev, offloading, chains)
+    if action not in ("created", "offloaded") or (change is not None and change[3] is None):
+        return None
+    key = bytes.fromhex(ev.chain_key) if chain and ev.chain_key else ev.prefix_hash
+    return None if key is None else (chain, key)
+
+
 async def _apply_other(
     index: KvIndex, chain_index: KvIndex | None, ev: KvEvent, action: Action, chain: bool
 ) -> Action:

@@ -38,7 +38,7 @@ from typing import Any
 
 from tests.integration.conftest import http
 
-from .record import Comparison, RowResult, p99
+from .record import Comparison, RowResult, combine, kinds_note, p99
 from .stack import FaultStack, StackOptions
 from .traffic import Traffic
 
@@ -49,6 +49,8 @@ BASELINE_S = 3.0
 FAULT_S = 2.0
 RECOVER_S = 15.0
 SETTLE_S = 15.0
+#: Turns of each chat before it starts over, with conversation keys on.
+TURNS = 4
 
 Step = Callable[[FaultStack], Awaitable[None]]
 Report = Callable[[FaultStack], Awaitable[list[str]]]
@@ -124,12 +126,21 @@ class _Delivery:
         return (self._now[2] - self._start[2]) - (self._now[0] - self._start[0])
 
 
-async def _until_clean(stack: FaultStack, keys: set[str], within: float) -> tuple[Comparison, bool]:
+async def _compare(stack: FaultStack, keys: set[str]) -> tuple[Comparison, dict[str, Comparison]]:
+    """Every kind of key the stack keys (prefix, and conversation when on): the total, and
+    each kind's own."""
+    kinds = await stack.compare_kinds(keys)
+    return combine(kinds), kinds
+
+
+async def _until_clean(
+    stack: FaultStack, keys: set[str], within: float
+) -> tuple[Comparison, bool, dict[str, Comparison]]:
     deadline = time.monotonic() + within
     while True:
-        c = await stack.compare(keys)
+        c, kinds = await _compare(stack, keys)
         if c.clean or time.monotonic() >= deadline:
-            return c, c.clean
+            return c, c.clean, kinds
         await asyncio.sleep(0.2)
 
 
@@ -139,7 +150,7 @@ async def _recovered(stack: FaultStack, keys: set[str]) -> bool:
     try:
         if not all(b["connection"]["connected"] for b in await stack.kv_backends()):
             return False
-        return (await stack.compare(keys)).clean
+        return (await _compare(stack, keys))[0].clean
     except (TimeoutError, AssertionError, OSError):
         return False
 
@@ -151,7 +162,7 @@ async def _warm(stack: FaultStack, traffic: Traffic) -> None:
     while True:
         truth = await stack.truth()
         held = set().union(*truth.values())
-        c = await stack.compare(keys)
+        c, _ = await _compare(stack, keys)
         if keys <= held and c.clean:
             return
         if time.monotonic() >= deadline:
@@ -169,7 +180,11 @@ async def run_row(row: Row, tmp: Path) -> RowResult:
         assert router is not None
         if row.setup is not None:
             await row.setup(stack)
-        traffic = row.traffic(stack) if row.traffic is not None else Traffic(url=lambda: router.url)
+        traffic = (
+            row.traffic(stack)
+            if row.traffic is not None
+            else Traffic(url=lambda: router.url, turns=TURNS if row.opts.conversation else 0)
+        )
         traffic.start()
         await _warm(stack, traffic)
         delivery = _Delivery(stack)
@@ -194,7 +209,7 @@ async def run_row(row: Row, tmp: Path) -> RowResult:
             await asyncio.sleep(0.2)
         t_end_window = time.monotonic()
         await traffic.stop()
-        final, clean = await _until_clean(stack, traffic.keys, SETTLE_S)
+        final, clean, by_kind = await _until_clean(stack, traffic.keys, SETTLE_S)
         if recovered is None and clean:
             recovered = time.monotonic() - t_heal
             result.recovered_after_traffic = True
@@ -242,6 +257,8 @@ async def run_row(row: Row, tmp: Path) -> RowResult:
         )
         if row.summary is not None:
             result.notes.append(await row.summary(stack))
+        if len(by_kind) > 1:
+            result.notes.append(kinds_note(by_kind))
     except Exception as e:
         result.error = f"{type(e).__name__}: {e}"
     finally:

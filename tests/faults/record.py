@@ -19,7 +19,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
 
-__all__ = ["Comparison", "RowResult", "compare", "p99", "render_table"]
+__all__ = ["Comparison", "RowResult", "combine", "compare", "kinds_note", "p99", "render_table"]
 
 Pairs = Set[tuple[str, str]]
 
@@ -56,6 +56,28 @@ def compare(truth: Pairs, index: Pairs, index_entry_count: int | None = None) ->
         unexplained=extra,
         held=len(truth),
         indexed=len(index),
+    )
+
+
+def combine(kinds: Mapping[str, Comparison]) -> Comparison:
+    """One comparison over every kind of key (prefix keys are 64 hex characters, chain
+    keys 32: their pairs never collide): the table's columns are the totals."""
+    parts = list(kinds.values())
+    return Comparison(
+        lost=frozenset().union(*(c.lost for c in parts)),
+        stale=frozenset().union(*(c.stale for c in parts)),
+        unexplained=sum(c.unexplained for c in parts),
+        held=sum(c.held for c in parts),
+        indexed=sum(c.indexed for c in parts),
+    )
+
+
+def kinds_note(kinds: Mapping[str, Comparison]) -> str:
+    """Lost and stale per kind of key, for a row's notes."""
+    return "; ".join(
+        f"{kind} keys: lost {c.lost_count}, stale {c.stale_count} "
+        f"({c.held} pairs held, {c.indexed} indexed)"
+        for kind, c in kinds.items()
     )
 
 

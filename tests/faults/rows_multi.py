@@ -43,7 +43,7 @@ import aiohttp
 from harness.procs import ChildExited
 from tests.integration.conftest import http, wait_until
 
-from .procedure import Row
+from .procedure import TURNS, Row
 from .stack import FaultStack, StackOptions
 from .traffic import Outcome, Traffic
 
@@ -82,7 +82,9 @@ def balanced(stack: FaultStack) -> Traffic:
     router = stack.router
     assert router is not None
     return BalancedTraffic(
-        url=lambda: router.url, urls=lambda: [r.url for r in stack.routers if r.running]
+        url=lambda: router.url,
+        urls=lambda: [r.url for r in stack.routers if r.running],
+        turns=TURNS if stack.opts.conversation else 0,
     )
 
 

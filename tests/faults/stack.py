@@ -35,6 +35,7 @@ from certs import dev_bundle
 from harness.netproxy import BlackholeProxy
 from harness.procs import free_port
 from harness.sim.fleet import SimFleet
+from harness.sim.tokenizer import bundled_qwen2_config, bundled_qwen2_json
 from tests.integration.conftest import RouterLauncher, RouterProc, http, wait_until
 from tests.integration.push_stack import TOKEN_ENV, TOKENS, broker
 from tests.integration.test_tier4_e2e import SALT_ENV, SECRET, Listener
@@ -99,6 +100,18 @@ class StackOptions:
     #: The listener checkpoints its sources (``checkpoint_dir`` in the stack's directory,
     #: the default interval) and resumes from them when restarted.
     checkpoint: bool = False
+    #: Conversation keys on both sides (the listener's ``conversation`` with Qwen2's
+    #: ``tokenizer.json``, the router's ``kv_cache_index.conversation`` with its template),
+    #: multi-turn chat traffic, and every comparison over both kinds of keys (the engine's
+    #: ``GET /sim/held-conversation`` is their oracle).
+    conversation: bool = True
+    #: Bytes per conversation key (router, listener and oracle alike); small, so each
+    #: turn of the traffic's chats spans several keys.
+    chunk_bytes: int = 256
+    #: The router's ``kv_cache_index.anti_entropy`` (seconds between checks; 0: off),
+    #: and whether it repairs a divergent backend.
+    anti_entropy_s: float = 0.0
+    anti_entropy_repair: bool = False
 
 
 class FaultStack:
@@ -131,6 +144,8 @@ class FaultStack:
             }
             if o.replay:
                 overrides[i]["kv_events_replay"] = f"tcp://*:{replay}"
+            if o.conversation:
+                overrides[i]["conversation_chunk_bytes"] = o.chunk_bytes
         self.fleet = await SimFleet(
             n=len(self.names),
             model=MODEL,
@@ -153,6 +168,8 @@ class FaultStack:
             }
             if o.replay:
                 src["replay_endpoint"] = f"tcp://127.0.0.1:{replay}"
+            if o.conversation:
+                src["tokenizer"] = str(bundled_qwen2_json())
             sources.append(src)
         if o.source_endpoint is not None:
             for src in sources:
@@ -174,6 +191,8 @@ class FaultStack:
         config.update(o.listener_extra)
         if o.checkpoint:
             config["checkpoint_dir"] = str(self.tmp / "checkpoints")
+        if o.conversation:
+            config["conversation"] = {"enabled": True, "chunk_bytes": o.chunk_bytes}
         push = o.transport == "push"
         bus_port = free_port()
         if push:
@@ -219,6 +238,26 @@ class FaultStack:
             for source in kv["event_sources"]:
                 name = source["backend_name"]
                 source["endpoint"] = f"http://127.0.0.1:{self.net.port}/events/{name}"
+        if o.anti_entropy_s:
+            kv["anti_entropy"] = {
+                "interval_seconds": o.anti_entropy_s,
+                "repair": o.anti_entropy_repair,
+            }
+        if o.conversation:
+            kv["conversation"] = {
+                "enabled": True,
+                "chunk_bytes": o.chunk_bytes,
+                # Only the engines' own events count: a prediction is an entry no engine
+                # holds yet, by design, and would read as stale.
+                "predict_ttl_seconds": 0,
+                "templates": [
+                    {
+                        "model": MODEL,
+                        "tokenizer_config": str(bundled_qwen2_config()),
+                        "tokenizer": str(bundled_qwen2_json()),
+                    }
+                ],
+            }
         rconf: dict[str, Any] = {
             "server": {"grpc_listen": "127.0.0.1:0"},
             "selection_strategy": "RoundRobin",
@@ -591,3 +630,50 @@ class FaultStack:
             "router": self.router is not None and self.router.running,
             "listener": self.listener is not None and self.listener.running,
         }
+
+    # -- conversation keys ---------------------------------------------------------------
+
+    async def truth_conversation(self) -> dict[str, set[str]]:
+        """``{backend: conversation keys it holds}`` (``GET /sim/held-conversation``)."""
+        assert self.fleet is not None
+        sims = list(self.fleet)
+
+        async def held(url: str, running: bool) -> set[str]:
+            if not running:  # a dead engine holds none
+                return set()
+            r = await http("GET", url + "/sim/held-conversation", total_s=5)
+            assert r.status == 200, r
+            return set(r.json()["held"])
+
+        found = await asyncio.gather(*(held(sim.url, sim.running) for sim in sims))
+        return {sim.name: keys for sim, keys in zip(sims, found, strict=True)}
+
+    async def index_conversation(self, keys: set[str]) -> tuple[set[tuple[str, str]], int]:
+        """(chain key, backend) pairs the router's conversation index holds for ``keys``,
+        and its entry count."""
+        assert self.stub is not None
+        stub = self.stub
+        out: set[tuple[str, str]] = set()
+        sem = asyncio.Semaphore(32)
+
+        async def one(key: str) -> None:
+            async with sem:
+                reply = await stub.Query(pb.QueryRequest(chain_key=key), timeout=5)
+            out.update((key, e.backend) for e in reply.entries)
+
+        await asyncio.gather(*(one(k) for k in keys))
+        stats = await self.kv_stats()
+        entry_count = int(stats["conversation"]["index"]["entry_count"])
+        return out, entry_count
+
+    async def compare_kinds(self, keys: set[str]) -> dict[str, Comparison]:
+        """Both kinds of keys against the engines' truth: ``prefix`` (over ``keys`` and
+        every key an engine holds, as :meth:`compare`) and, with conversation keys on,
+        ``conversation`` (over every key an engine holds; index entries for other keys
+        count as stale through the entry count)."""
+        out = {"prefix": await self.compare(keys)}
+        if self.opts.conversation:
+            truth = pairs(await self.truth_conversation())
+            index, entry_count = await self.index_conversation({k for k, _ in truth})
+            out["conversation"] = compare(truth, index, entry_count)
+        return out

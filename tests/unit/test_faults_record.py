@@ -4,7 +4,7 @@ themselves run as ``make faults``, outside the default test run."""
 
 from __future__ import annotations
 
-from tests.faults.record import RowResult, compare, p99, pairs, render_table
+from tests.faults.record import RowResult, combine, compare, kinds_note, p99, pairs, render_table
 
 
 def test_lost_and_stale_are_the_two_set_differences() -> None:
@@ -23,6 +23,20 @@ def test_entries_beyond_the_keys_asked_about_count_as_stale() -> None:
     assert compare(same, same, index_entry_count=1).clean
     # An entry count below what was seen (a sweep in between) is not negative staleness.
     assert compare(same, same, index_entry_count=0).stale_count == 0
+
+
+def test_both_kinds_add_up_in_the_columns_and_stay_apart_in_the_note() -> None:
+    prefix = compare(pairs({"sim-1": {"p" * 64}}), set(), index_entry_count=0)
+    conv = compare(pairs({"sim-1": {"c" * 32}}), pairs({"sim-1": {"c" * 32}}), 3)
+    total = combine({"prefix": prefix, "conversation": conv})
+    assert (total.lost_count, total.stale_count, total.held, total.indexed) == (1, 2, 2, 1)
+    assert not total.clean
+    assert combine({"prefix": conv}).lost_count == 0
+    note = kinds_note({"prefix": prefix, "conversation": conv})
+    assert note == (
+        "prefix keys: lost 1, stale 0 (1 pairs held, 0 indexed); "
+        "conversation keys: lost 0, stale 2 (1 pairs held, 1 indexed)"
+    )
 
 
 def test_p99_is_nearest_rank() -> None:

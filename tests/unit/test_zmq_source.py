@@ -946,3 +946,63 @@ def test_exponential_backoff() -> None:
             ExponentialBackoff(**bad)
     none = NoBackoff()
     assert none.compute(5) == 0.0 and none.computed == [5]
+
+
+# --------------------------------------------------------------------------------------------
+# A restarted engine that publishes nothing
+
+
+async def _engine_at(
+    zctx: zmq.asyncio.Context, pub: str, replay: str, buffer: list[tuple[int, bytes]]
+) -> FakeEngine:
+    """An engine bound at fixed endpoints, holding ``buffer`` (empty: a fresh process)."""
+    engine = FakeEngine(zctx)
+    engine.pub.bind(pub)
+    engine.buffer = list(buffer)
+    engine.next_seq = buffer[-1][0] + 1 if buffer else 0
+    engine.router = zctx.socket(zmq.ROUTER)
+    engine.router.setsockopt(zmq.LINGER, 0)
+    engine.router.bind(replay)
+    engine._task = asyncio.create_task(engine._serve_replay())
+    return engine
+
+
+@pytest.mark.parametrize("restarted", [True, False], ids=["restarted", "same-engine"])
+async def test_a_reconnect_to_an_engine_that_lost_its_sequence_is_a_restart(
+    zctx: zmq.asyncio.Context, restarted: bool
+) -> None:
+    """An engine restarted empty may publish nothing for a long time: the reconnect alone
+    must reveal it (its replay buffer lacks the last batch seen), or the blocks it held
+    stay announced. The same engine reconnecting (a socket re-bound, a network blip) still
+    holds that batch and is not a restart."""
+    pub, replay = f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}"
+    rec = Recorder()
+    cfg = ZmqSourceConfig(endpoint=pub, replay_endpoint=replay, replay_timeout_s=2.0)
+    source = rec.source(cfg)
+    first = await _engine_at(zctx, pub, replay, [])
+    second: FakeEngine | None = None
+    try:
+        async with running(source):
+            await first.subscribed()
+            for _ in range(3):
+                await first.publish()
+            await eventually(lambda: rec.seqs() == [0, 1, 2])
+            kept = [] if restarted else first.buffer
+            await first.close()
+            await eventually(lambda: source.stats.disconnects >= 1)
+            second = await _engine_at(zctx, pub, replay, kept)
+            await second.subscribed()
+            await eventually(lambda: bool(second and second.replay_requests))
+            if restarted:
+                await eventually(lambda: rec.items[-1] == ("resync", "restart"))
+                assert source.stats.restarts == 1 and source.last_seq is None
+                await second.publish()  # the new engine's first batch: a fresh baseline
+                await eventually(lambda: rec.items[-1] == ("batch", 0, 0))
+            else:
+                await second.publish()  # seq 3: the same sequence goes on
+                await eventually(lambda: rec.seqs() == [0, 1, 2, 3])
+                assert source.stats.restarts == 0 and source.stats.resyncs == 0
+            assert second.replay_requests[0] == 2  # the probe asked for the last batch seen
+    finally:
+        if second is not None:
+            await second.close()
