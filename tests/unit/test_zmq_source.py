@@ -174,6 +174,11 @@ class FakeEngine:
     ) -> None:
         self.pub = ctx.socket(zmq.XPUB)
         self.pub.setsockopt(zmq.LINGER, 0)
+        # Every subscription reaches the test, a duplicate too: a SUB that reconnects
+        # before the XPUB noticed its old connection's end subscribes a second time, and a
+        # plain XPUB passes that on as nothing (the topic is already subscribed), so a
+        # test waiting for the resubscription would wait forever.
+        self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
         self.ctx = ctx
         self.topic = topic
         self.layout = layout
