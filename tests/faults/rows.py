@@ -148,14 +148,14 @@ CORE: tuple[Row, ...] = (
     ),
     Row(
         "redis-pause",
-        "Redis SIGSTOP 2 s, SIGCONT (commands time out, data kept)",
+        "Redis SIGSTOP 2 s, SIGCONT (KV index and response cache; commands time out, data kept)",
         StackOptions(index="redis"),
         _pause_redis,
         _resume_redis,
     ),
     Row(
         "redis-kill",
-        "Redis SIGKILL 2 s, restart empty (router on the Redis index)",
+        "Redis SIGKILL 2 s, restart empty (KV index and response cache on it)",
         StackOptions(index="redis"),
         _kill_redis,
         _start_redis,

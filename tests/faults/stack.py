@@ -58,7 +58,8 @@ class StackOptions:
     replay: bool = True
     #: Batches each engine keeps for replay (vLLM's ``buffer_steps``).
     buffer_steps: int = 10_000
-    #: ``memory`` or ``redis`` (a private redis-server this stack owns).
+    #: ``memory`` or ``redis`` (a private redis-server this stack owns, which the response
+    #: cache uses too).
     index: str = "memory"
     #: Large enough that nothing is evicted in a row: every fault's effect is its own.
     capacity_blocks: int = 65_536
@@ -284,10 +285,13 @@ class FaultStack:
             self.redis = RedisServer("redis-server")
             await asyncio.to_thread(self.redis.start)
             kv["backend"] = "redis"
+            # The response cache on the same Redis, so a Redis fault hits both of its users.
             # The fallback's monitor PINGs every second (the default is 30 s): recovery
             # time is bounded below by this period.
             rconf["response_cache"] = {
-                "redis": {"url": self.redis.url, "health_check_interval_ms": 1000}
+                "enabled": True,
+                "backend": "redis",
+                "redis": {"url": self.redis.url, "health_check_interval_ms": 1000},
             }
         self.router = await self._launcher.start(rconf, env={SALT_ENV: SECRET})
         # Pin the ports, so a restarted router is where clients and probes look.
