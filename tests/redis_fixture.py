@@ -11,6 +11,10 @@ Use from a test module with ``pytest_plugins = ("tests.redis_fixture",)``.
   and on the sentinels and a 1 s ``down-after-milliseconds``, so a killed primary is
   replaced in a few seconds. ``sentinel_tls_set``: the same, every process TLS only, with
   certificates from ``certs``.
+* ``cluster_set`` (function): :class:`ClusterSet`, a Redis Cluster of three primaries and
+  three replicas (``--cluster-enabled yes``, a password, a 1 s node timeout, slots assigned
+  by ``redis-cli --cluster create``), ready (``cluster_state:ok`` everywhere, replicas
+  synced); the test may kill and restart any node.
 
 Without Redis the tests skip, unless ``CONTINUUM_REQUIRE_REDIS=1`` (CI): then they fail.
 Readiness is awaited by PINGing, never by sleeping a fixed time.
@@ -25,10 +29,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.redis_procs import RedisServer, SentinelSet, TlsFiles
+from harness.redis_procs import ClusterSet, RedisServer, SentinelSet, TlsFiles
 
 __all__ = [
+    "ClusterSet",
     "RedisServer",
+    "cluster_set",
     "SentinelSet",
     "redis_server",
     "redis_url",
@@ -114,3 +120,17 @@ def sentinel_tls_set(tmp_path: Path) -> Iterator[SentinelSet]:
 
     b = dev_bundle(tmp_path)
     yield from _sentinels(TlsFiles(str(b["ca"].cert), str(b["server"].cert), str(b["server"].key)))
+
+
+@pytest.fixture
+def cluster_set() -> Iterator[ClusterSet]:
+    """A private Redis Cluster, 3 primaries + 3 replicas (needs redis-server, redis-cli)."""
+    exe = _executable()
+    if exe is None or shutil.which("redis-cli") is None:
+        unavailable("redis-server and redis-cli not on PATH (needed for Redis Cluster)")
+    deployment = ClusterSet(exe)  # type: ignore[arg-type]
+    try:
+        deployment.wait_ready()
+        yield deployment
+    finally:
+        deployment.close()
