@@ -34,8 +34,8 @@ from harness.redis_procs import ClusterSet, RedisServer, SentinelSet, TlsFiles
 __all__ = [
     "ClusterSet",
     "RedisServer",
-    "cluster_set",
     "SentinelSet",
+    "cluster_set",
     "redis_server",
     "redis_url",
     "require_redis",
