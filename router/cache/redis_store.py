@@ -9,7 +9,7 @@ as they were given, with a Redis TTL. Operations, one command each:
   every primary in turn, and one ``UNLINK`` per hash slot. The prefix is glob-escaped,
   so a prefix containing ``* ? [ ] \\`` matches only itself; keys outside it are never
   touched. Keys written concurrently with a clear may survive it (SCAN semantics);
-* stats: ``PING`` (connected, latency) and a SCAN count of the prefix, cached for
+* stats: ``PING`` (every primary of a Cluster; connected, latency) and a SCAN count of the prefix, cached for
   ``stats_cache_s`` because it walks the whole keyspace.
 
 Every operation on one entry is one command on one key, so the store works unchanged on a
@@ -204,14 +204,21 @@ class RedisCacheStore(CacheStore):
         return n
 
     async def ping(self) -> float:
-        """One ``PING``; returns its round trip in seconds.
+        """One ``PING`` (on a Cluster: to every primary); returns its round trip in seconds.
+
+        On a Cluster, one node answering proves little: the fallback's recovery check must
+        fail while any primary is away, or the store would switch back, meet the dead
+        primary's slots and switch again, once per check, until the replica is promoted.
 
         Raises:
-            CacheUnavailable | CacheStoreError: Redis did not answer.
+            CacheUnavailable | CacheStoreError: Redis (a primary) did not answer.
         """
         t0 = _perf()
         try:
-            await self._redis.execute_command("PING")
+            if isinstance(self._redis, RedisCluster):
+                await self._redis.execute_command("PING", target_nodes=RedisCluster.PRIMARIES)
+            else:
+                await self._redis.execute_command("PING")
         except _CAUGHT as exc:
             raise self._failed("ping", exc, t0) from exc
         elapsed = _perf() - t0
