@@ -9,8 +9,8 @@ as they were given, with a Redis TTL. Operations, one command each:
   every primary in turn, and one ``UNLINK`` per hash slot. The prefix is glob-escaped,
   so a prefix containing ``* ? [ ] \\`` matches only itself; keys outside it are never
   touched. Keys written concurrently with a clear may survive it (SCAN semantics);
-* stats: ``PING`` (every primary of a Cluster; connected, latency) and a SCAN count of the prefix, cached for
-  ``stats_cache_s`` because it walks the whole keyspace.
+* stats: ``PING`` (every primary of a Cluster; connected, latency) and a SCAN count of the
+  prefix, cached for ``stats_cache_s`` because it walks the whole keyspace.
 
 Every operation on one entry is one command on one key, so the store works unchanged on a
 Redis Cluster (``router.redis.RedisClient``: one server or a Cluster); only the keyspace
