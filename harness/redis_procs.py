@@ -39,17 +39,32 @@ def _ping(
 
 
 class TlsFiles:
-    """A CA and a server certificate (``certs.dev_bundle``) for TLS-only Redis processes."""
+    """A CA and a server certificate (``certs.dev_bundle``) for TLS-only Redis processes,
+    and optionally a client certificate the processes present when they dial each other
+    (a Cluster's bus always asks for one)."""
 
-    def __init__(self, ca: str, cert: str, key: str) -> None:
+    def __init__(
+        self,
+        ca: str,
+        cert: str,
+        key: str,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+    ) -> None:
         self.ca, self.cert, self.key = ca, cert, key
+        self.client_cert, self.client_key = client_cert, client_key
 
     def server_args(self, port: int) -> list[str]:
+        client = (
+            ["--tls-client-cert-file", self.client_cert, "--tls-client-key-file", self.client_key]
+            if self.client_cert is not None and self.client_key is not None
+            else []
+        )
         return [
             "--port", "0", "--tls-port", str(port),
             "--tls-cert-file", self.cert, "--tls-key-file", self.key,
             "--tls-ca-cert-file", self.ca, "--tls-auth-clients", "no",
-            "--tls-replication", "yes",
+            "--tls-replication", "yes", *client,
         ]  # fmt: skip
 
     def client_context(self) -> ssl.SSLContext:
@@ -289,7 +304,9 @@ class ClusterSet:
     password = "cluster-secret"
     node_timeout_ms = 1000
 
-    def __init__(self, executable: str, size: int = 3) -> None:
+    def __init__(self, executable: str, size: int = 3, tls: TlsFiles | None = None) -> None:
+        """``tls``: every node serves TLS only, and the cluster bus and replication use it."""
+        self.tls = tls
         self.nodes: list[RedisServer] = []
         self._primaries_before: set[int] = set()
         for _ in range(2 * size):
@@ -302,8 +319,10 @@ class ClusterSet:
                     "--cluster-node-timeout", str(self.node_timeout_ms),
                     "--cluster-port", str(bus),
                     "--requirepass", self.password, "--masterauth", self.password,
+                    *(["--tls-cluster", "yes"] if tls is not None else []),
                 ],
                 password=self.password,
+                tls=tls,
             )  # fmt: skip
             node.port = _free_port()
             self.nodes.append(node)
@@ -311,8 +330,9 @@ class ClusterSet:
             for node in self.nodes:
                 node.start()
             out = subprocess.run(
-                ["redis-cli", "-a", self.password, "--no-auth-warning", "--cluster", "create",
-                 *self.addresses, "--cluster-replicas", "1", "--cluster-yes"],
+                ["redis-cli", "-a", self.password, "--no-auth-warning", *self._cli_tls(),
+                 "--cluster", "create", *self.addresses, "--cluster-replicas", "1",
+                 "--cluster-yes"],
                 capture_output=True, text=True, timeout=60, check=False,
             )  # fmt: skip
             if out.returncode != 0:
@@ -325,18 +345,23 @@ class ClusterSet:
     def addresses(self) -> list[str]:
         return [f"127.0.0.1:{n.port}" for n in self.nodes]
 
+    def _cli_tls(self) -> list[str]:
+        return ["--tls", "--cacert", self.tls.ca] if self.tls is not None else []
+
     def config(self) -> dict[str, object]:
         """``response_cache.redis`` for this deployment (Cluster mode, every node listed)."""
         return {
             "mode": "cluster",
             "password": self.password,
+            **({"tls": True, "tls_ca_file": self.tls.ca} if self.tls is not None else {}),
             "cluster": {"startup_nodes": self.addresses},
         }
 
     def cli(self, port: int, *args: str) -> str:
         """``redis-cli`` against one node; its stdout ("" when the node is down)."""
         out = subprocess.run(
-            ["redis-cli", "-p", str(port), "-a", self.password, "--no-auth-warning", *args],
+            ["redis-cli", "-p", str(port), "-a", self.password, "--no-auth-warning",
+             *self._cli_tls(), *args],
             capture_output=True, text=True, timeout=5, check=False,
         )  # fmt: skip
         return out.stdout

@@ -14,7 +14,8 @@ Use from a test module with ``pytest_plugins = ("tests.redis_fixture",)``.
 * ``cluster_set`` (function): :class:`ClusterSet`, a Redis Cluster of three primaries and
   three replicas (``--cluster-enabled yes``, a password, a 1 s node timeout, slots assigned
   by ``redis-cli --cluster create``), ready (``cluster_state:ok`` everywhere, replicas
-  synced); the test may kill and restart any node.
+  synced); the test may kill and restart any node. ``cluster_tls_set``: the same, TLS
+  only (a client certificate for the bus).
 
 Without Redis the tests skip, unless ``CONTINUUM_REQUIRE_REDIS=1`` (CI): then they fail.
 Readiness is awaited by PINGing, never by sleeping a fixed time.
@@ -36,6 +37,7 @@ __all__ = [
     "RedisServer",
     "SentinelSet",
     "cluster_set",
+    "cluster_tls_set",
     "redis_server",
     "redis_url",
     "require_redis",
@@ -122,15 +124,32 @@ def sentinel_tls_set(tmp_path: Path) -> Iterator[SentinelSet]:
     yield from _sentinels(TlsFiles(str(b["ca"].cert), str(b["server"].cert), str(b["server"].key)))
 
 
-@pytest.fixture
-def cluster_set() -> Iterator[ClusterSet]:
-    """A private Redis Cluster, 3 primaries + 3 replicas (needs redis-server, redis-cli)."""
+def _cluster(tls: TlsFiles | None) -> Iterator[ClusterSet]:
     exe = _executable()
     if exe is None or shutil.which("redis-cli") is None:
         unavailable("redis-server and redis-cli not on PATH (needed for Redis Cluster)")
-    deployment = ClusterSet(exe)  # type: ignore[arg-type]
+    deployment = ClusterSet(exe, tls=tls)  # type: ignore[arg-type]
     try:
         deployment.wait_ready()
         yield deployment
     finally:
         deployment.close()
+
+
+@pytest.fixture
+def cluster_set() -> Iterator[ClusterSet]:
+    """A private Redis Cluster, 3 primaries + 3 replicas (needs redis-server, redis-cli)."""
+    yield from _cluster(None)
+
+
+@pytest.fixture
+def cluster_tls_set(tmp_path: Path) -> Iterator[ClusterSet]:
+    """``cluster_set`` with TLS only (clients, cluster bus, replication); ``.tls.ca``
+    verifies every node."""
+    from certs import dev_bundle
+
+    b = dev_bundle(tmp_path, clients=("node",))
+    ca, srv, node = b["ca"], b["server"], b["node"]
+    yield from _cluster(
+        TlsFiles(str(ca.cert), str(srv.cert), str(srv.key), str(node.cert), str(node.key))
+    )

@@ -154,3 +154,21 @@ async def test_wrong_password_means_unavailable_not_a_crash(
     store = RedisCacheStore(pools.client(config(cluster_set, password="wrong")), "cr:resp:")
     with pytest.raises(CacheUnavailable):
         await store.get("x")
+
+
+async def test_cluster_over_tls(cluster_tls_set: ClusterSet, pools: RedisPools) -> None:
+    """Every node TLS only (clients, bus, replication), verified with the deployment's CA;
+    without ``tls`` the same nodes are unavailable, not a crash."""
+    from router.cache import CacheUnavailable
+
+    c = cluster_tls_set
+    cfg = config(c)
+    assert cfg.tls and cfg.tls_ca_file
+    store = RedisCacheStore(pools.client(cfg), cfg.key_prefix)
+    for i in range(20):
+        await store.set(f"t{i}", b"v")
+    assert await store.count_entries() == 20
+    assert await store.clear() == 20
+    plain_cfg = config(c, tls=False, tls_ca_file=None)
+    with pytest.raises(CacheUnavailable):
+        await RedisCacheStore(pools.client(plain_cfg), cfg.key_prefix).get("t0")
