@@ -25,8 +25,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -97,16 +98,26 @@ def redis_server() -> Iterator[RedisServer]:
         server.close()
 
 
-def _sentinels(tls: TlsFiles | None) -> Iterator[SentinelSet]:
+_Deployment = TypeVar("_Deployment", SentinelSet, ClusterSet)
+
+
+def _deployment(
+    kind: Callable[..., _Deployment], what: str, tls: TlsFiles | None
+) -> Iterator[_Deployment]:
+    """Start ``kind(redis-server, tls=tls)``, wait until it is ready, close it after."""
     exe = _executable()
     if exe is None or shutil.which("redis-cli") is None:
-        unavailable("redis-server and redis-cli not on PATH (needed for Sentinel)")
-    deployment = SentinelSet(exe, tls=tls)  # type: ignore[arg-type]
+        unavailable(f"redis-server and redis-cli not on PATH (needed for {what})")
+    deployment = kind(exe, tls=tls)
     try:
         deployment.wait_ready()
         yield deployment
     finally:
         deployment.close()
+
+
+def _sentinels(tls: TlsFiles | None) -> Iterator[SentinelSet]:
+    yield from _deployment(SentinelSet, "Sentinel", tls)
 
 
 @pytest.fixture
@@ -125,15 +136,7 @@ def sentinel_tls_set(tmp_path: Path) -> Iterator[SentinelSet]:
 
 
 def _cluster(tls: TlsFiles | None) -> Iterator[ClusterSet]:
-    exe = _executable()
-    if exe is None or shutil.which("redis-cli") is None:
-        unavailable("redis-server and redis-cli not on PATH (needed for Redis Cluster)")
-    deployment = ClusterSet(exe, tls=tls)  # type: ignore[arg-type]
-    try:
-        deployment.wait_ready()
-        yield deployment
-    finally:
-        deployment.close()
+    yield from _deployment(ClusterSet, "Redis Cluster", tls)
 
 
 @pytest.fixture

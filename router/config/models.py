@@ -204,6 +204,15 @@ class PrefixRoutingConfig(_Section):
     """Force cache_control injection even for backends with auto injection off."""
 
 
+def _dialable(v: list[str]) -> list[str]:
+    """``host:port`` addresses a client can dial (``parse_hostport`` checks the form)."""
+    for a in v:
+        _, port = parse_hostport(a)
+        if port == 0:
+            raise ValueError(f"{a!r}: port 0 cannot be dialled")
+    return v
+
+
 class SentinelConfig(_Section):
     """Where Redis Sentinel says the primary is (``response_cache.redis.mode: sentinel``)."""
 
@@ -220,14 +229,7 @@ class SentinelConfig(_Section):
     """TLS to the sentinels too (the data nodes follow ``response_cache.redis.tls``)."""
     db: Annotated[int, Field(ge=0, le=15)] = 0
 
-    @field_validator("addresses")
-    @classmethod
-    def _addrs(cls, v: list[str]) -> list[str]:
-        for a in v:
-            _, port = parse_hostport(a)
-            if port == 0:
-                raise ValueError(f"{a!r}: port 0 cannot be dialled")
-        return v
+    _addrs = field_validator("addresses")(_dialable)
 
 
 KV_INDEX_ON_CLUSTER = (
@@ -244,14 +246,7 @@ class ClusterConfig(_Section):
     """Some of the cluster's nodes, ``host:port`` each; the client asks any one that
     answers for the slot map and then talks to every primary directly."""
 
-    @field_validator("startup_nodes")
-    @classmethod
-    def _addrs(cls, v: list[str]) -> list[str]:
-        for a in v:
-            _, port = parse_hostport(a)
-            if port == 0:
-                raise ValueError(f"{a!r}: port 0 cannot be dialled")
-        return v
+    _addrs = field_validator("startup_nodes")(_dialable)
 
 
 class RedisConfig(_Section):

@@ -109,6 +109,18 @@ def _socket(config: RedisConfig) -> dict[str, Any]:
     }
 
 
+def _data_nodes(config: RedisConfig) -> dict[str, Any]:
+    """Connection settings for the data nodes (Sentinel's primary, a Cluster's nodes)."""
+    return {
+        "username": config.username,
+        "password": config.password,
+        "decode_responses": False,
+        "client_name": _CLIENT_NAME,
+        **_socket(config),
+        **_tls(config, config.tls),
+    }
+
+
 def _sentinel_client(config: RedisConfig) -> Redis:
     s = config.sentinel
     assert s is not None  # RedisConfig refuses mode: sentinel without it
@@ -127,13 +139,8 @@ def _sentinel_client(config: RedisConfig) -> Redis:
         connection_pool_class=_BlockingSentinelPool,
         max_connections=config.pool_size,
         timeout=config.connect_timeout_ms / 1000.0,
-        username=config.username,
-        password=config.password,
         db=s.db,
-        decode_responses=False,
-        client_name=_CLIENT_NAME,
-        **_socket(config),
-        **_tls(config, config.tls),
+        **_data_nodes(config),
     )
 
 
@@ -169,12 +176,7 @@ def _cluster_client(config: RedisConfig) -> RedisCluster:
         limit=config.pool_size,
         wait_s=config.connect_timeout_ms / 1000.0,
         max_connections=config.pool_size,
-        username=config.username,
-        password=config.password,
-        decode_responses=False,
-        client_name=_CLIENT_NAME,
-        **_socket(config),
-        **_tls(config, config.tls),
+        **_data_nodes(config),
     )
 
 
