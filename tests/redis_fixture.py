@@ -17,6 +17,8 @@ Use from a test module with ``pytest_plugins = ("tests.redis_fixture",)``.
   synced); the test may kill and restart any node. ``cluster_tls_set``: the same, TLS
   only (a client certificate for the bus).
 
+``redis_pools`` (function): a ``RedisPools`` registry closed after the test.
+
 Without Redis the tests skip, unless ``CONTINUUM_REQUIRE_REDIS=1`` (CI): then they fail.
 Readiness is awaited by PINGing, never by sleeping a fixed time.
 """
@@ -25,13 +27,14 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
 import pytest
 
 from harness.redis_procs import ClusterSet, RedisServer, SentinelSet, TlsFiles
+from router.redis import RedisPools
 
 __all__ = [
     "ClusterSet",
@@ -39,6 +42,7 @@ __all__ = [
     "SentinelSet",
     "cluster_set",
     "cluster_tls_set",
+    "redis_pools",
     "redis_server",
     "redis_url",
     "require_redis",
@@ -156,3 +160,13 @@ def cluster_tls_set(tmp_path: Path) -> Iterator[ClusterSet]:
     yield from _cluster(
         TlsFiles(str(ca.cert), str(srv.cert), str(srv.key), str(node.cert), str(node.key))
     )
+
+
+@pytest.fixture
+async def redis_pools() -> AsyncIterator[RedisPools]:
+    """The router's registry of shared Redis clients, closed after the test."""
+    p = RedisPools()
+    try:
+        yield p
+    finally:
+        await p.aclose()

@@ -10,7 +10,6 @@ primary by itself. The KV index refuses a Cluster (its scripts touch many slots)
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -33,26 +32,17 @@ def config(c: ClusterSet, **over: object) -> RedisConfig:
     )
 
 
-@pytest.fixture
-async def pools() -> AsyncIterator[RedisPools]:
-    p = RedisPools()
-    try:
-        yield p
-    finally:
-        await p.aclose()
-
-
 async def plain(c: ClusterSet) -> RedisCluster:
     """A bare redis-py Cluster client, to see what is really stored."""
     return RedisCluster(host="127.0.0.1", port=c.nodes[0].port, password=c.password)
 
 
 async def test_cache_operations_across_every_primary(
-    cluster_set: ClusterSet, pools: RedisPools
+    cluster_set: ClusterSet, redis_pools: RedisPools
 ) -> None:
     c = cluster_set
     cfg = config(c, pool_size=2)
-    store = RedisCacheStore(pools.client(cfg), cfg.key_prefix, default_ttl=60)
+    store = RedisCacheStore(redis_pools.client(cfg), cfg.key_prefix, default_ttl=60)
     assert isinstance(store.redis, RedisCluster)
     keys = [f"k{i}" for i in range(60)]
     for k in keys:
@@ -84,11 +74,11 @@ async def test_cache_operations_across_every_primary(
 
 
 async def test_primary_killed_memory_covers_then_the_promoted_replica_serves(
-    cluster_set: ClusterSet, pools: RedisPools
+    cluster_set: ClusterSet, redis_pools: RedisPools
 ) -> None:
     c = cluster_set
     cfg = config(c)
-    cache = build_cache_store("redis", 10, 60, cfg, pools, monitor_interval_s=0.1)
+    cache = build_cache_store("redis", 10, 60, cfg, redis_pools, monitor_interval_s=0.1)
     await cache.set("before", b"1")
     victim = c.primary_for(cfg.key_prefix + "before")
     # Replication is asynchronous: make sure the replica has it before the kill.
@@ -125,20 +115,22 @@ async def test_primary_killed_memory_covers_then_the_promoted_replica_serves(
     await cache.close()
 
 
-async def test_the_kv_index_refuses_a_cluster(cluster_set: ClusterSet, pools: RedisPools) -> None:
+async def test_the_kv_index_refuses_a_cluster(
+    cluster_set: ClusterSet, redis_pools: RedisPools
+) -> None:
     cfg = config(cluster_set)
     with pytest.raises(ValueError, match="hash slots") as e:
-        build_kv_index(KvCacheIndexConfig(backend="redis"), cfg, pools=pools)
+        build_kv_index(KvCacheIndexConfig(backend="redis"), cfg, pools=redis_pools)
     assert str(e.value) == CLUSTER_REFUSED
     with pytest.raises(ValueError, match="hash slots"):
         build_kv_index(KvCacheIndexConfig(backend="redis"), cfg)
     with pytest.raises(ValueError, match="Cluster"):
-        pools.get(cfg)
+        redis_pools.get(cfg)
     with pytest.raises(ValueError, match="Cluster"):
         build_redis(cfg)
-    assert len(pools) == 0  # nothing was built for the refused client
+    assert len(redis_pools) == 0  # nothing was built for the refused client
     # The cache and a memory index are fine on the same config.
-    build_kv_index(KvCacheIndexConfig(backend="memory"), cfg, pools=pools)
+    build_kv_index(KvCacheIndexConfig(backend="memory"), cfg, pools=redis_pools)
     client = build_client(cfg)
     try:
         assert await client.ping()
@@ -147,16 +139,16 @@ async def test_the_kv_index_refuses_a_cluster(cluster_set: ClusterSet, pools: Re
 
 
 async def test_wrong_password_means_unavailable_not_a_crash(
-    cluster_set: ClusterSet, pools: RedisPools
+    cluster_set: ClusterSet, redis_pools: RedisPools
 ) -> None:
     from router.cache import CacheUnavailable
 
-    store = RedisCacheStore(pools.client(config(cluster_set, password="wrong")), "cr:resp:")
+    store = RedisCacheStore(redis_pools.client(config(cluster_set, password="wrong")), "cr:resp:")
     with pytest.raises(CacheUnavailable):
         await store.get("x")
 
 
-async def test_cluster_over_tls(cluster_tls_set: ClusterSet, pools: RedisPools) -> None:
+async def test_cluster_over_tls(cluster_tls_set: ClusterSet, redis_pools: RedisPools) -> None:
     """Every node TLS only (clients, bus, replication), verified with the deployment's CA;
     without ``tls`` the same nodes are unavailable, not a crash."""
     from router.cache import CacheUnavailable
@@ -164,11 +156,11 @@ async def test_cluster_over_tls(cluster_tls_set: ClusterSet, pools: RedisPools) 
     c = cluster_tls_set
     cfg = config(c)
     assert cfg.tls and cfg.tls_ca_file
-    store = RedisCacheStore(pools.client(cfg), cfg.key_prefix)
+    store = RedisCacheStore(redis_pools.client(cfg), cfg.key_prefix)
     for i in range(20):
         await store.set(f"t{i}", b"v")
     assert await store.count_entries() == 20
     assert await store.clear() == 20
     plain_cfg = config(c, tls=False, tls_ca_file=None)
     with pytest.raises(CacheUnavailable):
-        await RedisCacheStore(pools.client(plain_cfg), cfg.key_prefix).get("t0")
+        await RedisCacheStore(redis_pools.client(plain_cfg), cfg.key_prefix).get("t0")
