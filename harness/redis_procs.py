@@ -1,4 +1,4 @@
-"""Redis processes on loopback ports: a server, and a Sentinel deployment.
+"""Redis processes on loopback ports: a server, a Sentinel deployment, a Redis Cluster.
 
 Used by the tests (``tests.redis_fixture``) and the benchmarks (``bench.redis_ha_bench``).
 Readiness is awaited by PINGing (authenticated where a password is set), never by sleeping
@@ -16,7 +16,7 @@ import time
 
 from harness.procs import free_port as _free_port
 
-__all__ = ["RedisServer", "SentinelSet", "TlsFiles"]
+__all__ = ["ClusterSet", "RedisServer", "SentinelSet", "TlsFiles"]
 
 
 def _ping(
@@ -39,17 +39,32 @@ def _ping(
 
 
 class TlsFiles:
-    """A CA and a server certificate (``certs.dev_bundle``) for TLS-only Redis processes."""
+    """A CA and a server certificate (``certs.dev_bundle``) for TLS-only Redis processes,
+    and optionally a client certificate the processes present when they dial each other
+    (a Cluster's bus always asks for one)."""
 
-    def __init__(self, ca: str, cert: str, key: str) -> None:
+    def __init__(
+        self,
+        ca: str,
+        cert: str,
+        key: str,
+        client_cert: str | None = None,
+        client_key: str | None = None,
+    ) -> None:
         self.ca, self.cert, self.key = ca, cert, key
+        self.client_cert, self.client_key = client_cert, client_key
 
     def server_args(self, port: int) -> list[str]:
+        client = (
+            ["--tls-client-cert-file", self.client_cert, "--tls-client-key-file", self.client_key]
+            if self.client_cert is not None and self.client_key is not None
+            else []
+        )
         return [
             "--port", "0", "--tls-port", str(port),
             "--tls-cert-file", self.cert, "--tls-key-file", self.key,
             "--tls-ca-cert-file", self.ca, "--tls-auth-clients", "no",
-            "--tls-replication", "yes",
+            "--tls-replication", "yes", *client,
         ]  # fmt: skip
 
     def client_context(self) -> ssl.SSLContext:
@@ -271,3 +286,179 @@ class SentinelSet:
     def close(self) -> None:
         for s in (*self.sentinels, self.replica, self.primary):
             s.close()
+
+
+class ClusterSet:
+    """A Redis Cluster of three primaries and three replicas on loopback ports.
+
+    Every node is a ``redis-server --cluster-enabled yes`` with ``password`` on data and
+    replication, a ``node_timeout_ms`` (1 s) node timeout so a killed primary's replica is
+    promoted within a few seconds, and its cluster bus on a port of its own
+    (``--cluster-port``), kept with the node's ``nodes.conf`` across :meth:`kill` /
+    :meth:`restart`, so a restarted node rejoins as itself. ``redis-cli --cluster create``
+    assigns the slots and the replicas; :meth:`wait_ready` blocks until every node says
+    ``cluster_state:ok`` and sees all six nodes connected, and every replica has synced
+    (one that never did is never promoted).
+    """
+
+    password = "cluster-secret"
+    node_timeout_ms = 1000
+
+    def __init__(self, executable: str, size: int = 3, tls: TlsFiles | None = None) -> None:
+        """``tls``: every node serves TLS only, and the cluster bus and replication use it."""
+        self.tls = tls
+        self.nodes: list[RedisServer] = []
+        self._primaries_before: set[int] = set()
+        for _ in range(2 * size):
+            bus = _free_port()
+            node = RedisServer(
+                executable,
+                [
+                    "--cluster-enabled", "yes",
+                    "--cluster-config-file", "nodes.conf",
+                    "--cluster-node-timeout", str(self.node_timeout_ms),
+                    "--cluster-port", str(bus),
+                    "--requirepass", self.password, "--masterauth", self.password,
+                    *(["--tls-cluster", "yes"] if tls is not None else []),
+                ],
+                password=self.password,
+                tls=tls,
+            )  # fmt: skip
+            node.port = _free_port()
+            self.nodes.append(node)
+        try:
+            for node in self.nodes:
+                node.start()
+            out = subprocess.run(
+                ["redis-cli", "-a", self.password, "--no-auth-warning", *self._cli_tls(),
+                 "--cluster", "create", *self.addresses, "--cluster-replicas", "1",
+                 "--cluster-yes"],
+                capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            if out.returncode != 0:
+                raise RuntimeError(f"redis-cli --cluster create failed: {out.stdout}{out.stderr}")
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"127.0.0.1:{n.port}" for n in self.nodes]
+
+    def _cli_tls(self) -> list[str]:
+        return ["--tls", "--cacert", self.tls.ca] if self.tls is not None else []
+
+    def config(self) -> dict[str, object]:
+        """``response_cache.redis`` for this deployment (Cluster mode, every node listed)."""
+        return {
+            "mode": "cluster",
+            "password": self.password,
+            **({"tls": True, "tls_ca_file": self.tls.ca} if self.tls is not None else {}),
+            "cluster": {"startup_nodes": self.addresses},
+        }
+
+    def cli(self, port: int, *args: str) -> str:
+        """``redis-cli`` against one node; its stdout ("" when the node is down)."""
+        out = subprocess.run(
+            ["redis-cli", "-p", str(port), "-a", self.password, "--no-auth-warning",
+             *self._cli_tls(), *args],
+            capture_output=True, text=True, timeout=5, check=False,
+        )  # fmt: skip
+        return out.stdout
+
+    def node(self, port: int) -> RedisServer:
+        return next(n for n in self.nodes if n.port == port)
+
+    def _view(self, port: int) -> list[tuple[int, list[str], str]]:
+        """``CLUSTER NODES`` as one node sees it: (port, flags, link state) per node."""
+        rows = []
+        for line in self.cli(port, "cluster", "nodes").splitlines():
+            f = line.split()
+            if len(f) >= 8:
+                addr = f[1].split("@")[0]
+                rows.append((int(addr.rsplit(":", 1)[1]), f[2].split(","), f[7]))
+        return rows
+
+    def primaries(self) -> list[int]:
+        """Ports of the primaries a running node knows and does not consider failed."""
+        for n in self.nodes:
+            if n.running:
+                rows = self._view(n.port)
+                if rows:
+                    return sorted(
+                        p for p, flags, _ in rows if "master" in flags and "fail" not in flags
+                    )
+        return []
+
+    def primary_for(self, key: str) -> int:
+        """The port of the primary that serves ``key``'s slot now."""
+        live = next(n for n in self.nodes if n.running)
+        slot = int(self.cli(live.port, "cluster", "keyslot", key).strip())
+        for row in self.cli(live.port, "cluster", "nodes").splitlines():
+            f = row.split()
+            if len(f) < 9 or "master" not in f[2] or "fail" in f[2]:
+                continue
+            for rng in f[8:]:
+                if rng.startswith("["):
+                    continue  # a slot being migrated
+                lo, _, hi = rng.partition("-")
+                if int(lo) <= slot <= int(hi or lo):
+                    return int(f[1].split("@")[0].rsplit(":", 1)[1])
+        raise RuntimeError(f"no primary serves slot {slot}")
+
+    def _ok(self, port: int, expect: int) -> bool:
+        if "cluster_state:ok" not in self.cli(port, "cluster", "info"):
+            return False
+        repl = self.cli(port, "info", "replication")
+        if "role:slave" in repl and "master_link_status:up" not in repl:
+            return False  # a replica that never synced refuses to be promoted
+        rows = self._view(port)
+        return len(rows) == expect and all(
+            link == "connected" or "myself" in flags
+            for _, flags, link in rows
+            if "fail" not in flags and "noaddr" not in flags
+        )
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        """Until every running node says ``cluster_state:ok`` and knows all nodes, and
+        every replica's link to its primary is up."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(self._ok(n.port, len(self.nodes)) for n in self.nodes if n.running):
+                return
+            time.sleep(0.1)
+        raise RuntimeError("the cluster did not reach cluster_state:ok on every node")
+
+    def kill(self, port: int) -> None:
+        """SIGKILL one node (its slots stay unserved until its replica takes over)."""
+        self._primaries_before = set(self.primaries())
+        self.node(port).kill()
+
+    def restart(self, port: int) -> None:
+        """Start a killed node again on its ports; it rejoins (as a replica if it was
+        replaced meanwhile)."""
+        self.node(port).start()
+
+    def wait_failover(self, old_port: int, timeout: float = 30.0) -> int:
+        """Until the running nodes agree that ``old_port`` failed and serve all slots
+        again; returns the port of the replica promoted in its place."""
+        before = self._primaries_before
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            live = [n for n in self.nodes if n.running]
+            ok = all(
+                "cluster_state:ok" in self.cli(n.port, "cluster", "info") for n in live
+            ) and all(
+                any(p == old_port and "fail" in flags for p, flags, _ in self._view(n.port))
+                for n in live
+            )
+            if ok:
+                new = set(self.primaries()) - before
+                if len(new) == 1:
+                    return new.pop()
+            time.sleep(0.1)
+        raise RuntimeError(f"no failover of the primary on port {old_port}")
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.close()

@@ -11,6 +11,13 @@ Use from a test module with ``pytest_plugins = ("tests.redis_fixture",)``.
   and on the sentinels and a 1 s ``down-after-milliseconds``, so a killed primary is
   replaced in a few seconds. ``sentinel_tls_set``: the same, every process TLS only, with
   certificates from ``certs``.
+* ``cluster_set`` (function): :class:`ClusterSet`, a Redis Cluster of three primaries and
+  three replicas (``--cluster-enabled yes``, a password, a 1 s node timeout, slots assigned
+  by ``redis-cli --cluster create``), ready (``cluster_state:ok`` everywhere, replicas
+  synced); the test may kill and restart any node. ``cluster_tls_set``: the same, TLS
+  only (a client certificate for the bus).
+
+``redis_pools`` (function): a ``RedisPools`` registry closed after the test.
 
 Without Redis the tests skip, unless ``CONTINUUM_REQUIRE_REDIS=1`` (CI): then they fail.
 Readiness is awaited by PINGing, never by sleeping a fixed time.
@@ -20,16 +27,22 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
-from harness.redis_procs import RedisServer, SentinelSet, TlsFiles
+from harness.redis_procs import ClusterSet, RedisServer, SentinelSet, TlsFiles
+from router.redis import RedisPools
 
 __all__ = [
+    "ClusterSet",
     "RedisServer",
     "SentinelSet",
+    "cluster_set",
+    "cluster_tls_set",
+    "redis_pools",
     "redis_server",
     "redis_url",
     "require_redis",
@@ -89,16 +102,26 @@ def redis_server() -> Iterator[RedisServer]:
         server.close()
 
 
-def _sentinels(tls: TlsFiles | None) -> Iterator[SentinelSet]:
+_Deployment = TypeVar("_Deployment", SentinelSet, ClusterSet)
+
+
+def _deployment(
+    kind: Callable[..., _Deployment], what: str, tls: TlsFiles | None
+) -> Iterator[_Deployment]:
+    """Start ``kind(redis-server, tls=tls)``, wait until it is ready, close it after."""
     exe = _executable()
     if exe is None or shutil.which("redis-cli") is None:
-        unavailable("redis-server and redis-cli not on PATH (needed for Sentinel)")
-    deployment = SentinelSet(exe, tls=tls)  # type: ignore[arg-type]
+        unavailable(f"redis-server and redis-cli not on PATH (needed for {what})")
+    deployment = kind(exe, tls=tls)
     try:
         deployment.wait_ready()
         yield deployment
     finally:
         deployment.close()
+
+
+def _sentinels(tls: TlsFiles | None) -> Iterator[SentinelSet]:
+    yield from _deployment(SentinelSet, "Sentinel", tls)
 
 
 @pytest.fixture
@@ -114,3 +137,36 @@ def sentinel_tls_set(tmp_path: Path) -> Iterator[SentinelSet]:
 
     b = dev_bundle(tmp_path)
     yield from _sentinels(TlsFiles(str(b["ca"].cert), str(b["server"].cert), str(b["server"].key)))
+
+
+def _cluster(tls: TlsFiles | None) -> Iterator[ClusterSet]:
+    yield from _deployment(ClusterSet, "Redis Cluster", tls)
+
+
+@pytest.fixture
+def cluster_set() -> Iterator[ClusterSet]:
+    """A private Redis Cluster, 3 primaries + 3 replicas (needs redis-server, redis-cli)."""
+    yield from _cluster(None)
+
+
+@pytest.fixture
+def cluster_tls_set(tmp_path: Path) -> Iterator[ClusterSet]:
+    """``cluster_set`` with TLS only (clients, cluster bus, replication); ``.tls.ca``
+    verifies every node."""
+    from certs import dev_bundle
+
+    b = dev_bundle(tmp_path, clients=("node",))
+    ca, srv, node = b["ca"], b["server"], b["node"]
+    yield from _cluster(
+        TlsFiles(str(ca.cert), str(srv.cert), str(srv.key), str(node.cert), str(node.key))
+    )
+
+
+@pytest.fixture
+async def redis_pools() -> AsyncIterator[RedisPools]:
+    """The router's registry of shared Redis clients, closed after the test."""
+    p = RedisPools()
+    try:
+        yield p
+    finally:
+        await p.aclose()

@@ -63,8 +63,9 @@ def build_cache_store(
 
     * ``memory``: ``InMemoryCacheStore(memory_capacity, default_ttl)``.
     * ``redis``: a ``FallbackCacheStore`` around a ``RedisCacheStore`` on the client
-      ``pools`` hands out for ``redis_config`` (the pool the KV index shares), keys under
-      ``redis_config.key_prefix``. With ``fallback_to_memory`` the fallback is an
+      ``pools`` hands out for ``redis_config`` (the pool the KV index shares; any ``mode``,
+      a Redis Cluster too), keys under ``redis_config.key_prefix``. With
+      ``fallback_to_memory`` the fallback is an
       ``InMemoryCacheStore(fallback_capacity, fallback_ttl_seconds)``; without it an outage
       makes every operation a miss or a no-op. Redis is retried every
       ``health_check_interval_ms``.
@@ -91,7 +92,7 @@ def build_cache_store(
     if pools is None:
         raise ValueError("backend redis requires pools (the RedisPools shared with the KV index)")
     primary = RedisCacheStore(
-        pools.get(redis_config),
+        pools.client(redis_config),
         redis_config.key_prefix,
         default_ttl=default_ttl,
         observe_latency=observe_latency,

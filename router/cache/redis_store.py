@@ -5,11 +5,16 @@ as they were given, with a Redis TTL. Operations, one command each:
 
 * get: ``GET``; set: ``SET key value EX ttl``; delete: ``DEL``;
 * clear: ``SCAN 0 MATCH <escaped prefix>* COUNT 500``, ``UNLINK`` of every page's keys,
-  until the cursor is 0, never ``KEYS`` (it blocks the server). The prefix is glob-escaped,
+  until the cursor is 0, never ``KEYS`` (it blocks the server); on a Redis Cluster, on
+  every primary in turn, and one ``UNLINK`` per hash slot. The prefix is glob-escaped,
   so a prefix containing ``* ? [ ] \\`` matches only itself; keys outside it are never
   touched. Keys written concurrently with a clear may survive it (SCAN semantics);
-* stats: ``PING`` (connected, latency) and a SCAN count of the prefix, cached for
-  ``stats_cache_s`` because it walks the whole keyspace.
+* stats: ``PING`` (every primary of a Cluster; connected, latency) and a SCAN count of the
+  prefix, cached for ``stats_cache_s`` because it walks the whole keyspace.
+
+Every operation on one entry is one command on one key, so the store works unchanged on a
+Redis Cluster (``router.redis.RedisClient``: one server or a Cluster); only the keyspace
+walks (clear, the entry count) go node by node (``router.redis.keyspace``).
 
 The client comes from ``RedisPools`` (one pool shared with the KV index); this store never
 closes it unless told it owns it. Timeouts are the client's: ``socket_timeout`` is the
@@ -17,9 +22,10 @@ command timeout, ``socket_connect_timeout`` the connect timeout, and the pool's 
 immediate retry on a connection error absorbs the stale connections a Redis restart leaves.
 
 Failures raise :class:`~router.cache.store.CacheUnavailable` for the errors in
-``router.redis.UNAVAILABLE_ERRORS`` (connection refused or reset, timeout, read-only replica, OOM,
-loading), :class:`~router.cache.store.CacheStoreError` for any other Redis error. Wrap this
-store in ``FallbackCacheStore`` so that requests never see either.
+``router.redis.UNAVAILABLE_ERRORS`` (connection refused or reset, timeout, read-only replica,
+OOM, loading, a Cluster down or unreachable), :class:`~router.cache.store.CacheStoreError`
+for any other Redis error. Wrap this store in ``FallbackCacheStore`` so that requests never
+see either.
 
 Hooks (plain callables, so this module does not import ``prometheus_client``; they must not
 raise): ``observe_latency(operation, seconds)`` after every command, successful or not,
@@ -34,9 +40,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from redis import exceptions as rx
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from router.redis import UNAVAILABLE_ERRORS, close_client, glob_escape
+from router.redis import UNAVAILABLE_ERRORS, RedisClient, close_client, glob_escape
+from router.redis.keyspace import scan_pages, unlink
 
 from .store import (
     ERROR_KINDS,
@@ -53,7 +60,6 @@ __all__ = ["DEFAULT_KEY_PREFIX", "RedisCacheStore", "error_kind"]
 
 DEFAULT_KEY_PREFIX = "cr:resp:"
 _SCAN_COUNT = 500
-_DELETE_CHUNK = 500
 _CAUGHT: tuple[type[BaseException], ...] = (*UNAVAILABLE_ERRORS, rx.RedisError)
 _perf = time.perf_counter
 
@@ -62,7 +68,7 @@ def error_kind(exc: BaseException) -> str:
     """The :data:`~router.cache.store.ERROR_KINDS` label for a client exception."""
     if isinstance(exc, rx.TimeoutError | TimeoutError):
         return "timeout"
-    if isinstance(exc, rx.ConnectionError | OSError):
+    if isinstance(exc, rx.ConnectionError | OSError | rx.RedisClusterException):
         return "connection"
     return "other"
 
@@ -74,7 +80,7 @@ class RedisCacheStore(CacheStore):
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         *,
         default_ttl: int = 300,
@@ -85,7 +91,8 @@ class RedisCacheStore(CacheStore):
     ) -> None:
         """
         Args:
-            redis: a client whose pool may be shared (``RedisPools``), bytes responses.
+            redis: a client (one server or a Cluster) whose pool may be shared
+                (``RedisPools``), bytes responses.
             key_prefix: namespace of this store's keys; everything under it is ours.
             default_ttl: seconds, for ``set`` without a TTL.
             observe_latency: ``(operation, seconds)`` after every command.
@@ -115,7 +122,7 @@ class RedisCacheStore(CacheStore):
         self._errors_by_kind = dict.fromkeys(ERROR_KINDS, 0)
 
     @property
-    def redis(self) -> Redis:
+    def redis(self) -> RedisClient:
         """The client this store uses (closed by ``close`` only if ``owns_redis``)."""
         return self._redis
 
@@ -173,11 +180,9 @@ class RedisCacheStore(CacheStore):
     async def delete_many(self, keys: Iterable[str]) -> int:
         """Drop several keys (``UNLINK`` in batches of 500). Returns how many existed."""
         batch = [self.key_prefix + k for k in keys]
-        n = 0
         t0 = _perf()
         try:
-            for i in range(0, len(batch), _DELETE_CHUNK):
-                n += await self._redis.unlink(*batch[i : i + _DELETE_CHUNK])
+            n = await unlink(self._redis, batch)
         except _CAUGHT as exc:
             raise self._failed("delete", exc, t0) from exc
         if self._observe is not None:
@@ -187,15 +192,10 @@ class RedisCacheStore(CacheStore):
 
     async def clear(self) -> int:
         n = 0
-        cursor = 0
         t0 = _perf()
         try:
-            while True:
-                cursor, keys = await self._redis.scan(cursor, match=self._match, count=_SCAN_COUNT)
-                if keys:
-                    n += await self._redis.unlink(*keys)
-                if cursor == 0:
-                    break
+            async for keys in scan_pages(self._redis, self._match, _SCAN_COUNT):
+                n += await unlink(self._redis, keys)
         except _CAUGHT as exc:
             raise self._failed("clear", exc, t0) from exc
         if self._observe is not None:
@@ -204,14 +204,21 @@ class RedisCacheStore(CacheStore):
         return n
 
     async def ping(self) -> float:
-        """One ``PING``; returns its round trip in seconds.
+        """One ``PING`` (on a Cluster: to every primary); returns its round trip in seconds.
+
+        On a Cluster, one node answering proves little: the fallback's recovery check must
+        fail while any primary is away, or the store would switch back, meet the dead
+        primary's slots and switch again, once per check, until the replica is promoted.
 
         Raises:
-            CacheUnavailable | CacheStoreError: Redis did not answer.
+            CacheUnavailable | CacheStoreError: Redis (a primary) did not answer.
         """
         t0 = _perf()
         try:
-            await self._redis.execute_command("PING")
+            if isinstance(self._redis, RedisCluster):
+                await self._redis.execute_command("PING", target_nodes=RedisCluster.PRIMARIES)
+            else:
+                await self._redis.execute_command("PING")
         except _CAUGHT as exc:
             raise self._failed("ping", exc, t0) from exc
         elapsed = _perf() - t0
@@ -230,14 +237,10 @@ class RedisCacheStore(CacheStore):
         if cached is not None and now - cached[0] < self._stats_cache_s:
             return cached[1]
         n = 0
-        cursor = 0
         t0 = _perf()
         try:
-            while True:
-                cursor, keys = await self._redis.scan(cursor, match=self._match, count=_SCAN_COUNT)
+            async for keys in scan_pages(self._redis, self._match, _SCAN_COUNT):
                 n += len(keys)
-                if cursor == 0:
-                    break
         except _CAUGHT as exc:
             raise self._failed("scan", exc, t0) from exc
         if self._observe is not None:
@@ -246,7 +249,15 @@ class RedisCacheStore(CacheStore):
         return n
 
     def connections(self) -> dict[str, int]:
-        """The pool's ``active`` (checked out) and ``idle`` (connected, free) connections."""
+        """The pool's ``active`` (checked out) and ``idle`` (connected, free) connections
+        (on a Cluster: summed over the nodes' pools)."""
+        if isinstance(self._redis, RedisCluster):
+            active = idle = 0
+            for node in self._redis.get_nodes():
+                free: Any = node._free
+                idle += sum(1 for c in free if c.is_connected)
+                active += len(node._connections) - len(free)
+            return {"active": active, "idle": idle}
         pool: Any = self._redis.connection_pool
         in_use = getattr(pool, "_in_use_connections", ())
         free = getattr(pool, "_available_connections", ())

@@ -15,9 +15,11 @@ from bus.config import parse_duration, parse_hostport
 
 __all__ = [
     "BACKEND_TYPES",
+    "KV_INDEX_ON_CLUSTER",
     "STRATEGIES",
     "BackendConfig",
     "BrokerConfig",
+    "ClusterConfig",
     "ControlPlaneConfig",
     "DynamoConfig",
     "EventBusConfig",
@@ -202,6 +204,15 @@ class PrefixRoutingConfig(_Section):
     """Force cache_control injection even for backends with auto injection off."""
 
 
+def _dialable(v: list[str]) -> list[str]:
+    """``host:port`` addresses a client can dial (``parse_hostport`` checks the form)."""
+    for a in v:
+        _, port = parse_hostport(a)
+        if port == 0:
+            raise ValueError(f"{a!r}: port 0 cannot be dialled")
+    return v
+
+
 class SentinelConfig(_Section):
     """Where Redis Sentinel says the primary is (``response_cache.redis.mode: sentinel``)."""
 
@@ -218,35 +229,49 @@ class SentinelConfig(_Section):
     """TLS to the sentinels too (the data nodes follow ``response_cache.redis.tls``)."""
     db: Annotated[int, Field(ge=0, le=15)] = 0
 
-    @field_validator("addresses")
-    @classmethod
-    def _addrs(cls, v: list[str]) -> list[str]:
-        for a in v:
-            _, port = parse_hostport(a)
-            if port == 0:
-                raise ValueError(f"{a!r}: port 0 cannot be dialled")
-        return v
+    _addrs = field_validator("addresses")(_dialable)
+
+
+KV_INDEX_ON_CLUSTER = (
+    "redis does not work with response_cache.redis.mode: cluster (the index's scripts "
+    "touch keys of many hash slots); use backend: memory, or a standalone or sentinel Redis"
+)
+"""Why ``kv_cache_index.backend: redis`` refuses a Redis Cluster."""
+
+
+class ClusterConfig(_Section):
+    """Where a Redis Cluster is (``response_cache.redis.mode: cluster``)."""
+
+    startup_nodes: Annotated[list[str], Field(min_length=1)]
+    """Some of the cluster's nodes, ``host:port`` each; the client asks any one that
+    answers for the slot map and then talks to every primary directly."""
+
+    _addrs = field_validator("startup_nodes")(_dialable)
 
 
 class RedisConfig(_Section):
     """One Redis/Valkey connection pool, shared by the response cache and the KV index."""
 
-    mode: Literal["standalone", "sentinel"] = "standalone"
+    mode: Literal["standalone", "sentinel", "cluster"] = "standalone"
     """``standalone``: one server at ``url``; ``sentinel``: the primary Sentinel names
-    (``sentinel``), followed across failovers. (Redis Cluster is not supported: the KV
-    index's scripts touch keys of many slots.)"""
+    (``sentinel``), followed across failovers; ``cluster``: a Redis Cluster
+    (``cluster``), the response cache only (the KV index's scripts touch keys of many
+    slots, so ``kv_cache_index.backend: redis`` refuses it)."""
     url: str = "redis://127.0.0.1:6379"
     """``redis://`` or ``rediss://`` (TLS); ``tls: true`` upgrades a ``redis://`` URL.
     Standalone only."""
     tls: bool = False
     username: str | None = None
-    """ACL user of the data nodes (sentinel mode; standalone: in ``url``, or here)."""
+    """ACL user of the data nodes (sentinel and cluster modes; standalone: in ``url``, or
+    here)."""
     password: str | None = None
-    """Password of the data nodes (sentinel mode; standalone: in ``url``, or here)."""
+    """Password of the data nodes (sentinel and cluster modes; standalone: in ``url``, or
+    here)."""
     tls_ca_file: str | None = None
     """PEM CA bundle that verifies the servers' certificates over TLS (default: the
     system's)."""
     sentinel: SentinelConfig | None = None
+    cluster: ClusterConfig | None = None
     pool_size: Annotated[int, Field(ge=1, le=1024)] = 8
     key_prefix: str = "cr:resp:"
     """Response cache key namespace; glob characters (``*?[]``) are rejected."""
@@ -278,6 +303,10 @@ class RedisConfig(_Section):
             raise ValueError("mode: sentinel needs a sentinel section (master_name, addresses)")
         if self.sentinel is not None and self.mode != "sentinel":
             raise ValueError(f"a sentinel section needs mode: sentinel (mode is {self.mode})")
+        if self.mode == "cluster" and self.cluster is None:
+            raise ValueError("mode: cluster needs a cluster section (startup_nodes)")
+        if self.cluster is not None and self.mode != "cluster":
+            raise ValueError(f"a cluster section needs mode: cluster (mode is {self.mode})")
         return self
 
 

@@ -117,6 +117,7 @@ RESTART_ONLY: tuple[str, ...] = (
     "response_cache.redis.sentinel.password",
     "response_cache.redis.sentinel.tls",
     "response_cache.redis.sentinel.db",
+    "response_cache.redis.cluster.startup_nodes",
     "response_cache.redis.tls",
     "response_cache.redis.pool_size",
     "response_cache.redis.key_prefix",

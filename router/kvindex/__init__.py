@@ -13,7 +13,7 @@ hold its query, cost model, load ledger and predicted-vs-delivered sums.
 
 from __future__ import annotations
 
-from router.config.models import KvCacheIndexConfig, RedisConfig
+from router.config.models import KV_INDEX_ON_CLUSTER, KvCacheIndexConfig, RedisConfig
 from router.redis import RedisPools, build_redis
 
 from .apply import ACTIONS, Action, apply_event, apply_events, end_resync
@@ -36,9 +36,13 @@ from .redis_index import DEFAULT_KEY_PREFIX, RedisKvIndex, Restore
 CHAIN_KEY_PREFIX = "cr:kvchain:"
 """The chain index's Redis namespace (the prefix index keeps ``cr:kvidx:``)."""
 
+CLUSTER_REFUSED = f"kv_cache_index.backend: {KV_INDEX_ON_CLUSTER}"
+"""Why the Redis index refuses a Cluster (``build_kv_index``; the config check says it too)."""
+
 __all__ = [
     "ACTIONS",
     "CHAIN_KEY_PREFIX",
+    "CLUSTER_REFUSED",
     "DEFAULT_KEY_PREFIX",
     "EMPTY",
     "Action",
@@ -89,7 +93,8 @@ def build_kv_index(
             index: ``conversation.max_entries``).
 
     Raises:
-        ValueError: ``backend: redis`` without ``redis_config``.
+        ValueError: ``backend: redis`` without ``redis_config``, or on a Redis Cluster
+            (:data:`CLUSTER_REFUSED`).
     """
     ttl = float(config.entry_ttl_seconds)
     size = config.max_entries if max_entries is None else max_entries
@@ -100,6 +105,8 @@ def build_kv_index(
             "kv_cache_index.backend: redis requires response_cache.redis "
             "(the shared connection pool)"
         )
+    if redis_config.mode == "cluster":
+        raise ValueError(CLUSTER_REFUSED)
     owned = pools is None
     client = build_redis(redis_config) if pools is None else pools.get(redis_config)
     primary = RedisKvIndex(client, ttl, key_prefix, owns_redis=owned)

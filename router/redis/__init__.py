@@ -8,7 +8,9 @@ that switches a store between Redis and its in-memory fallback and back.
 from .fallback import FallbackSupervisor, SupervisedStore
 from .pools import (
     UNAVAILABLE_ERRORS,
+    RedisClient,
     RedisPools,
+    build_client,
     build_redis,
     close_client,
     effective_url,
@@ -18,8 +20,10 @@ from .pools import (
 __all__ = [
     "UNAVAILABLE_ERRORS",
     "FallbackSupervisor",
+    "RedisClient",
     "RedisPools",
     "SupervisedStore",
+    "build_client",
     "build_redis",
     "close_client",
     "effective_url",

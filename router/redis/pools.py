@@ -27,7 +27,18 @@ Modes (``mode``):
   the client reconnects to the new primary by itself; the pool is blocking too
   (``_BlockingSentinelPool``).
 
-In both, a command that fails while the primary is away raises one of
+* ``cluster``: redis-py's ``redis.asyncio.cluster.RedisCluster`` over
+  ``cluster.startup_nodes`` (the data nodes' auth and TLS): it reads the slot map from any
+  node that answers and sends each command to the primary of its key's slot. A connection
+  error marks the topology stale, so the next command re-reads it and, once the cluster
+  has promoted a replica, reaches the new primary by itself. Its per-node pools
+  (``pool_size`` connections each) fail at once when full instead of waiting, so
+  :class:`_BoundedCluster` lets at most ``pool_size`` commands run at a time, the others
+  waiting up to the connect timeout like the standalone pool. The cluster-level retry is
+  ``Retry(NoBackoff(), 1)`` too. ``RedisPools.client`` hands it out; ``RedisPools.get``
+  refuses it (the KV index needs one server: its scripts touch keys of many slots).
+
+In all modes, a command that fails while a primary is away raises one of
 :data:`UNAVAILABLE_ERRORS`, which the stores answer from memory (counted) until it answers.
 
 The registry must be closed (``await pools.aclose()``) by whoever created it; clients are
@@ -36,10 +47,12 @@ bound to the event loop that first used them.
 
 from __future__ import annotations
 
-from typing import Any, overload
+import asyncio
+from typing import Any, TypeAlias, overload
 
 import redis.exceptions
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel, SentinelConnectionPool
 from redis.backoff import NoBackoff
@@ -50,7 +63,9 @@ from router.http.tls import MINIMUM_VERSION
 
 __all__ = [
     "UNAVAILABLE_ERRORS",
+    "RedisClient",
     "RedisPools",
+    "build_client",
     "build_redis",
     "close_client",
     "effective_url",
@@ -58,6 +73,9 @@ __all__ = [
 ]
 
 _CLIENT_NAME = "continuum-router"
+
+RedisClient: TypeAlias = Redis | RedisCluster
+"""A client of any mode: one server (standalone, Sentinel's primary) or a Cluster."""
 
 
 def effective_url(config: RedisConfig) -> str:
@@ -91,6 +109,18 @@ def _socket(config: RedisConfig) -> dict[str, Any]:
     }
 
 
+def _data_nodes(config: RedisConfig) -> dict[str, Any]:
+    """Connection settings for the data nodes (Sentinel's primary, a Cluster's nodes)."""
+    return {
+        "username": config.username,
+        "password": config.password,
+        "decode_responses": False,
+        "client_name": _CLIENT_NAME,
+        **_socket(config),
+        **_tls(config, config.tls),
+    }
+
+
 def _sentinel_client(config: RedisConfig) -> Redis:
     s = config.sentinel
     assert s is not None  # RedisConfig refuses mode: sentinel without it
@@ -109,18 +139,66 @@ def _sentinel_client(config: RedisConfig) -> Redis:
         connection_pool_class=_BlockingSentinelPool,
         max_connections=config.pool_size,
         timeout=config.connect_timeout_ms / 1000.0,
-        username=config.username,
-        password=config.password,
         db=s.db,
-        decode_responses=False,
-        client_name=_CLIENT_NAME,
-        **_socket(config),
-        **_tls(config, config.tls),
+        **_data_nodes(config),
     )
 
 
+class _BoundedCluster(RedisCluster):
+    """A ``RedisCluster`` that runs at most ``limit`` commands at a time: a caller waits
+    (up to ``wait_s``) for a turn instead of meeting a full per-node pool, which fails at
+    once (``MaxConnectionsError``) and would trip the memory fallback on a mere burst."""
+
+    def __init__(self, *args: Any, limit: int, wait_s: float, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._turns = asyncio.Semaphore(limit)
+        self._wait_s = wait_s
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            async with asyncio.timeout(self._wait_s):
+                await self._turns.acquire()
+        except TimeoutError:
+            raise redis.exceptions.MaxConnectionsError(
+                f"no free cluster connection within {self._wait_s:g}s"
+            ) from None
+        try:
+            return await super().execute_command(*args, **kwargs)
+        finally:
+            self._turns.release()
+
+
+def _cluster_client(config: RedisConfig) -> RedisCluster:
+    c = config.cluster
+    assert c is not None  # RedisConfig refuses mode: cluster without it
+    return _BoundedCluster(
+        startup_nodes=[ClusterNode(*parse_hostport(a)) for a in c.startup_nodes],
+        limit=config.pool_size,
+        wait_s=config.connect_timeout_ms / 1000.0,
+        max_connections=config.pool_size,
+        **_data_nodes(config),
+    )
+
+
+def build_client(config: RedisConfig) -> RedisClient:
+    """A new client of any mode with its own pool(s). Prefer :meth:`RedisPools.client`."""
+    if config.mode == "cluster":
+        return _cluster_client(config)
+    return build_redis(config)
+
+
 def build_redis(config: RedisConfig) -> Redis:
-    """A new client with its own pool. Prefer :meth:`RedisPools.get`, which shares one."""
+    """A new single-server client (standalone, Sentinel) with its own pool. Prefer
+    :meth:`RedisPools.get`, which shares one.
+
+    Raises:
+        ValueError: ``mode: cluster`` (use :func:`build_client`).
+    """
+    if config.mode == "cluster":
+        raise ValueError(
+            "a Redis Cluster has no single server for this client "
+            "(the KV index's scripts need one; response_cache.redis.mode: cluster)"
+        )
     if config.mode == "sentinel":
         return _sentinel_client(config)
     connect_s = config.connect_timeout_ms / 1000.0
@@ -144,8 +222,12 @@ def build_redis(config: RedisConfig) -> Redis:
     return Redis(connection_pool=pool)
 
 
-async def close_client(client: Redis) -> None:
-    """Close ``client`` and its pool, and a Sentinel client's connections to the sentinels."""
+async def close_client(client: RedisClient) -> None:
+    """Close ``client`` and its pool, and a Sentinel client's connections to the sentinels
+    (a Cluster client: its connections to every node)."""
+    if isinstance(client, RedisCluster):
+        await client.aclose()
+        return
     manager = getattr(client.connection_pool, "sentinel_manager", None)
     await client.aclose(close_connection_pool=True)
     if manager is not None:
@@ -161,6 +243,7 @@ _CONNECTION_FIELDS = {
     "password",
     "tls_ca_file",
     "sentinel",
+    "cluster",
     "pool_size",
     "connect_timeout_ms",
     "command_timeout_ms",
@@ -178,14 +261,26 @@ class RedisPools:
     TLS, pool_size, timeouts)."""
 
     def __init__(self) -> None:
-        self._clients: dict[str, Redis] = {}
+        self._clients: dict[str, RedisClient] = {}
 
-    def get(self, config: RedisConfig) -> Redis:
-        """The shared client for ``config``, created on first use (no I/O happens here)."""
+    def client(self, config: RedisConfig) -> RedisClient:
+        """The shared client for ``config`` in any mode, created on first use (no I/O)."""
         key = _pool_key(config)
         client = self._clients.get(key)
         if client is None:
-            client = self._clients[key] = build_redis(config)
+            client = self._clients[key] = build_client(config)
+        return client
+
+    def get(self, config: RedisConfig) -> Redis:
+        """The shared single-server client for ``config`` (what the KV index needs).
+
+        Raises:
+            ValueError: ``mode: cluster``.
+        """
+        if config.mode == "cluster":
+            build_redis(config)  # raises, with the reason
+        client = self.client(config)
+        assert isinstance(client, Redis)
         return client
 
     def __len__(self) -> int:
@@ -204,6 +299,8 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     redis.exceptions.ReadOnlyError,  # a replica after failover
     redis.exceptions.OutOfMemoryError,
     redis.exceptions.MasterDownError,
+    redis.exceptions.ClusterDownError,  # CLUSTERDOWN: a Cluster's slots unserved
+    redis.exceptions.RedisClusterException,  # no Cluster node reachable, slot not covered
     OSError,  # includes the builtin TimeoutError
 )
 """Errors that mean "Redis is not usable now": they switch the response cache and the KV

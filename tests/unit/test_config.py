@@ -183,13 +183,29 @@ def _redis(**redis: object) -> dict:
 
 
 SENTINEL = {"master_name": "m", "addresses": ["127.0.0.1:26379"]}
+CLUSTER = {"startup_nodes": ["127.0.0.1:7000", "[::1]:7001"]}
 
 
 @pytest.mark.parametrize(
     ("redis", "path", "says"),
     [
         ({"mode": "sentinel"}, "response_cache.redis", "needs a sentinel section"),
-        ({"mode": "cluster"}, "response_cache.redis.mode", "standalone"),
+        ({"mode": "cluster"}, "response_cache.redis", "needs a cluster section"),
+        ({"cluster": CLUSTER}, "response_cache.redis", "needs mode: cluster"),
+        ({"mode": "sentinel", "sentinel": SENTINEL, "cluster": CLUSTER},
+         "response_cache.redis", "needs mode: cluster"),
+        ({"mode": "cluster", "cluster": {"startup_nodes": []}},
+         "response_cache.redis.cluster.startup_nodes", "at least 1"),
+        ({"mode": "cluster", "cluster": {}},
+         "response_cache.redis.cluster.startup_nodes", "required"),
+        ({"mode": "cluster", "cluster": {"startup_nodes": ["nohost"]}},
+         "response_cache.redis.cluster.startup_nodes", "host:port"),
+        ({"mode": "cluster", "cluster": {"startup_nodes": ["h:0"]}},
+         "response_cache.redis.cluster.startup_nodes", "port 0"),
+        ({"mode": "cluster", "cluster": {"startup_nodes": "h:1"}},
+         "response_cache.redis.cluster.startup_nodes", "list"),
+        ({"mode": "cluster", "cluster": {**CLUSTER, "seeds": ["h:1"]}},
+         "response_cache.redis.cluster.seeds", "unknown field"),
         ({"sentinel": SENTINEL}, "response_cache.redis", "needs mode: sentinel"),
         ({"mode": "sideways"}, "response_cache.redis.mode", "standalone"),
         ({"mode": "sentinel", "sentinel": {"addresses": ["h:1"]}},
@@ -210,6 +226,21 @@ def test_redis_mode_errors_name_the_path(redis: dict, path: str, says: str) -> N
     errs = errors_of(_redis(**redis))
     assert path in errs, errs
     assert says in errs[path], errs
+
+
+def test_cluster_config_parses() -> None:
+    cfg, _ = parse_config(_redis(mode="cluster", password="p", tls=True, cluster=CLUSTER))
+    r = cfg.response_cache.redis
+    assert r is not None and r.mode == "cluster" and r.cluster is not None
+    assert r.cluster.startup_nodes == CLUSTER["startup_nodes"]
+
+
+def test_kv_index_on_a_cluster_is_a_config_error_naming_the_path() -> None:
+    cfg = {**_redis(mode="cluster", cluster=CLUSTER), "kv_cache_index": {"backend": "redis"}}
+    errs = errors_of(cfg)
+    assert "hash slots" in errs["kv_cache_index.backend"], errs
+    # The response cache alone on the Cluster, the index in memory: fine.
+    parse_config({**cfg, "kv_cache_index": {"backend": "memory"}})
 
 
 def test_sentinel_config_parses() -> None:

@@ -10,7 +10,6 @@ both stores switch back (the index replaying what it wrote during the outage).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import pytest
@@ -34,27 +33,18 @@ def config(s: SentinelSet, **over: object) -> RedisConfig:
     )
 
 
-@pytest.fixture
-async def pools() -> AsyncIterator[RedisPools]:
-    p = RedisPools()
-    try:
-        yield p
-    finally:
-        await p.aclose()
-
-
 async def on_port(s: SentinelSet, port: int) -> Redis:
     return Redis(host="127.0.0.1", port=port, password=s.password)
 
 
 async def test_cache_and_index_follow_a_failover_by_themselves(
-    sentinel_set: SentinelSet, pools: RedisPools
+    sentinel_set: SentinelSet, redis_pools: RedisPools
 ) -> None:
     s = sentinel_set
     cfg = config(s)
-    cache = build_cache_store("redis", 10, 60, cfg, pools, monitor_interval_s=0.1)
-    kv = build_kv_index(KvCacheIndexConfig(backend="redis"), cfg, pools=pools)
-    assert len(pools) == 1  # one Sentinel-managed pool for both
+    cache = build_cache_store("redis", 10, 60, cfg, redis_pools, monitor_interval_s=0.1)
+    kv = build_kv_index(KvCacheIndexConfig(backend="redis"), cfg, pools=redis_pools)
+    assert len(redis_pools) == 1  # one Sentinel-managed pool for both
     await cache.set("before", b"1")
     await kv.upsert(P(1), "vllm-1", 10, GPU)
     primary = await on_port(s, s.primary.port)
@@ -99,37 +89,37 @@ async def test_cache_and_index_follow_a_failover_by_themselves(
 
 
 async def test_wrong_sentinel_password_means_unavailable_not_a_crash(
-    sentinel_set: SentinelSet, pools: RedisPools
+    sentinel_set: SentinelSet, redis_pools: RedisPools
 ) -> None:
     s = sentinel_set
     good_cfg = config(s)
     assert good_cfg.sentinel is not None
     bad = config(s, sentinel={**good_cfg.sentinel.model_dump(), "password": "wrong"})
-    idx = RedisKvIndex(pools.get(bad), 600)
+    idx = RedisKvIndex(redis_pools.get(bad), 600)
     with pytest.raises(KvIndexUnavailable):
         await idx.ping()
-    good = RedisKvIndex(pools.get(config(s)), 600)
+    good = RedisKvIndex(redis_pools.get(config(s)), 600)
     await good.ping()
-    assert len(pools) == 2
+    assert len(redis_pools) == 2
 
 
 async def test_wrong_data_password_means_unavailable(
-    sentinel_set: SentinelSet, pools: RedisPools
+    sentinel_set: SentinelSet, redis_pools: RedisPools
 ) -> None:
-    idx = RedisKvIndex(pools.get(config(sentinel_set, password="wrong")), 600)
+    idx = RedisKvIndex(redis_pools.get(config(sentinel_set, password="wrong")), 600)
     with pytest.raises(KvIndexUnavailable):
         await idx.ping()
 
 
 async def test_sentinel_over_tls_and_a_failover(
-    sentinel_tls_set: SentinelSet, pools: RedisPools
+    sentinel_tls_set: SentinelSet, redis_pools: RedisPools
 ) -> None:
     """Data nodes and sentinels on TLS only, verified with the deployment's CA; the client
     follows a failover over TLS too. Without TLS the same addresses are unavailable."""
     s = sentinel_tls_set
     cfg = config(s)
     assert cfg.tls and cfg.sentinel is not None and cfg.sentinel.tls
-    cache = build_cache_store("redis", 10, 60, cfg, pools, monitor_interval_s=0.1)
+    cache = build_cache_store("redis", 10, 60, cfg, redis_pools, monitor_interval_s=0.1)
     await cache.set("k", b"v")
     assert await cache.get("k") == b"v"
     old = s.kill_primary()
@@ -150,6 +140,6 @@ async def test_sentinel_over_tls_and_a_failover(
     await cache.close()
     assert cfg.sentinel is not None
     plain_cfg = config(s, tls=False, sentinel={**cfg.sentinel.model_dump(), "tls": False})
-    plain = RedisKvIndex(pools.get(plain_cfg), 600)
+    plain = RedisKvIndex(redis_pools.get(plain_cfg), 600)
     with pytest.raises(KvIndexUnavailable):
         await plain.ping()

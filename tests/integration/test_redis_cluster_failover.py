@@ -1,0 +1,106 @@
+"""A Redis Cluster primary SIGKILLed under traffic, through the real router process.
+
+A Redis Cluster of three primaries and three replicas (``tests.redis_fixture.ClusterSet``,
+a password on every node, a 1 s node timeout) and a router whose response cache uses it in
+``response_cache.redis.mode: cluster``. A primary that holds cache entries is SIGKILLed
+while clients keep asking repeated questions. Asserted: no client request fails (the
+memory fallback answers during the failover window, and the switch is counted in
+/metrics, once), the router reaches the promoted replica by itself (the fallback ends),
+and afterwards the cache stores in and answers from the Cluster again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from .conftest import RouterProc, StartRouter, backend, chat_body, metric_value, wait_until
+
+if TYPE_CHECKING:
+    from harness.sim.fleet import SimFleet
+    from tests.redis_fixture import ClusterSet
+
+pytest_plugins = ("tests.redis_fixture",)
+
+
+def entries_on(c: ClusterSet, port: int) -> int:
+    out = c.cli(port, "dbsize").strip()
+    return int(out) if out.isdigit() else 0
+
+
+async def test_primary_killed_under_traffic(
+    sims: SimFleet, cluster_set: ClusterSet, start_router: StartRouter
+) -> None:
+    c = cluster_set
+    redis = {
+        **c.config(),
+        "health_check_interval_ms": 200,
+        "connect_timeout_ms": 300,
+        "command_timeout_ms": 300,
+    }
+    router: RouterProc = await start_router(
+        {
+            "backends": [backend("sim-1", sims.urls[0])],
+            "response_cache": {"enabled": True, "backend": "redis", "redis": redis},
+        }
+    )
+    failures: list[Any] = []
+    served = 0
+    stop = asyncio.Event()
+    run = uuid.uuid4().hex[:8]
+
+    async def clients() -> None:
+        nonlocal served
+        for i in itertools.count():
+            if stop.is_set():
+                return
+            r = await router.chat(chat_body(f"traffic-{run}-{i % 12}", temperature=0))
+            if r.status != 200:
+                failures.append(r)
+            served += 1
+
+    tasks = [asyncio.create_task(clients()), asyncio.create_task(clients())]
+    try:
+
+        async def some_served(n: int) -> bool:
+            return served >= n
+
+        await wait_until(lambda: some_served(30), within=20, what="traffic before the kill")
+        # The primary holding the most entries (twelve questions spread over three).
+        victim = max(c.primaries(), key=lambda p: entries_on(c, p))
+        assert entries_on(c, victim) > 0
+        c.kill(victim)
+        before_kill = served
+        await asyncio.to_thread(c.wait_failover, victim)
+
+        async def recovered() -> bool:
+            text = await router.metrics()
+            return (
+                metric_value(text, "continuum_cache_fallback_active") == 0
+                and metric_value(text, "continuum_cache_fallback_switches_total") >= 1
+            )
+
+        await wait_until(recovered, within=30, interval=0.2, what="the cache back on Redis")
+        await wait_until(lambda: some_served(before_kill + 30), within=20, what="traffic after")
+    finally:
+        stop.set()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+    assert failures == [], failures[:3]
+    text = await router.metrics()
+    assert metric_value(text, "continuum_cache_fallback_switches_total") == 1
+    assert metric_value(text, "continuum_cache_fallback_active") == 0
+
+    # On the Cluster again: a new answer is stored there and served from there.
+    stored = sum(entries_on(c, p) for p in c.primaries())
+    body = chat_body(f"after-{run}", temperature=0)
+    first = await router.chat(body)
+    assert first.status == 200 and first.headers["x-cache"] == "MISS"
+    assert sum(entries_on(c, p) for p in c.primaries()) == stored + 1
+    second = await router.chat(body)
+    assert second.status == 200 and second.headers["x-cache"] == "HIT"
+    assert second.json()["choices"] == first.json()["choices"]
