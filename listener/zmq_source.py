@@ -175,6 +175,11 @@ class ZmqSourceConfig:
     """Backend name, for logs."""
     replay_timeout_s: float = 5.0
     """Longest wait for each replay reply message, in seconds."""
+    idle_replay_after_s: float = 2.0
+    """With a replay endpoint and nothing known of the engine yet (a listener started
+    beside a running engine): ask the replay for the engine's whole buffer after this long
+    without a live batch, instead of waiting for one. An engine that routers send nothing
+    (they learn what it holds only from this listener) may otherwise never publish again."""
     rcvhwm: int = 100_000
     """SUB receive high-water mark (messages); the engines' PUB uses 100 000."""
     max_frame_bytes: int = DEFAULT_MAX_FRAME_BYTES
@@ -200,6 +205,8 @@ class ZmqSourceConfig:
                 )
         if self.replay_timeout_s <= 0:
             raise ValueError("replay_timeout_s must be > 0")
+        if self.idle_replay_after_s <= 0:
+            raise ValueError("idle_replay_after_s must be > 0")
         if self.dp_rank is not None and self.dp_rank < 0:
             raise ValueError("dp_rank must be >= 0")
         if self.max_frame_bytes < 1:
@@ -235,6 +242,9 @@ class ZmqSourceStats:
     resyncs: int = 0
     relearns: int = 0
     """Resyncs after which the engine's whole buffer was fetched again (replay endpoint)."""
+    idle_replays: int = 0
+    """Replays of an engine's buffer asked because no live batch came after the start
+    (``idle_replay_after_s``)."""
     resumes: int = 0
     """Starts from a checkpoint's sequence number (``resume``)."""
     resumes_verified: int = 0
@@ -413,6 +423,7 @@ class ZmqSource:
         self._decode_error_logged = False
         self._malformed_logged = False
         self._replaying = False
+        self._idle_replay_asked = False
         self._callback_error_logged = False
 
     # -- public surface ----------------------------------------------------------------------
@@ -588,8 +599,17 @@ class ZmqSource:
         noblock = zmq.NOBLOCK
         take = self._take
         on_drained = self._on_drained
+        self._idle_replay_asked = False
         while True:
-            pending = take(await sock.recv_multipart())
+            if self._idle_replay_due():
+                try:
+                    frames = await asyncio.wait_for(sock.recv_multipart(), cfg.idle_replay_after_s)
+                except TimeoutError:
+                    await self._replay_idle_engine()
+                    continue
+            else:
+                frames = await sock.recv_multipart()
+            pending = take(frames)
             if pending is not None:
                 await pending
             for _ in range(_DRAIN_BATCH):
@@ -603,6 +623,35 @@ class ZmqSource:
             if on_drained is not None:
                 await self._call(on_drained)
             await asyncio.sleep(0)
+
+    def _idle_replay_due(self) -> bool:
+        return (
+            not self._idle_replay_asked
+            and self._last_seq is None
+            and self._resume is None
+            and self.config.replay_endpoint is not None
+        )
+
+    async def _replay_idle_engine(self) -> None:
+        """No live batch since the start and nothing known: learn the engine's buffer now
+        (in the receive loop, so no live batch is handled meanwhile; live copies of what it
+        returns are dropped as duplicates). Asked once per connection: a failure, or an
+        engine whose buffer does not reach back to batch 0, leaves the next live batch's
+        replay to try again."""
+        self._idle_replay_asked = True
+        try:
+            await self._replay(0)
+        except (_ReplayError, TimeoutError, zmq.ZMQError) as exc:
+            logger.info(
+                "zmq source %s: no replay of an idle engine: %s",
+                self._name,
+                str(exc) or type(exc).__name__,
+            )
+            return
+        if self._last_seq is not None:
+            self.stats.replays += 1
+            self.stats.idle_replays += 1
+            self._dup_floor = -1
 
     # -- ordering ----------------------------------------------------------------------------
 

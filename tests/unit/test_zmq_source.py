@@ -356,6 +356,33 @@ async def test_a_queued_backlog_is_drained_in_runs_and_on_drained_follows_each_r
 # Gaps and replay
 
 
+async def test_an_idle_engine_is_replayed_without_waiting_for_a_live_batch(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    """A listener started beside a running engine that publishes nothing (no router sends
+    it a request: they learn what it holds only from this listener) learns the engine's
+    buffer after ``idle_replay_after_s``; a live batch afterwards follows on, and a live
+    copy of a replayed batch is a duplicate, not an engine restart."""
+    engine = engine_factory()
+    endpoint = engine.bind()
+    replay = engine.bind_replay()
+    for _ in range(3):
+        await engine.publish(live=False)  # 0, 1, 2: before the listener started
+    rec = Recorder()
+    cfg = ZmqSourceConfig(endpoint=endpoint, replay_endpoint=replay, idle_replay_after_s=0.2)
+    source = rec.source(cfg)
+    async with running(source):
+        await engine.subscribed()
+        await eventually(lambda: rec.seqs() == [0, 1, 2])
+        assert engine.replay_requests == [0]
+        await engine.pub.send_multipart([engine.topic, (2).to_bytes(8, "big"), batch_payload(2)])
+        await engine.publish()  # 3
+        await eventually(lambda: rec.seqs() == [0, 1, 2, 3])
+    st = source.stats
+    assert (st.idle_replays, st.replayed_batches, st.duplicates, st.restarts) == (1, 3, 1, 0)
+    assert not [i for i in rec.items if i[0] == "resync"]
+
+
 @RECORDERS
 @pytest.mark.parametrize("layout", ["old", "new"])
 async def test_gap_is_replayed_in_order_without_duplicates(
