@@ -434,12 +434,14 @@ class ZmqSource:
 
     def relearn(self) -> None:
         """After a resync: with a replay endpoint, fetch the engine's whole buffer before
-        the next live batch (no-op without one, or during a replay)."""
+        the next live batch, or after ``idle_replay_after_s`` without one (no-op without a
+        replay endpoint, or during a replay)."""
         if self.config.replay_endpoint is None or self._replaying:
             return
         self.stats.relearns += 1
         self._last_seq = None
         self._dup_floor = None
+        self._idle_replay_asked = False
 
     def resume(self, seq: int, digest: bytes | None, on_gap: Callable[[int], object]) -> None:
         """Continue after batch ``seq`` (with payload digest ``digest``,

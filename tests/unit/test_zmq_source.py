@@ -635,12 +635,41 @@ async def test_malformed_frames_and_undecodable_payloads_are_counted(
 
 
 def _replaying(
-    engine_factory: Callable[..., FakeEngine],
+    engine_factory: Callable[..., FakeEngine], idle_replay_after_s: float = 2.0
 ) -> tuple[FakeEngine, Recorder, ZmqSource]:
     engine = engine_factory()
     rec = Recorder()
-    config = ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
+    config = ZmqSourceConfig(
+        endpoint=engine.bind(),
+        replay_endpoint=engine.bind_replay(),
+        idle_replay_after_s=idle_replay_after_s,
+    )
     return engine, rec, rec.source(config)
+
+
+async def test_an_engine_idle_after_an_unusable_batch_is_learned_again(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    """The resync for an unusable batch forgets the backend; an engine that publishes
+    nothing after it is replayed after ``idle_replay_after_s`` all the same."""
+    engine, rec, source = _replaying(engine_factory, idle_replay_after_s=0.2)
+    async with running(source):
+        await engine.subscribed()
+        # Idle at the start too: that replay finds an empty buffer (nothing to learn).
+        await eventually(lambda: engine.replay_requests == [0])
+        await engine.publish()  # 0
+        await eventually(lambda: rec.seqs() == [0])
+        await engine.pub.send_multipart([b"", (1).to_bytes(8, "big"), b"\xc1"])  # not ours
+        await engine.publish(live=False)  # 1: the engine's own, only in its buffer
+        await eventually(lambda: rec.seqs()[-2:] == [0, 1])
+    assert rec.items == [
+        ("batch", 0, 0),
+        ("resync", "decode_error"),
+        ("batch", 0, 0),
+        ("batch", 1, 0),
+    ]
+    assert engine.replay_requests == [0, 0]
+    assert (source.stats.relearns, source.stats.idle_replays) == (1, 1)
 
 
 async def test_an_unusable_batch_under_a_real_seq_is_followed_by_a_replay_of_the_buffer(
