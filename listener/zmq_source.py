@@ -841,8 +841,7 @@ class ZmqSource:
 
     async def _replay_request(self, start: int) -> zmq.asyncio.Socket:
         """A DEALER on the replay endpoint that has asked for the batches from ``start``
-        (the caller reads the answer and closes it). ``_replay`` sets up its own inline,
-        where its replay bookkeeping brackets it."""
+        (the caller reads the answer and closes it)."""
         assert self._ctx is not None and self.config.replay_endpoint is not None
         dealer = self._ctx.socket(zmq.DEALER)
         try:
@@ -937,16 +936,10 @@ class ZmqSource:
             _ReplayError: malformed reply.
             TimeoutError: no reply within ``replay_timeout_s``.
         """
-        assert self._ctx is not None and self.config.replay_endpoint is not None
-        dealer = self._ctx.socket(zmq.DEALER)
         self._replaying = True
+        dealer: zmq.asyncio.Socket | None = None
         try:
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_frame_bytes)
-            if is_ipv6_endpoint(self.config.replay_endpoint):
-                dealer.setsockopt(zmq.IPV6, 1)
-            dealer.connect(self.config.replay_endpoint)
-            await dealer.send_multipart([b"", start.to_bytes(SEQ_LEN, "big")])
+            dealer = await self._replay_request(start)
             while True:
                 async with asyncio.timeout(self.config.replay_timeout_s):
                     frames = await dealer.recv_multipart()
@@ -959,7 +952,8 @@ class ZmqSource:
                 yield item
         finally:
             self._replaying = False
-            dealer.close(0)
+            if dealer is not None:
+                dealer.close(0)
 
     # -- hand-off ----------------------------------------------------------------------------
 
