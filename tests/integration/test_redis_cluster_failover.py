@@ -12,11 +12,10 @@ and afterwards the cache stores in and answers from the Cluster again.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import uuid
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from .client_load import ClientLoad
 from .conftest import RouterProc, StartRouter, backend, chat_body, metric_value, wait_until
 
 if TYPE_CHECKING:
@@ -47,33 +46,15 @@ async def test_primary_killed_under_traffic(
             "response_cache": {"enabled": True, "backend": "redis", "redis": redis},
         }
     )
-    failures: list[Any] = []
-    served = 0
-    stop = asyncio.Event()
     run = uuid.uuid4().hex[:8]
-
-    async def clients() -> None:
-        nonlocal served
-        for i in itertools.count():
-            if stop.is_set():
-                return
-            r = await router.chat(chat_body(f"traffic-{run}-{i % 12}", temperature=0))
-            if r.status != 200:
-                failures.append(r)
-            served += 1
-
-    tasks = [asyncio.create_task(clients()), asyncio.create_task(clients())]
-    try:
-
-        async def some_served(n: int) -> bool:
-            return served >= n
-
-        await wait_until(lambda: some_served(30), within=20, what="traffic before the kill")
+    load = ClientLoad(router, lambda i: chat_body(f"traffic-{run}-{i % 12}", temperature=0))
+    async with load:
+        await load.served(30, "traffic before the kill")
         # The primary holding the most entries (twelve questions spread over three).
         victim = max(c.primaries(), key=lambda p: entries_on(c, p))
         assert entries_on(c, victim) > 0
         c.kill(victim)
-        before_kill = served
+        before_kill = load.count
         await asyncio.to_thread(c.wait_failover, victim)
 
         async def recovered() -> bool:
@@ -84,13 +65,8 @@ async def test_primary_killed_under_traffic(
             )
 
         await wait_until(recovered, within=30, interval=0.2, what="the cache back on Redis")
-        await wait_until(lambda: some_served(before_kill + 30), within=20, what="traffic after")
-    finally:
-        stop.set()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-    assert failures == [], failures[:3]
+        await load.served(before_kill + 30, "traffic after")
+    assert load.failures == [], load.failures[:3]
     text = await router.metrics()
     assert metric_value(text, "continuum_cache_fallback_switches_total") == 1
     assert metric_value(text, "continuum_cache_fallback_active") == 0

@@ -31,6 +31,7 @@ from router.config.models import RedisConfig
 from router.kvindex import RedisKvIndex
 from router.redis import build_redis, close_client
 
+from .client_load import ClientLoad
 from .conftest import RouterProc, StartRouter, metric_value, wait_until
 from .test_tier4_e2e import (
     NAMES,
@@ -141,21 +142,7 @@ async def test_primary_killed_under_traffic(
 
     await wait_until(connected, within=10, what="the router's event consumers")
 
-    failures: list[Any] = []
-    served = 0
     stop = asyncio.Event()
-
-    async def clients() -> None:
-        nonlocal served
-        for i in itertools.count():
-            if stop.is_set():
-                return
-            # Repeated questions (cache hits) and prompts the engines hold (KV routing).
-            body = {**sys_req(f"traffic-{i % 7}"), "temperature": 0}
-            r = await router.chat(body)
-            if r.status != 200:
-                failures.append(r)
-            served += 1
 
     async def engines_work() -> None:
         for i in itertools.count():
@@ -163,35 +150,32 @@ async def test_primary_killed_under_traffic(
                 return
             await direct(fleet.urls[i % len(NAMES)], sys_req(f"work-{i}"))
 
-    tasks = [asyncio.create_task(clients()), asyncio.create_task(clients())]
-    tasks.append(asyncio.create_task(engines_work()))
+    # Repeated questions (cache hits) and prompts the engines hold (KV routing).
+    load = ClientLoad(router, lambda i: {**sys_req(f"traffic-{i % 7}"), "temperature": 0})
+    work = asyncio.create_task(engines_work())
     try:
+        async with load:
+            await load.served(20, "traffic before the kill")
+            old = s.kill_primary()
+            before_kill = load.count
+            await asyncio.to_thread(s.wait_failover, old)
 
-        async def some_served(n: int) -> bool:
-            return served >= n
+            async def recovered() -> bool:
+                text = await router.metrics()
+                return (
+                    metric_value(text, "continuum_cache_fallback_active") == 0
+                    and metric_value(text, "continuum_kv_index_fallback_active") == 0
+                    and metric_value(text, "continuum_kv_index_fallback_switches_total") >= 1
+                    and metric_value(text, "continuum_cache_fallback_switches_total") >= 1
+                )
 
-        await wait_until(lambda: some_served(20), within=20, what="traffic before the kill")
-        old = s.kill_primary()
-        before_kill = served
-        await asyncio.to_thread(s.wait_failover, old)
-
-        async def recovered() -> bool:
-            text = await router.metrics()
-            return (
-                metric_value(text, "continuum_cache_fallback_active") == 0
-                and metric_value(text, "continuum_kv_index_fallback_active") == 0
-                and metric_value(text, "continuum_kv_index_fallback_switches_total") >= 1
-                and metric_value(text, "continuum_cache_fallback_switches_total") >= 1
-            )
-
-        await wait_until(recovered, within=30, interval=0.2, what="both stores back on Redis")
-        await wait_until(lambda: some_served(before_kill + 20), within=20, what="traffic after")
+            await wait_until(recovered, within=30, interval=0.2, what="both stores back on Redis")
+            await load.served(before_kill + 20, "traffic after")
     finally:
         stop.set()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await t
-    assert failures == [], failures[:3]
+        with contextlib.suppress(asyncio.CancelledError):
+            await work
+    assert load.failures == [], load.failures[:3]
     text = await router.metrics()
     assert metric_value(text, "continuum_cache_fallback_switches_total") == 1
     assert metric_value(text, "continuum_kv_index_fallback_switches_total") == 1
