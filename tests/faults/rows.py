@@ -61,6 +61,20 @@ async def _nothing(s: FaultStack) -> None:
     return None
 
 
+def _router_kill(kind: str, after: str, opts: StackOptions) -> Row:
+    """The one router SIGKILLed and started again: requests meanwhile fail, unavoidably."""
+    return Row(
+        f"router-kill/{kind}",
+        f"router SIGKILL 2 s, {after}",
+        opts,
+        _kill_router,
+        _start_router,
+        unavoidable=True,
+        router_restarts=True,
+        notes=("one router replica: requests while it is down have nowhere to go",),
+    )
+
+
 CORE: tuple[Row, ...] = (
     Row(
         "baseline",
@@ -116,35 +130,10 @@ CORE: tuple[Row, ...] = (
         _kill_engine,
         _start_engine,
     ),
-    Row(
-        "router-kill/memory",
-        "router SIGKILL 2 s, restart (memory index)",
-        StackOptions(),
-        _kill_router,
-        _start_router,
-        unavoidable=True,
-        router_restarts=True,
-        notes=("one router replica: requests while it is down have nowhere to go",),
-    ),
-    Row(
-        "router-kill/redis",
-        "router SIGKILL 2 s, restart (Redis index, kept)",
-        StackOptions(index="redis"),
-        _kill_router,
-        _start_router,
-        unavoidable=True,
-        router_restarts=True,
-        notes=("one router replica: requests while it is down have nowhere to go",),
-    ),
-    Row(
-        "router-kill/push",
-        "router SIGKILL 2 s, restart (push: the listener dials again)",
-        StackOptions(transport="push"),
-        _kill_router,
-        _start_router,
-        unavoidable=True,
-        router_restarts=True,
-        notes=("one router replica: requests while it is down have nowhere to go",),
+    _router_kill("memory", "restart (memory index)", StackOptions()),
+    _router_kill("redis", "restart (Redis index, kept)", StackOptions(index="redis")),
+    _router_kill(
+        "push", "restart (push: the listener dials again)", StackOptions(transport="push")
     ),
     Row(
         "redis-pause",
