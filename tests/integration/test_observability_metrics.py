@@ -35,12 +35,11 @@ import pytest_asyncio
 from prometheus_client.parser import text_string_to_metric_families
 
 from harness.procs import Service, free_port
-from harness.sim.fleet import SimFleet
-from harness.sim.tokenizer import bundled_qwen2_config, bundled_qwen2_json
 from tests import promql
 from tests.redis_fixture import redis_url  # noqa: F401 - fixture
 
 from .conftest import RouterLauncher, RouterProc, http, wait_until
+from .qwen_stack import qwen2_templates, qwen_fleet
 
 pytest.importorskip("tokenizers")
 
@@ -78,35 +77,12 @@ async def inventory(
     redis_url: str,  # noqa: F811
 ) -> AsyncIterator[Inventory]:
     tmp = tmp_path_factory.mktemp("observability")
-    ports = [free_port() for _ in NAMES]
-    overrides = {i: {"kv_events": f"tcp://*:{pub}"} for i, pub in enumerate(ports)}
-    async with SimFleet(
-        n=len(NAMES),
-        model=MODEL,
-        names=list(NAMES),
-        tokenizer="qwen2",
-        kv_events_format="vllm-0.33",
-        overrides=overrides,
-    ) as fleet:
+    engines, listener_config = qwen_fleet(NAMES, MODEL)
+    async with engines as fleet:
         listener = Service(
             "listener",
             ["listener"],
-            {
-                "listen": "127.0.0.1:0",
-                "conversation": {"enabled": True},
-                "sources": [
-                    {
-                        "backend_name": name,
-                        "engine": "vllm",
-                        "zmq_endpoint": f"tcp://127.0.0.1:{pub}",
-                        "zmq_mode": "connect",
-                        "allowed_publishers": ["127.0.0.1"],
-                        "model": MODEL,
-                        "tokenizer": str(bundled_qwen2_json()),
-                    }
-                    for name, pub in zip(NAMES, ports, strict=True)
-                ],
-            },
+            listener_config,
             tmp / "listener.yaml",
         )
         await listener.start()
@@ -137,13 +113,7 @@ async def inventory(
                         "anti_entropy": {"interval_seconds": 0.5},
                         "conversation": {
                             "enabled": True,
-                            "templates": [
-                                {
-                                    "model": MODEL,
-                                    "tokenizer_config": str(bundled_qwen2_config()),
-                                    "tokenizer": str(bundled_qwen2_json()),
-                                }
-                            ],
+                            "templates": qwen2_templates(MODEL),
                         },
                     },
                 }

@@ -76,10 +76,15 @@ def promtool() -> str:
     return found
 
 
-def run_promtool(*args: str, cwd: Path) -> str:
-    done = subprocess.run(
+def promtool_run(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [promtool(), *args], cwd=cwd, capture_output=True, text=True, timeout=120, check=False
     )
+
+
+def run_promtool(*args: str, cwd: Path) -> str:
+    """promtool's output; fails the test on a non-zero exit."""
+    done = promtool_run(*args, cwd=cwd)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out
     return out
@@ -125,14 +130,7 @@ def test_rules_unit_tests_fail_when_an_alert_misbehaves(tmp_path: Path) -> None:
     rules = re.sub(r"(?m)^(\s+)for: \S+$", r"\1for: 0s", ALERTS.read_text(encoding="utf-8"))
     (tmp_path / ALERTS.name).write_text(rules, encoding="utf-8")
     shutil.copy(ALERT_TESTS, tmp_path / ALERT_TESTS.name)
-    done = subprocess.run(
-        [promtool(), "test", "rules", ALERT_TESTS.name],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    done = promtool_run("test", "rules", ALERT_TESTS.name, cwd=tmp_path)
     assert done.returncode != 0
     for rule in alert_rules():
         assert rule["alert"] in done.stdout + done.stderr
@@ -220,14 +218,7 @@ def test_dashboard_and_rules_are_valid_promql(tmp_path: Path) -> None:
 def test_promql_check_rejects_a_broken_expression(tmp_path: Path) -> None:
     rules = {"groups": [{"name": "g", "rules": [{"record": "r", "expr": "sum(rate(x[5m])"}]}]}
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump(rules), encoding="utf-8")
-    done = subprocess.run(
-        [promtool(), "check", "rules", "bad.yaml"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    done = promtool_run("check", "rules", "bad.yaml", cwd=tmp_path)
     assert done.returncode != 0
 
 
