@@ -30,11 +30,11 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from harness.procs import Service, free_port
+from harness.procs import Service
 from harness.sim.fleet import SimFleet
-from harness.sim.tokenizer import bundled_qwen2_config, bundled_qwen2_json
 
 from .conftest import RouterLauncher, RouterProc, http, wait_until
+from .qwen_stack import qwen2_templates, qwen_fleet
 
 pytest.importorskip("tokenizers")
 
@@ -75,33 +75,10 @@ async def direct(url: str, body: dict[str, Any]) -> None:
 async def stack(
     module_router_launcher: RouterLauncher, tmp_path: Path
 ) -> AsyncIterator[tuple[SimFleet, Listener, RouterProc]]:
-    ports = [free_port() for _ in NAMES]
-    overrides = {i: {"kv_events": f"tcp://*:{pub}"} for i, pub in enumerate(ports)}
-    async with SimFleet(
-        n=len(NAMES),
-        model=MODEL,
-        names=list(NAMES),
-        tokenizer="qwen2",
-        kv_events_format="vllm-0.33",
-        overrides=overrides,
-    ) as fleet:
+    engines, listener_config = qwen_fleet(NAMES, MODEL)
+    async with engines as fleet:
         listener = Listener(
-            {
-                "listen": "127.0.0.1:0",
-                "conversation": {"enabled": True},
-                "sources": [
-                    {
-                        "backend_name": name,
-                        "engine": "vllm",
-                        "zmq_endpoint": f"tcp://127.0.0.1:{pub}",
-                        "zmq_mode": "connect",
-                        "allowed_publishers": ["127.0.0.1"],
-                        "model": MODEL,
-                        "tokenizer": str(bundled_qwen2_json()),
-                    }
-                    for name, pub in zip(NAMES, ports, strict=True)
-                ],
-            },
+            listener_config,
             tmp_path / "listener.yaml",
         )
         await listener.start()
@@ -152,13 +129,7 @@ async def stack(
                             # later turns render their new messages only: the keys must
                             # still be the listener's
                             "render_cache_bytes": 1 << 20,
-                            "templates": [
-                                {
-                                    "model": MODEL,
-                                    "tokenizer_config": str(bundled_qwen2_config()),
-                                    "tokenizer": str(bundled_qwen2_json()),
-                                }
-                            ],
+                            "templates": qwen2_templates(MODEL),
                         },
                     },
                 }

@@ -18,9 +18,9 @@ from typing import Any
 import pytest
 
 from harness.sim.fleet import SimFleet
-from harness.sim.tokenizer import bundled_qwen2_config, bundled_qwen2_json
 
 from .conftest import StartRouter, backend
+from .qwen_stack import qwen2_templates
 
 pytest.importorskip("tokenizers")
 
@@ -54,13 +54,7 @@ def _router_config(sims: SimFleet, **conversation: Any) -> dict[str, Any]:
             "enabled": True,
             "conversation": {
                 "enabled": True,
-                "templates": [
-                    {
-                        "model": MODEL,
-                        "tokenizer_config": str(bundled_qwen2_config()),
-                        "tokenizer": str(bundled_qwen2_json()),
-                    }
-                ],
+                "templates": qwen2_templates(MODEL),
                 **conversation,
             },
         },
