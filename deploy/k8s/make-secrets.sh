@@ -13,6 +13,9 @@ for f in "$here/base/secrets/admin-token" "$here/overlays/push/secrets/bus-token
   if [ ! -s "$f" ]; then token > "$f"; echo "made $f"; fi
 done
 hash=$(tr -d ' \n\r\t' < "$here/overlays/push/secrets/bus-token" | sha256sum | cut -d' ' -f1)
-sed -i "s/token_hash: \"sha256:[0-9a-f]*\"/token_hash: \"sha256:$hash\"/" \
-  "$here/overlays/push/router.yaml"
+config="$here/overlays/push/router.yaml"
+edited=$(mktemp)
+sed "s/token_hash: \"sha256:[0-9a-f]*\"/token_hash: \"sha256:$hash\"/" "$config" > "$edited"
+cat "$edited" > "$config"   # in place, keeping the file's mode
+rm -f "$edited"
 echo "bus token hash written to $here/overlays/push/router.yaml"
