@@ -5,7 +5,8 @@ own ``config validate`` / ``--check`` with the pod's files in place, and the par
 together: probes, ports, grace periods, secret paths, certificates, network policies.
 
 Rendering needs ``kubectl`` (its built-in kustomize); without it those tests skip and the
-per-file checks still run.
+per-file checks still run. tests/integration/test_k8s_configs_run.py starts the real
+processes on the same configs and asks their probe paths.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import yaml
 
 from listener import cli as listener_cli
 from router import cli as router_cli
-from tests.unit.k8s_support import (
+from tests.k8s_support import (
     K8S,
     OUTSIDE,
     OVERLAYS,
@@ -38,6 +39,7 @@ from tests.unit.k8s_support import (
     Obj,
     absolute_paths,
     allowed,
+    config_text,
     continuum_containers,
     find,
     lay_out,
@@ -134,35 +136,14 @@ def test_every_rendered_object_is_valid(overlay: Any) -> None:
         assert obj["kind"] == "Namespace" or obj["metadata"]["namespace"] == "continuum"
 
 
-def _config_text(objs: list[Obj], c: ContinuumContainer) -> str:
-    """The config file the container reads: from its mounts, or what an init container
-    renders into an emptyDir from a mounted ``.in`` template."""
-    files = mounted_files(objs, c.pod, c.container)
-    data = files.get(c.config_path)
-    if data is not None:
-        return data.decode()
-    for init in c.pod.get("initContainers", []):
-        if c.config_path in " ".join(init.get("command", [])):
-            templates = [
-                v for k, v in mounted_files(objs, c.pod, init).items() if k.endswith(".in") and v
-            ]
-            assert len(templates) == 1, init["name"]
-            assert {
-                "name": "NODE_NAME",
-                "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
-            } in init["env"]
-            return templates[0].decode().replace("__NODE_NAME__", NODE)
-    raise AssertionError(f"{c.name}: nothing provides {c.config_path}")
-
-
 def configs(objs: list[Obj]) -> list[tuple[ContinuumContainer, dict[str, Any]]]:
-    return [(c, yaml.safe_load(_config_text(objs, c))) for c in continuum_containers(objs)]
+    return [(c, yaml.safe_load(config_text(objs, c, NODE))) for c in continuum_containers(objs)]
 
 
 def _validate_in_pod(objs: list[Obj], c: ContinuumContainer, root: Path) -> tuple[int, str]:
     """Our own validator on the config, with the pod's mounted files under ``root``."""
     lay_out(mounted_files(objs, c.pod, c.container), root)
-    config = reroot(yaml.safe_load(_config_text(objs, c)), root)
+    config = reroot(yaml.safe_load(config_text(objs, c, NODE)), root)
     path = root / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     out = io.StringIO()

@@ -21,14 +21,14 @@ from __future__ import annotations
 import base64
 import shutil
 import subprocess
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 K8S = ROOT / "deploy" / "k8s"
 OVERLAYS = ("pull", "push")
 
@@ -92,7 +92,46 @@ def continuum_containers(objs: list[Obj]) -> list[ContinuumContainer]:
     return found
 
 
-def _volume_files(objs: list[Obj], volume: Obj) -> dict[str, bytes] | None:
+class CertManagerStandIn:
+    """Issues what cert-manager would put in each Certificate's Secret, with ``certs.pki``:
+    one CA for the render, then per Certificate a leaf for its ``dnsNames`` and usages."""
+
+    def __init__(self, workdir: Path) -> None:
+        from certs import pki
+
+        self._pki = pki
+        self._dir = workdir
+        self._ca = pki.make_ca(workdir, name="bus-ca")
+        self._issued: dict[str, dict[str, bytes]] = {}
+
+    def __call__(self, cert: Obj) -> dict[str, bytes]:
+        name = cert["metadata"]["name"]
+        if name not in self._issued:
+            spec = cert["spec"]
+            if spec.get("isCA"):
+                pair = self._ca
+            elif "server auth" in spec["usages"]:
+                pair = self._pki.make_server_cert(
+                    self._ca, self._dir, hostnames=spec["dnsNames"], ips=(), name=name
+                )
+            else:
+                (client_id,) = spec["dnsNames"]
+                pair = self._pki.make_client_cert(self._ca, self._dir, client_id, name=name)
+            self._issued[name] = {
+                "tls.crt": pair.cert.read_bytes(),
+                "tls.key": pair.key.read_bytes(),
+                "ca.crt": self._ca.cert.read_bytes(),
+            }
+        return self._issued[name]
+
+
+def _placeholder_certs(cert: Obj) -> dict[str, bytes]:
+    return {k: b"issued by cert-manager\n" for k in CERT_MANAGER_KEYS}
+
+
+def _volume_files(
+    objs: list[Obj], volume: Obj, issue: Callable[[Obj], dict[str, bytes]]
+) -> dict[str, bytes] | None:
     """The files a volume shows (None: a directory of its own, like emptyDir)."""
     if "configMap" in volume:
         cm = find(objs, "ConfigMap", volume["configMap"]["name"])
@@ -105,7 +144,7 @@ def _volume_files(objs: list[Obj], volume: Obj) -> dict[str, bytes] | None:
                 files.update({k: v.encode() for k, v in o.get("stringData", {}).items()})
                 return files
             if o["kind"] == "Certificate" and o["spec"]["secretName"] == name:
-                return {k: b"issued by cert-manager\n" for k in CERT_MANAGER_KEYS}
+                return issue(o)
         if volume["secret"].get("optional"):
             return {}
         raise KeyError(f"volume {volume['name']}: no Secret or Certificate {name!r}")
@@ -114,18 +153,46 @@ def _volume_files(objs: list[Obj], volume: Obj) -> dict[str, bytes] | None:
     raise KeyError(f"volume {volume['name']}: unsupported kind")
 
 
-def mounted_files(objs: list[Obj], pod: Obj, container: Obj) -> dict[str, bytes | None]:
-    """Absolute path in the container -> file bytes (None: an empty directory mount)."""
+def mounted_files(
+    objs: list[Obj],
+    pod: Obj,
+    container: Obj,
+    issue: Callable[[Obj], dict[str, bytes]] = _placeholder_certs,
+) -> dict[str, bytes | None]:
+    """Absolute path in the container -> file bytes (None: an empty directory mount).
+    ``issue`` makes a cert-manager Secret's files (placeholders unless a
+    :class:`CertManagerStandIn` is given)."""
     volumes = {v["name"]: v for v in pod.get("volumes", [])}
     files: dict[str, bytes | None] = {}
     for m in container.get("volumeMounts", []):
-        content = _volume_files(objs, volumes[m["name"]])
+        content = _volume_files(objs, volumes[m["name"]], issue)
         if content is None:
             files[m["mountPath"]] = None
         else:
             for key, data in content.items():
                 files[f"{m['mountPath']}/{key}"] = data
     return files
+
+
+def config_text(objs: list[Obj], c: ContinuumContainer, node: str) -> str:
+    """The config file the container reads: from its mounts, or what an init container
+    renders into an emptyDir from a mounted ``.in`` template, on node ``node``."""
+    files = mounted_files(objs, c.pod, c.container)
+    data = files.get(c.config_path)
+    if data is not None:
+        return data.decode()
+    for init in c.pod.get("initContainers", []):
+        if c.config_path in " ".join(init.get("command", [])):
+            templates = [
+                v for k, v in mounted_files(objs, c.pod, init).items() if k.endswith(".in") and v
+            ]
+            assert len(templates) == 1, init["name"]
+            assert {
+                "name": "NODE_NAME",
+                "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}},
+            } in init["env"]
+            return templates[0].decode().replace("__NODE_NAME__", node)
+    raise AssertionError(f"{c.name}: nothing provides {c.config_path}")
 
 
 def lay_out(files: Mapping[str, bytes | None], root: Path) -> None:
