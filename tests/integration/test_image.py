@@ -156,6 +156,8 @@ def test_the_image_builds_runs_unprivileged_and_serves_health(tmp_path: Path) ->
             f'server:\n  listen: "127.0.0.1:{port}"\n'
             'backends:\n  - {name: e1, url: "http://127.0.0.1:9", type: vllm}\n'
         )
+        # `timeout 120` inside: a SIGTERM to `buildah run` does not always reach the
+        # process in a chroot-isolated container, so it bounds its own life.
         proc = subprocess.Popen(
             [
                 *BUILDAH,
