@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 
-.PHONY: run run-multi test lint proto bench faults faults-slow clean
+.PHONY: run run-multi test lint proto bench faults faults-slow image image-base clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,6 +71,37 @@ faults: $(VENV)/.installed-dev
 # Every row, the slow ones too (partitions of minutes): writes tests/faults/RESULTS-slow.md.
 faults-slow: $(VENV)/.installed-dev
 	FAULTS_COMMAND="make faults-slow" $(PY) -m tests.faults --slow --out tests/faults/RESULTS-slow.md
+
+# The container image (Containerfile) with buildah, else podman. IMAGE names it;
+# PYTHON_IMAGE replaces the python:3.11-slim base (e.g. the one image-base makes);
+# BUILD_CA is a CA bundle for a TLS-intercepting proxy to the package index (a build
+# secret, in no layer). Inside a container without overlay storage or user namespaces:
+# make image BUILDAH="buildah --storage-driver vfs" BUILDAH_ISOLATION=chroot
+IMAGE ?= continuum:dev
+BUILDAH ?= buildah
+comma := ,
+IMAGE_BUILDER ?= $(shell command -v buildah >/dev/null 2>&1 && echo "$(BUILDAH) bud" || echo "podman build")
+image:
+	$(IMAGE_BUILDER) --format docker -f Containerfile -t $(IMAGE) \
+	  $(if $(PYTHON_IMAGE),--build-arg PYTHON_IMAGE=$(PYTHON_IMAGE)) \
+	  $(if $(BUILD_CA),--secret id=build-ca$(comma)src=$(BUILD_CA)) .
+
+# A stand-in for python:3.11-slim on machines that reach Debian's archive but no image
+# registry: Debian bookworm (its python3 is 3.11) by debootstrap, imported with buildah.
+# Then: make image PYTHON_IMAGE=$(BASE_IMAGE)
+BASE_IMAGE ?= localhost/continuum-base:bookworm
+image-base:
+	command -v debootstrap >/dev/null || apt-get install -y -q debootstrap
+	rm -rf build/rootfs && mkdir -p build
+	debootstrap --variant=minbase \
+	  --include=python3,python3-venv,python3-pip,python-is-python3,passwd,ca-certificates \
+	  bookworm build/rootfs
+	tar -C build/rootfs -cf build/rootfs.tar . && rm -rf build/rootfs
+	c=$$($(BUILDAH) from scratch) && $(BUILDAH) add $$c build/rootfs.tar / \
+	  && $(BUILDAH) config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin \
+	     --cmd python3 $$c \
+	  && $(BUILDAH) commit --rm $$c $(BASE_IMAGE)
+	rm -f build/rootfs.tar
 
 clean:
 	rm -rf $(VENV) build *.egg-info
