@@ -16,17 +16,19 @@ largest number of blocks the cache held when it evicted or was told of an evicti
 caller's capacity, which the cache is never told); until then nothing is evicted anywhere.
 
 **The order of the leader.** The cache keeps SAECache's own state (so it can return to
-it at any time) and, for the same evictable blocks, an LRU order (oldest access first,
-deeper block first on ties, as vLLM's free queue) and an LFU order (fewest accesses,
-then oldest). Each window the mode becomes the shadow with the best score if it beats
-the current mode's by more than ``margin`` of the window's sampled accesses (a ratchet
-against noise); SAECache is the starting mode. ``victim``, ``evict`` and ``rank`` use
-the current mode's order; everything else is ``SaeCache``'s.
+it at any time) and, while LRU or LFU leads, that policy's order over the same evictable
+blocks: LRU oldest access first, deeper block first on ties (vLLM's free queue), LFU
+fewest accesses, then oldest. Each window the mode becomes the shadow with the best
+score if it beats the current mode's by more than ``margin`` of the window's sampled
+accesses (a ratchet against noise); SAECache is the starting mode. A switch builds the
+new order from the evictable blocks (O(n), at most once per window). ``victim``,
+``evict`` and ``rank`` use the current mode's order; everything else is ``SaeCache``'s.
 
-**Cost.** Per access, O(log n) more than SAECache (one push into each of two heaps when
-a block becomes evictable, one hash) plus, for one access in ``sample``, a SAECache,
-LRU and LFU update on caches ``sample`` times smaller. Memory: two heap entries per
-evictable block and the shadows' ``1 / sample`` share.
+**Cost.** Per access, one hash and a counter more than SAECache (while LRU or LFU
+leads, one heap push when a block becomes evictable: O(log n)) plus, for one access in
+``sample``, a SAECache, LRU and LFU update on caches ``sample`` times smaller. Memory:
+one counter per block, one heap entry per evictable block while a baseline leads, and
+the shadows' ``1 / sample`` share.
 
 Deterministic for a given ``seed`` (it salts the sampling hash) on keys whose ``hash`` is
 (integers, tuples of integers: the block hashes engines report).
@@ -141,8 +143,7 @@ class GuardedSaeCache(SaeCache):
         self.switches = 0
         self.capacity = 0
         self._salt = (g.seed * _GOLDEN + 0x5AEC) & _MASK
-        self._lru: list[tuple[float, int, int, _Blk]] = []
-        self._lfu: list[tuple[int, float, int, int, _Blk]] = []
+        self._order: list[tuple] = []  # LRU or LFU entries (..., seq, block), lazy deletion
         self._count: dict[Hashable, int] = {}
         shadow_cfg = replace(self.cfg, ghost_capacity=max(1, self.cfg.ghost_capacity // g.sample))
         self._sae = SaeCache(shadow_cfg)
@@ -209,8 +210,7 @@ class GuardedSaeCache(SaeCache):
 
     def clear(self) -> None:
         super().clear()
-        self._lru.clear()
-        self._lfu.clear()
+        self._order.clear()
         self._count.clear()
 
     # -- shadows ----------------------------------------------------------------------
@@ -282,20 +282,40 @@ class GuardedSaeCache(SaeCache):
         if lead != cur and s[lead] - s[cur] > self.guard.margin * self._norm:
             self.mode = Mode(lead)
             self.switches += 1
+            self._rebuild()
 
     # -- the orders -------------------------------------------------------------------
 
     def _push(self, b: _Blk) -> None:
         super()._push(b)
-        seq = b.seq
-        lru, lfu = self._lru, self._lfu
-        if len(lru) > 2 * len(self._blocks) + 1024:  # stale entries: amortised O(1)
-            lru[:] = [e for e in lru if e[-2] == e[-1].seq]
-            lfu[:] = [e for e in lfu if e[-2] == e[-1].seq]
-            heapq.heapify(lru)
-            heapq.heapify(lfu)
-        heapq.heappush(lru, (b.last, -b.offset, seq, b))
-        heapq.heappush(lfu, (self._count.get(b.key, 1), b.last, -b.offset, seq, b))
+        mode = self.mode
+        if mode == Mode.SAE:
+            return
+        order = self._order
+        if len(order) > 2 * len(self._blocks) + 1024:  # stale entries: amortised O(1)
+            self._rebuild()
+        elif mode == Mode.LRU:
+            heapq.heappush(order, (b.last, -b.offset, b.seq, b))
+        else:
+            heapq.heappush(order, (self._count.get(b.key, 1), b.last, -b.offset, b.seq, b))
+
+    def _rebuild(self) -> None:
+        """The current mode's order over every evictable block (on a switch): O(n)."""
+        live = [
+            e[2]
+            for lists in self._heaps
+            for heap in lists.values()
+            for e in heap
+            if e[1] == e[2].seq
+        ]
+        order: list[tuple] = []
+        if self.mode == Mode.LRU:
+            order = [(b.last, -b.offset, b.seq, b) for b in live]
+        elif self.mode == Mode.LFU:
+            count = self._count
+            order = [(count.get(b.key, 1), b.last, -b.offset, b.seq, b) for b in live]
+        heapq.heapify(order)
+        self._order = order
 
     def _unlink(self, b: _Blk) -> None:
         self._count.pop(b.key, None)
@@ -305,7 +325,7 @@ class GuardedSaeCache(SaeCache):
         mode = self.mode
         if mode == Mode.SAE:
             return super()._victim(now)
-        heap: list = self._lru if mode == Mode.LRU else self._lfu
+        heap = self._order
         while heap:
             e = heap[0]
             b = e[-1]

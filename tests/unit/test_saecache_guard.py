@@ -171,3 +171,14 @@ def test_the_capacity_is_learned_from_evictions() -> None:
     assert c.capacity == 5
     c.remove(3)
     assert c.capacity == 5
+
+
+def test_the_advisor_guards_each_backend_when_configured() -> None:
+    from listener.config.models import ListenerConfig
+    from listener.saecache.advisor import EvictionAdvisor
+
+    assert ListenerConfig().eviction_advisor_safeguard is True
+    guarded = EvictionAdvisor(["a"], guard=GuardConfig())
+    plain = EvictionAdvisor(["a"])
+    assert isinstance(guarded._backend("a").cache, GuardedSaeCache)  # type: ignore[union-attr]
+    assert not isinstance(plain._backend("a").cache, GuardedSaeCache)  # type: ignore[union-attr]
