@@ -33,6 +33,7 @@ from pathlib import Path
 
 from bench._plot import bar_chart_svg
 from bench._table import fmt_float, median, render_table
+from listener.saecache.guard import GuardConfig
 
 from .eval import Progress
 from .sim import LfuPolicy, LruPolicy, MinPolicy, SaePolicy, next_uses, replay
@@ -45,14 +46,35 @@ EVAL_VARIANTS = "heavy-tail,bimodal,tenants"
 EVAL_SEEDS = "11,12,13,14,15"
 
 
-def _policy(name: str, uses: list[list[float]]) -> LruPolicy | LfuPolicy | MinPolicy | SaePolicy:
+def _policy(
+    name: str, uses: list[list[float]], guards: dict[str, GuardConfig]
+) -> LruPolicy | LfuPolicy | MinPolicy | SaePolicy:
     if name == "lru":
         return LruPolicy()
     if name == "lfu":
         return LfuPolicy()
     if name == "min":
         return MinPolicy(uses)
-    return SaePolicy(guarded=name == "guard")
+    if name in guards:
+        return SaePolicy(guard=guards[name])
+    return SaePolicy()
+
+
+def parse_guard(spec: str) -> GuardConfig:
+    """``sample:window:margin:min_shadow`` (a suffix may be left out) -> ``GuardConfig``."""
+    parts = spec.split(":")
+    if len(parts) > 4 or not all(parts):
+        raise ValueError(f"guard spec {spec!r}: expected sample[:window[:margin[:min_shadow]]]")
+    d = GuardConfig()
+    try:
+        return GuardConfig(
+            sample=int(parts[0]),
+            window=int(parts[1]) if len(parts) > 1 else d.window,
+            margin=float(parts[2]) if len(parts) > 2 else d.margin,
+            min_shadow=int(parts[3]) if len(parts) > 3 else d.min_shadow,
+        )
+    except ValueError:
+        raise ValueError(f"guard spec {spec!r}: not numbers") from None
 
 
 def target_ok(margin_pp: float, gap_pp: float) -> bool:
@@ -71,6 +93,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--skip", type=int, default=6000, help="first ShareGPT record to use")
     ap.add_argument("--rate", type=float, default=0.5, help="session arrivals per second")
     ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument(
+        "--guard",
+        action="append",
+        default=[],
+        metavar="SAMPLE:WINDOW:MARGIN:MIN_SHADOW",
+        help="safeguard settings to compare (repeatable; each adds a policy "
+        "guard[SPEC]); default: GuardConfig's as 'guard'",
+    )
     ap.add_argument("--out", default=str(OUT_DIR / "grid.txt"))
     ap.add_argument("--plot", default=str(OUT_DIR / "grid.svg"))
     ap.add_argument("--json", help="also write every cell to this file")
@@ -88,6 +118,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in policies:
         if p not in POLICIES:
             ap.error(f"unknown policy {p!r}; expected some of {', '.join(POLICIES)}")
+    guards: dict[str, GuardConfig] = {"guard": GuardConfig()}
+    for spec in args.guard:
+        try:
+            guards[f"guard[{spec}]"] = parse_guard(spec)
+        except ValueError as exc:
+            ap.error(str(exc))
+        policies.append(f"guard[{spec}]")
     for need in ("lru", "lfu"):
         if need not in policies:
             policies.insert(0, need)
@@ -115,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     cap = max(1, int(ws * c / 100))
                     hits: dict[str, float] = {}
                     for p in policies:
-                        res = replay(tr, _policy(p, uses), cap, tick=prog.tick)
+                        res = replay(tr, _policy(p, uses, guards), cap, tick=prog.tick)
                         hits[p] = 100 * res.hit_rate
                         cost[p].append(res.us_per_access)
                         prog.step(f"{v} s{seed} {m} {c:g}% {p}")
@@ -145,7 +182,7 @@ def _report(
     cost: dict[str, list[float]],
     args: argparse.Namespace,
 ) -> str:
-    sae_like = [p for p in ("sae", "guard") if p in policies]
+    sae_like = [p for p in policies if p == "sae" or p.startswith("guard")]
     head = [
         f"grid: variants {args.variants}; seeds {args.seeds}; {args.sessions} sessions per "
         f"trace; ShareGPT records {args.skip}-{args.skip + args.records - 1}",
@@ -230,7 +267,7 @@ def _report(
 def _plot(
     path: str, cells: list[dict], policies: list[str], mixes: list[str], caps: list[float]
 ) -> Path:
-    series_names = [p for p in ("sae", "guard", "min") if p in policies]
+    series_names = [p for p in ("sae", "guard", "min") if p in policies][:3]
     labels: list[str] = []
     values: dict[str, list[float]] = {"best(LRU,LFU)": [], **{p: [] for p in series_names}}
     for m in mixes:

@@ -10,6 +10,8 @@ the one that is ahead.
 SHARDS-style spatial sampling: a sampled key keeps its whole access stream, so its reuse
 distance relative to the scaled capacity is preserved) is also fed to three small
 shadow caches of ``capacity / sample`` blocks: a full ``SaeCache``, an LRU and an LFU.
+A small cache samples more keys so that a shadow holds at least ``min_shadow`` blocks
+(fewer make the scores noise).
 Every sampled access scores a hit for each shadow that holds the key. Scores are summed
 per ``window`` sampled accesses and decayed by half each window. The capacity is the
 largest number of blocks the cache held when it evicted or was told of an eviction (the
@@ -61,7 +63,11 @@ class GuardConfig:
     """Tunables of the safeguard (fixed for every workload)."""
 
     sample: int = 8
-    """One key in ``sample`` feeds the shadow caches (1: every key, exact but costly)."""
+    """At most one key in ``sample`` feeds the shadow caches (1: every key, exact but
+    costly)."""
+    min_shadow: int = 512
+    """Blocks a shadow holds at least: a cache smaller than ``sample * min_shadow``
+    samples more keys (all of them below ``2 * min_shadow``)."""
     window: int = 512
     """Sampled accesses per decision; the scores halve every window."""
     margin: float = 0.002
@@ -85,6 +91,9 @@ class _Heap:
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.stamp
+
+    def discard(self, key: Hashable) -> None:
+        self.stamp.pop(key, None)
 
     def push(self, key: Hashable, *order: float) -> None:
         self._seq += 1
@@ -130,6 +139,10 @@ class _ShadowLfu(_Heap):
             del self._count[key]
         return key
 
+    def discard(self, key: Hashable) -> None:
+        super().discard(key)
+        self._count.pop(key, None)
+
 
 class GuardedSaeCache(SaeCache):
     """``SaeCache`` whose eviction order falls back to LRU or LFU where they win."""
@@ -154,6 +167,7 @@ class GuardedSaeCache(SaeCache):
         self.scores = [0.0, 0.0, 0.0]
         self._sampled_n = 0
         self._norm = 0.0
+        self.sample = 1  # every key until the capacity is known
 
     # -- what the caller reports ------------------------------------------------------
 
@@ -216,16 +230,33 @@ class GuardedSaeCache(SaeCache):
     # -- shadows ----------------------------------------------------------------------
 
     def _sampled(self, key: Hashable) -> bool:
-        n = self.guard.sample
+        n = self.sample
         if n == 1:
             return True
         return ((((hash(key) ^ self._salt) * _GOLDEN) & _MASK) >> 48) * n < (1 << 16)
 
     def _saw_full(self) -> None:
         n = len(self._blocks)
-        if n > self.capacity:
-            self.capacity = n
-            self._scap = max(1, round(n / self.guard.sample))
+        if n <= self.capacity:
+            return
+        first = self.capacity == 0
+        self.capacity = n
+        if first:
+            g = self.guard
+            self.sample = max(1, min(g.sample, n // max(1, g.min_shadow)))
+            if self.sample > 1:
+                self._thin()
+        self._scap = max(1, round(n / self.sample))
+
+    def _thin(self) -> None:
+        """Drop the keys the sample no longer keeps from the shadows (once, at the first
+        eviction: until then they held every key)."""
+        sae = self._sae
+        for key in [k for k in sae._blocks if not self._sampled(k)]:
+            sae.remove(key)
+        for shadow in (self._slru, self._slfu):
+            for key in [k for k in shadow.stamp if not self._sampled(k)]:
+                shadow.discard(key)
 
     def _shadow(
         self,

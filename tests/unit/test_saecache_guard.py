@@ -105,7 +105,7 @@ def test_sampled_shadows_are_deterministic_for_a_seed() -> None:
     trace = [_req(float(i), r.session, r.blocks, list(r.types)) for i, r in enumerate(trace)]
     runs = []
     for seed in (7, 7):
-        pol = SaePolicy(guard=GuardConfig(sample=4, window=32, seed=seed))
+        pol = SaePolicy(guard=GuardConfig(sample=4, window=32, seed=seed, min_shadow=1))
         res = replay(trace, pol, 40)
         runs.append((res.hit_tokens, res.evictions, pol.cache.switches))  # type: ignore[attr-defined]
     assert runs[0] == runs[1]
@@ -130,7 +130,7 @@ def test_capacity_and_tree_order_hold_in_every_mode(
     reqs: list[tuple[int, int, int, int]], cap: int, sample: int
 ) -> None:
     """Whatever the mode, a full cache evicts a leaf that is not in use, and stays full."""
-    c = GuardedSaeCache(guard=GuardConfig(sample=sample, window=4))
+    c = GuardedSaeCache(guard=GuardConfig(sample=sample, window=4, min_shadow=1))
     seen_modes = set()
     for i, (sid, root, depth, tt) in enumerate(reqs):
         now = float(i)
@@ -182,3 +182,18 @@ def test_the_advisor_guards_each_backend_when_configured() -> None:
     plain = EvictionAdvisor(["a"])
     assert isinstance(guarded._backend("a").cache, GuardedSaeCache)  # type: ignore[union-attr]
     assert not isinstance(plain._backend("a").cache, GuardedSaeCache)  # type: ignore[union-attr]
+
+
+def test_a_small_cache_samples_more_keys() -> None:
+    def filled(cap: int) -> GuardedSaeCache:
+        c = GuardedSaeCache(guard=GuardConfig(sample=8, min_shadow=100))
+        for k in range(cap):
+            c.insert(k, None, ttype=TokenType.USER, offset=0, now=float(k), pinned=False)
+        c.evict(float(cap))
+        return c
+
+    assert filled(150).sample == 1
+    assert filled(450).sample == 4
+    big = filled(5000)
+    assert big.sample == 8
+    assert 400 < len(big._sae) < 850  # thinned to about one key in eight
