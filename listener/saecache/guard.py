@@ -10,8 +10,8 @@ the one that is ahead.
 SHARDS-style spatial sampling: a sampled key keeps its whole access stream, so its reuse
 distance relative to the scaled capacity is preserved) is also fed to three small
 shadow caches of ``capacity / sample`` blocks: a full ``SaeCache``, an LRU and an LFU.
-A small cache samples more keys so that a shadow holds at least ``min_shadow`` blocks
-(fewer make the scores noise).
+With ``min_shadow`` set, a small cache samples more keys so that a shadow holds at least
+that many blocks (fewer make the scores noisy).
 Every sampled access scores a hit for each shadow that holds the key. Scores are summed
 per ``window`` sampled accesses and decayed by half each window. The capacity is the
 largest number of blocks the cache held when it evicted or was told of an eviction (the
@@ -65,9 +65,11 @@ class GuardConfig:
     sample: int = 8
     """At most one key in ``sample`` feeds the shadow caches (1: every key, exact but
     costly)."""
-    min_shadow: int = 512
+    min_shadow: int = 1
     """Blocks a shadow holds at least: a cache smaller than ``sample * min_shadow``
-    samples more keys (all of them below ``2 * min_shadow``)."""
+    samples more keys (all of them below ``2 * min_shadow``). 512 makes small caches'
+    scores less noisy but costs them up to a second full SAECache (see bench/RESULTS.md:
+    the default keeps the cost within 20x LRU's)."""
     window: int = 512
     """Sampled accesses per decision; the scores halve every window."""
     margin: float = 0.002
