@@ -32,6 +32,12 @@ leads, one heap push when a block becomes evictable: O(log n)) plus, for one acc
 one counter per block, one heap entry per evictable block while a baseline leads, and
 the shadows' ``1 / sample`` share.
 
+**Measured** (bench/RESULTS.md, saecache, robustness grid): on the tuning traces it
+lifted the worst cell from -0.9 to -0.5 points below the better baseline; on the
+evaluation grid it did not: its worst cell is lower than plain SAECache's (a switch
+leaves the cache holding the old policy's blocks for a while, and the shadows score block
+hits, not the prefix hits a request gets). Hence off by default in the listener.
+
 Deterministic for a given ``seed`` (it salts the sampling hash) on keys whose ``hash`` is
 (integers, tuples of integers: the block hashes engines report).
 """

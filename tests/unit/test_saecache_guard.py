@@ -177,7 +177,7 @@ def test_the_advisor_guards_each_backend_when_configured() -> None:
     from listener.config.models import ListenerConfig
     from listener.saecache.advisor import EvictionAdvisor
 
-    assert ListenerConfig().eviction_advisor_safeguard is True
+    assert ListenerConfig().eviction_advisor_safeguard is False
     guarded = EvictionAdvisor(["a"], guard=GuardConfig())
     plain = EvictionAdvisor(["a"])
     assert isinstance(guarded._backend("a").cache, GuardedSaeCache)  # type: ignore[union-attr]
