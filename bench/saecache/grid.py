@@ -12,7 +12,7 @@ should be at least 4.8 points above the better baseline; everywhere, never more 
 
 **Tuning data and evaluation data.** The constants of ``policy.py`` and ``guard.py``
 were chosen on the ``base`` generator: seed 1 of ``python -m bench.saecache`` and this
-grid's ``--variants base --seeds 1,2,3`` (the *tuning grid*), with ShareGPT records
+grid's ``--variants base --seeds 1,2`` (the *tuning grid*), with ShareGPT records
 0-2999; the session predictor trains on records 3000-5999 (``sessions``). The
 *evaluation grid* (the defaults) uses the variants ``heavy-tail``, ``bimodal`` and
 ``tenants`` (``trace.VARIANTS``: other gap distributions, mixture weights jittered per
