@@ -41,6 +41,7 @@ from .push.client import EventBusClient
 from .recovery import Attributor, Detokenizer
 from .saecache.advisor import EvictionAdvisor
 from .saecache.advisor import add_to_server as advisor_to_server
+from .saecache.guard import GuardConfig
 from .saecache.pruning import SaePruningPolicy
 from .sse_server import SseServer
 from .stream import EventHub
@@ -314,6 +315,7 @@ class ListenerApp:
                     max_blocks=self.cfg.eviction_advisor_max_blocks,
                     max_clock_skew=self.cfg.eviction_advisor_max_clock_skew_s,
                     predictor=predictor,
+                    guard=GuardConfig() if self.cfg.eviction_advisor_safeguard else None,
                 )
                 extra.append(functools.partial(advisor_to_server, self.advisor))
             self.grpc = GrpcServer(servicer, self.cfg.grpc_tls, extra)

@@ -16,6 +16,8 @@ Policies (all see the same calls):
 * ``min`` — Belady's MIN: the block whose next access is furthest away (ties: deeper
   first), among evictable leaves. Needs the trace's future, precomputed by ``next_uses``.
 * ``sae`` — :class:`listener.saecache.SaeCache`.
+* ``guard`` — :class:`listener.saecache.guard.GuardedSaeCache` (SAECache that follows
+  LRU or LFU where its sampled shadows say they do better).
 
 **Modelled TTFT** (Qwen2.5-1.5B-class prefill on one A40-class GPU):
 ``ttft = 20 ms + uncached tokens / 12000 tok/s + cached tokens * 1 µs`` — prefill time
@@ -32,6 +34,7 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from listener.saecache import SaeCache, SaeConfig, SessionClass
+from listener.saecache.guard import GuardConfig, GuardedSaeCache
 
 from .trace import BLOCK, Request
 
@@ -245,8 +248,15 @@ class SaePolicy(_Policy):
         self,
         config: SaeConfig | None = None,
         predictor: Callable[[Request], SessionClass] | None = None,
+        *,
+        guarded: bool = False,
+        guard: GuardConfig | None = None,
     ) -> None:
-        self.cache = SaeCache(config)
+        self.cache = (
+            GuardedSaeCache(config, guard) if guarded or guard is not None else SaeCache(config)
+        )
+        if guarded or guard is not None:
+            self.name = "guard"
         self._predict = predictor
         self._t = 0.0
 

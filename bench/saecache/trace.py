@@ -48,9 +48,13 @@ from listener.saecache.predictor import text_features
 from listener.saecache.types import TokenType
 
 __all__ = [
+    "BASE",
     "MIXES",
+    "VARIANTS",
+    "Gap",
     "Mix",
     "Request",
+    "Variant",
     "build_trace",
     "first_user_texts",
     "load_conversations",
@@ -84,6 +88,90 @@ MIXES: dict[str, Mix] = {
     "chat": Mix("chat-heavy", 0.65, 0.15, 0.05, 0.15),
     "agent": Mix("agent-heavy", 0.25, 0.15, 0.40, 0.20),
     "single": Mix("single-turn-heavy", 0.05, 0.03, 0.02, 0.90),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Gap:
+    """An inter-turn gap distribution (seconds).
+
+    ``lognormal``: median ``a``, sigma ``b``; ``pareto``: scale ``a``, shape ``b``;
+    ``weibull``: scale ``a``, shape ``b``; ``bimodal``: with probability ``p`` a
+    log-normal of median ``a``, otherwise of median ``b``, both with sigma ``s``.
+    """
+
+    kind: str
+    a: float
+    b: float
+    p: float = 0.0
+    s: float = 0.6
+
+    def draw(self, rng: random.Random) -> float:
+        if self.kind == "lognormal":
+            return _lognormal(rng, self.a, self.b)
+        if self.kind == "pareto":
+            return self.a * rng.paretovariate(self.b)
+        if self.kind == "weibull":
+            return rng.weibullvariate(self.a, self.b)
+        if self.kind == "bimodal":
+            med = self.a if rng.random() < self.p else self.b
+            return _lognormal(rng, med, self.s)
+        raise ValueError(f"unknown gap distribution {self.kind!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """Generator parameters beyond the mixture: timing, prompt sharing, popularity.
+
+    ``BASE`` is the generator the policy's constants were chosen on; the others change
+    what a fixed-parameter policy could have been fitted to. ``systems`` is the number of
+    distinct chat system prompts (the first four are fixed texts, more are generated),
+    drawn with Zipf exponent ``system_zipf`` (0: uniform); ``template_zipf`` is the
+    single-turn templates' popularity exponent; ``mix_jitter`` scales each mixture weight
+    by a factor drawn uniformly in ``[1 - j, 1 + j]`` per seed.
+    """
+
+    name: str
+    chat_gap: Gap = Gap("lognormal", 40.0, 1.0)
+    agent_gap: Gap = Gap("lognormal", 3.0, 0.8)
+    systems: int = 4
+    system_zipf: float = 0.0
+    template_zipf: float = 1.0
+    agent_steps: tuple[int, int] = (2, 8)
+    mix_jitter: float = 0.0
+
+
+BASE = Variant("base")
+VARIANTS: dict[str, Variant] = {
+    "base": BASE,
+    # long pauses: Pareto gaps (median ~15 s, infinite variance), many shared prompts
+    "heavy-tail": Variant(
+        "heavy-tail",
+        chat_gap=Gap("pareto", 8.0, 1.1),
+        agent_gap=Gap("lognormal", 2.0, 1.4),
+        systems=16,
+        template_zipf=0.6,
+        mix_jitter=0.3,
+    ),
+    # quick follow-ups or a coffee break, one system prompt for everyone, skewed templates
+    "bimodal": Variant(
+        "bimodal",
+        chat_gap=Gap("bimodal", 8.0, 400.0, p=0.6, s=0.5),
+        agent_gap=Gap("weibull", 6.0, 1.0),
+        systems=1,
+        template_zipf=1.4,
+        mix_jitter=0.3,
+    ),
+    # per-tenant system prompts (48, Zipf), decreasing-hazard gaps, longer agent loops
+    "tenants": Variant(
+        "tenants",
+        chat_gap=Gap("weibull", 90.0, 0.6),
+        agent_gap=Gap("weibull", 4.0, 0.7),
+        systems=48,
+        system_zipf=1.0,
+        agent_steps=(1, 12),
+        mix_jitter=0.3,
+    ),
 }
 
 
@@ -382,16 +470,28 @@ def build_trace(
     rate: float = 0.5,
     max_context: int = 8192,
     first_texts: list[str] | None = None,
+    variant: Variant = BASE,
 ) -> list[Request]:
     """A time-ordered request trace of ``sessions`` sessions drawn from ``mix``.
 
     With ``first_texts`` (the first user message of each conversation), every first
-    request carries the session predictor's text features.
+    request carries the session predictor's text features. ``variant`` other than
+    ``BASE`` changes timing, prompt sharing and popularity (``BASE`` draws exactly the
+    trace it always did for a seed).
     """
     rng = random.Random(seed)
     v = _Vocab(random.Random(1234))
     kinds = ("chat", "reasoning", "agent", "single")
-    weights = (mix.chat, mix.reasoning, mix.agent, mix.single)
+    weights: tuple[float, ...] = (mix.chat, mix.reasoning, mix.agent, mix.single)
+    if variant.mix_jitter:
+        jit = random.Random(seed * 7919 + 17)
+        j = variant.mix_jitter
+        weights = tuple(w * jit.uniform(1.0 - j, 1.0 + j) for w in weights)
+    systems, system_texts = v.systems, v.system_texts
+    if variant.systems != len(systems):
+        system_texts = [*_SYSTEM_PROMPTS, *_extra_systems(variant.systems)][: variant.systems]
+        systems = [v.enc(t) for t in system_texts]
+    sys_w = [1.0 / (k + 1) ** variant.system_zipf for k in range(len(systems))]
     order = list(range(len(conversations)))
     rng.shuffle(order)
     conv_i = 0
@@ -399,7 +499,7 @@ def build_trace(
     for k in range(16):
         text = " ".join(_template_text(rng, k))
         templates.append((k % 2 == 0, v.enc(text), text))
-    zipf = [1.0 / (k + 1) for k in range(16)]
+    zipf = [1.0 / (k + 1) ** variant.template_zipf for k in range(16)]
     reqs: list[Request] = []
     t0 = 0.0
     for sid in range(sessions):
@@ -413,8 +513,11 @@ def build_trace(
         s = _Session()
         t = t0
         if kind in ("chat", "reasoning"):
-            sys_i = rng.randrange(len(v.systems))
-            sysp = v.systems[sys_i]
+            if variant.system_zipf:
+                sys_i = rng.choices(range(len(systems)), sys_w)[0]
+            else:
+                sys_i = rng.randrange(len(systems))
+            sysp = systems[sys_i]
             s.add(v.im_start + v.role["system"] + sysp + v.im_end + v.nl, SYS)
             first = True
             for i in range(0, len(conv) - 1, 2):
@@ -432,13 +535,13 @@ def build_trace(
                 first = False
                 s.add(list(answer) + v.im_end, AST)
                 s.add(v.nl, USR)
-                t += _lognormal(rng, 40.0, 1.0)
+                t += variant.chat_gap.draw(rng)
         elif kind == "agent":
             tools = v.toolsets[rng.randrange(len(v.toolsets))]
             s.add(v.im_start + v.role["system"] + tools + v.im_end + v.nl, TDEF)
             task = list(conv[0][1])[:1024]
             s.add(v.im_start + v.role["user"] + task + v.im_end + v.nl, USR)
-            steps = rng.randint(2, 8)
+            steps = rng.randint(*variant.agent_steps)
             first = True
             for step in range(steps + 1):
                 s.add(v.im_start + v.role["assistant"], TIO)
@@ -458,7 +561,7 @@ def build_trace(
                     v.nl + v.im_start + v.role["tool"] + result + v.im_end + v.nl,
                     TIO,
                 )
-                t += _lognormal(rng, 3.0, 0.8)
+                t += variant.agent_gap.draw(rng)
         else:
             as_system, ids, tmpl_text = templates[rng.choices(range(16), zipf)[0]]
             query = list(conv[0][1])[:2048]
@@ -479,13 +582,23 @@ def build_trace(
             elif kind == "agent":
                 system_text, user_text = "# Tools", first_text
             else:
-                system_text, user_text = v.system_texts[sys_i], first_text
+                system_text, user_text = system_texts[sys_i], first_text
             n_msgs = 1 if kind == "single" and not as_system else 2
             first_req.text_features = tuple(
                 text_features(system_text, user_text, n_msgs, kind == "agent")
             )
     reqs.sort(key=lambda r: r.t)
     return reqs
+
+
+@functools.cache
+def _extra_systems(n: int) -> tuple[str, ...]:
+    """Generated system prompts beyond the four fixed ones (the same texts every run)."""
+    rng = random.Random(4242)
+    return tuple(
+        f"You are assistant persona {k}. " + " ".join(_template_text(rng, 100 + k)[1:])
+        for k in range(max(0, n - len(_SYSTEM_PROMPTS)))
+    )
 
 
 def _template_text(rng: random.Random, k: int) -> list[str]:

@@ -331,6 +331,11 @@ class ListenerConfig(_Section):
     """Seconds an engine's timestamp may be off where the listener's clock puts the
     engine's clock (seconds, any epoch); one further off is clamped there and counted
     (``advisor_clamped_timestamps``), so one bad event cannot poison the advisor's clock."""
+    eviction_advisor_safeguard: bool = False
+    """Rank by SAECache only while sampled shadow caches say it beats LRU and LFU on this
+    backend's traffic, otherwise in the order of the one that does
+    (``listener/saecache/guard.py``); off = SAECache's order always. Off by default: on
+    the robustness grid (bench/RESULTS.md) it did not beat plain SAECache."""
     conversation: ConversationConfig = Field(default_factory=ConversationConfig)
     """Conversation keys for the router's conversation-depth index (off by default)."""
     checkpoint_dir: str | None = None

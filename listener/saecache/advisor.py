@@ -32,6 +32,7 @@ import grpc
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2 as pb
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2_grpc as pb_grpc
 
+from .guard import GuardConfig, GuardedSaeCache
 from .policy import SaeCache, SaeConfig
 from .predictor import Predictor
 from .types import SessionClass, TokenType
@@ -77,8 +78,8 @@ class _InvalidArgument(ValueError):
 class _Backend:
     __slots__ = ("cache", "clamped", "forgotten", "now", "offset")
 
-    def __init__(self, cfg: SaeConfig) -> None:
-        self.cache = SaeCache(cfg)
+    def __init__(self, cfg: SaeConfig, guard: GuardConfig | None) -> None:
+        self.cache = SaeCache(cfg) if guard is None else GuardedSaeCache(cfg, guard)
         self.now = 0.0
         self.forgotten = 0
         self.offset: float | None = None
@@ -98,6 +99,8 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
             new session whose REQUEST_STARTED carries ``features`` and no class guess.
         max_clock_skew: seconds an engine timestamp may be off the server clock's estimate.
         clock: the server's clock (seconds, monotonic).
+        guard: the safeguard's settings (``listener.saecache.guard``); None ranks by
+            SAECache alone.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         predictor: Predictor | None = None,
         max_clock_skew: float = 60.0,
         clock: Callable[[], float] = time.monotonic,
+        guard: GuardConfig | None = None,
     ) -> None:
         if max_blocks < 1:
             raise ValueError("max_blocks must be positive")
@@ -119,6 +123,7 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         self.predictor = predictor
         self.predictions = 0
         self._cfg = config if config is not None else SaeConfig()
+        self._guard = guard
         self._names = tuple(backends)
         self._backends: dict[str, _Backend] = {}
         self.max_blocks = max_blocks
@@ -131,7 +136,7 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
     def _backend(self, name: str) -> _Backend | None:
         b = self._backends.get(name)
         if b is None and name in self._names:
-            b = self._backends[name] = _Backend(self._cfg)
+            b = self._backends[name] = _Backend(self._cfg, self._guard)
         return b
 
     def stats(self) -> dict[str, dict[str, int]]:
