@@ -34,7 +34,7 @@ from typing import Any
 from bus.prefix_key import PrefixTag, compute_prefix_key
 
 from ..cache.response import ineligible_reason
-from ..cache.service import ResponseCacheService
+from ..cache.service import CacheLookup, ResponseCacheService
 from ..config import RouterConfig
 from ..conversation import ConversationKeys, RequestChain
 from ..forward_spec import ForwardSpec
@@ -153,6 +153,20 @@ class GenerationDialect(PassThroughAnswers):
             if lookup.result == "hit":
                 self._observe(self.endpoint, None, 200, time.perf_counter() - started)
                 return cached_answer(lookup.body or b"", prepared.stream)
+        resp = await self._route(req, cfg, body, prepared, lookup, started)
+        if lookup is not None and lookup.result == "miss":
+            resp.headers.append(("x-cache", "MISS"))
+        return resp
+
+    async def _route(
+        self,
+        req: Request,
+        cfg: RouterConfig,
+        body: dict[str, Any],
+        prepared: Prepared,
+        lookup: CacheLookup | None,
+        started: float,
+    ) -> Response | StreamResponse:
         model = prepared.model
         candidates, mask = self._pool.candidates(model, self.endpoint)
         if not candidates:
@@ -185,10 +199,7 @@ class GenerationDialect(PassThroughAnswers):
         if lookup is not None and lookup.result == "miss" and self.cache is not None:
             spec.store = self.cache.writer_for(lookup)
             spec.store_limit = self.cache.limit(prepared.stream)
-        resp = await self._forwarder.forward(spec, candidates, mask, started)
-        if lookup is not None and lookup.result == "miss":
-            resp.headers.append(("x-cache", "MISS"))
-        return resp
+        return await self._forwarder.forward(spec, candidates, mask, started)
 
     # -- upstream format ---------------------------------------------------------------
 
