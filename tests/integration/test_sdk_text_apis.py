@@ -11,7 +11,6 @@ tokens are recorded against the router's prediction for both APIs.
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,18 +20,11 @@ import pytest_asyncio
 
 from harness.sim.fleet import SimFleet
 from harness.sim.tokenizer import bundled_qwen2_config, bundled_qwen2_json
+from router.selection import STRATEGY_CLASSES
 
-from .conftest import RouterLauncher, RouterProc, StartRouter, backend, sim_json
+from .conftest import RouterLauncher, RouterProc, StartRouter, backend, served_by, sim_json
 
-ECHO = re.compile(r"^\[(sim-\d)\] echo: ")
-STRATEGIES = (
-    "RoundRobin",
-    "WeightedRoundRobin",
-    "LeastLatency",
-    "Random",
-    "ConsistentHash",
-    "PrefixAwareHash",
-)
+STRATEGIES = tuple(STRATEGY_CLASSES)
 
 
 def fleet_config(sims: SimFleet, strategy: str = "PrefixAwareHash", **extra: Any) -> dict[str, Any]:
@@ -53,12 +45,6 @@ async def router(sims: SimFleet, module_router_launcher: RouterLauncher) -> Rout
 async def oai(router: RouterProc) -> AsyncIterator[openai.AsyncOpenAI]:
     async with openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="k", max_retries=0) as c:
         yield c
-
-
-def served_by(text: str | None) -> str:
-    m = ECHO.match(text or "")
-    assert m, f"not a sim answer: {text!r}"
-    return m.group(1)
 
 
 async def requests_of(sims: SimFleet) -> int:
