@@ -180,6 +180,28 @@ class ConversationKeys:
         self._rendered[model] = self._rendered.get(model, 0) + 1
         return RequestChain(chain_keys(data, root, self._chunk), len(data), route.base, route.lora)
 
+    def prompt_chain(
+        self, prompt: str, model: str, cache_salt: str | None = None
+    ) -> RequestChain | None:
+        """The chain of a prompt the engine tokenizes as it is (``/v1/completions``: no
+        chat template), or None for a model without a template entry (its normalizer,
+        base model and LoRA adapters are configured there) or a prompt that is not UTF-8.
+        """
+        route = self._routes.get(model)
+        if route is None:
+            self._no_template += 1
+            return None
+        try:
+            data = route.template.normalizer(prompt).encode()
+        except UnicodeEncodeError:
+            self._failed(model, RenderError("invalid", "the prompt holds a lone surrogate"))
+            return None
+        root = (
+            route.unsalted if cache_salt is None else chain_root(route.base, cache_salt, route.lora)
+        )
+        self._rendered[model] = self._rendered.get(model, 0) + 1
+        return RequestChain(chain_keys(data, root, self._chunk), len(data), route.base, route.lora)
+
     def _failed(self, model: str, exc: RenderError) -> None:
         key = (model, exc.reason)
         count = self._failures.get(key, 0)
