@@ -11,7 +11,9 @@ traffic fills both kinds of keys; then:
   ``KvIndex.Clear``, which no event reports), the metric reads exactly the number
   removed, of both kinds, as missing, and the other backend still 0;
 * with ``repair: true`` the stream of that backend is resynced after two divergent
-  checks and its entries are back (the index matches the engines' truth again).
+  checks and its entries are back (the index matches the engines' truth again);
+* in push mode (the listener dials the router's event bus; the router cannot reach its
+  HTTP port) the same figures come from snapshots asked for on the bus session.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ CHECKS = "continuum_kv_anti_entropy_checks_total"
 REPAIRS = "continuum_kv_anti_entropy_repairs_total"
 
 
-async def _stack(tmp: Path, repair: bool) -> FaultStack:
-    stack = FaultStack(StackOptions(anti_entropy_s=0.2, anti_entropy_repair=repair), tmp)
+async def _stack(tmp: Path, repair: bool, transport: str = "pull") -> FaultStack:
+    opts = StackOptions(anti_entropy_s=0.2, anti_entropy_repair=repair, transport=transport)
+    stack = FaultStack(opts, tmp)
     await stack.start()
     assert stack.router is not None
     router = stack.router
@@ -133,5 +136,28 @@ async def test_repair_resyncs_a_backend_divergent_twice(tmp_path: Path) -> None:
         text = await _metrics(stack)
         assert metric_value(text, DIVERGENCE, backend="sim-2", kind="missing") == 0, text
         assert metric_value(text, REPAIRS, backend="sim-1") == 0
+    finally:
+        await stack.close()
+
+
+async def test_push_mode_divergence_comes_over_the_event_bus_session(tmp_path: Path) -> None:
+    stack = await _stack(tmp_path, repair=False, transport="push")
+    try:
+        for name in stack.names:
+            await _settled_twice_more(stack, name)
+        text = await _metrics(stack)
+        for name in stack.names:
+            assert metric_value(text, DIVERGENCE, backend=name, kind="missing") == 0, text
+            assert metric_value(text, DIVERGENCE, backend=name, kind="extra") == 0, text
+        assert stack.stub is not None
+        cleared = await stack.stub.Clear(pb.ClearRequest(backend="sim-2"), timeout=5)
+        assert cleared.removed > 0 and cleared.chain_removed > 0, cleared
+        await _settled_twice_more(stack, "sim-2")
+        text = await _metrics(stack)
+        removed = cleared.removed + cleared.chain_removed
+        assert metric_value(text, DIVERGENCE, backend="sim-2", kind="missing") == removed, text
+        assert metric_value(text, DIVERGENCE, backend="sim-1", kind="missing") == 0, text
+        bus = (await stack.kv_stats())["event_bus"]
+        assert bus["snapshot_requests"] >= 4 and bus["snapshot_failures"] == 0, bus
     finally:
         await stack.close()
