@@ -829,17 +829,20 @@ class ZmqSource:
         except _OtherEngine:
             return "other"
         except (_ReplayError, TimeoutError, zmq.ZMQError) as exc:
-            logger.warning(
-                "zmq source %s: replay from %d failed: %s",
-                self._name,
-                last,
-                str(exc) or type(exc).__name__,
-            )
+            self._replay_failed(last, exc)
             return "failed"
         if self._last_seq != last:  # newer batches were delivered: their live copies follow
             floor = self._dup_floor
             self._dup_floor = last if floor is None else min(floor, last)
         return "same"
+
+    def _replay_failed(self, start: int, exc: Exception) -> None:
+        logger.warning(
+            "zmq source %s: replay from %d failed: %s",
+            self._name,
+            start,
+            str(exc) or type(exc).__name__,
+        )
 
     def _forged(self, seq: int) -> None:
         """A live message numbered ``seq`` that the engine's replay shows it never
@@ -940,12 +943,7 @@ class ZmqSource:
                 await self._replay(start, partial=after_restart)
                 answered = True
             except (_ReplayError, TimeoutError, zmq.ZMQError) as exc:
-                logger.warning(
-                    "zmq source %s: replay from %d failed: %s",
-                    self._name,
-                    start,
-                    str(exc) or type(exc).__name__,
-                )
+                self._replay_failed(start, exc)
         covered = self._last_seq if self._last_seq is not None else start - 1
         if covered >= seq - 1:
             if self.config.replay_endpoint:

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import zmq.asyncio
 
 from harness.procs import free_port
-from listener.zmq_source import ZmqSourceConfig
+from listener.zmq_source import ZmqSource, ZmqSourceConfig
 from tests.unit.test_zmq_source import (
     FakeEngine,
     Recorder,
@@ -37,6 +38,15 @@ from tests.unit.test_zmq_source import (
 __all__ = ["engine_factory", "zctx"]  # the fixtures, used by name
 
 
+def _replaying(
+    engine_factory: Callable[..., FakeEngine], **engine: Any
+) -> tuple[FakeEngine, Recorder, ZmqSource]:
+    fake = engine_factory(**engine)
+    rec = Recorder()
+    cfg = ZmqSourceConfig(endpoint=fake.bind(), replay_endpoint=fake.bind_replay())
+    return fake, rec, rec.source(cfg)
+
+
 async def _forge(engine: FakeEngine, seq: int, payload: bytes | None = None) -> None:
     """A message on the engine's PUB that the engine did not publish (not in its buffer)."""
     data = batch_payload(seq, ts=1.0) if payload is None else payload
@@ -46,11 +56,7 @@ async def _forge(engine: FakeEngine, seq: int, payload: bytes | None = None) -> 
 async def test_a_number_from_the_future_is_dropped_and_the_position_kept(
     engine_factory: Callable[..., FakeEngine],
 ) -> None:
-    engine = engine_factory()
-    rec = Recorder()
-    source = rec.source(
-        ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
-    )
+    engine, rec, source = _replaying(engine_factory)
     async with running(source):
         await engine.subscribed()
         for _ in range(3):
@@ -73,11 +79,7 @@ async def test_a_lower_number_under_an_engine_that_holds_its_batch_is_not_a_rest
     """Batch 0 forged after 0..2: without the check it read as a restart, reset the
     backend, and the engine's own batch 0 was never learned again (the next live batch
     was a gap from the forged 0, replayed from 1)."""
-    engine = engine_factory()
-    rec = Recorder()
-    source = rec.source(
-        ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
-    )
+    engine, rec, source = _replaying(engine_factory)
     async with running(source):
         await engine.subscribed()
         for _ in range(3):
@@ -99,11 +101,7 @@ async def test_a_gap_across_a_restart_that_ran_past_the_position_is_a_restart(
     listener had seen: its sequence never fell below the position. The replay from the
     last batch delivered returns another payload under that number: a restart, and the
     new engine's buffer is learned from 0, not from the old position on."""
-    engine = engine_factory()
-    rec = Recorder()
-    source = rec.source(
-        ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
-    )
+    engine, rec, source = _replaying(engine_factory)
     async with running(source):
         await engine.subscribed()
         for _ in range(2):
@@ -167,11 +165,7 @@ async def test_a_resync_for_a_lost_gap_learns_the_engines_buffer_again(
     """A gap whose replay fails (the engine's bounded buffer no longer reaches the
     position) resyncs, forgetting what the backend held, and then learns the buffer from
     wherever it starts: the batches it still holds are known again."""
-    engine = engine_factory(buffer_steps=3)
-    rec = Recorder()
-    source = rec.source(
-        ZmqSourceConfig(endpoint=engine.bind(), replay_endpoint=engine.bind_replay())
-    )
+    engine, rec, source = _replaying(engine_factory, buffer_steps=3)
     async with running(source):
         await engine.subscribed()
         await engine.publish()  # 0
