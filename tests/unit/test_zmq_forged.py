@@ -182,3 +182,26 @@ async def test_a_resync_for_a_lost_gap_learns_the_engines_buffer_again(
         ("batch", 4, 0),
         ("batch", 5, 0),
     ]
+
+
+async def test_an_idle_replay_at_the_start_is_drained_without_a_live_batch(
+    engine_factory: Callable[..., FakeEngine],
+) -> None:
+    """A listener restarted beside an engine that publishes nothing learns its buffer by
+    the idle replay; the consumer defers work per batch until ``on_drained`` (the
+    listener's tracker keys chains and publishes there), so without that call the
+    replayed blocks reached no subscriber until the engine's next live batch, which may
+    never come: the whole backend read as lost."""
+    engine = engine_factory()
+    for _ in range(3):
+        await engine.publish(live=False)  # before the listener started
+    rec = SyncRecorder()
+    cfg = ZmqSourceConfig(
+        endpoint=engine.bind(), replay_endpoint=engine.bind_replay(), idle_replay_after_s=0.2
+    )
+    source = rec.source(cfg)
+    async with running(source):
+        await engine.subscribed()
+        await eventually(lambda: rec.seqs() == [0, 1, 2])
+        await eventually(lambda: rec.drained == [3])
+    assert source.stats.idle_replays == 1 and source.stats.frames == 0
