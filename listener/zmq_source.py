@@ -78,9 +78,9 @@ buffers its newest batch and sends it back; an engine that answers without it (o
 end marker) never published that sequence number: it restarted, and is treated as above
 (``on_resync("restart")``, then a fresh baseline). The probe acts only if no batch was
 delivered meanwhile; a probe that fails or times out leaves things as they are. With no
-replay endpoint nothing can tell such an engine from one still holding its blocks, so the
-end of the engine's connection forgets the view (``on_resync("disconnect")``), as a gap
-would, rather than keep it possibly stale.
+replay endpoint nothing can tell such an engine from one still holding its blocks, so in
+connect mode the end of the engine's connection forgets the view
+(``on_resync("disconnect")``), as a gap would, rather than keep it possibly stale.
 
 Access control: ``allowed_publishers`` (IPs, CIDRs, hostnames). In bind mode a ZAP handler
 on ``inproc://zeromq.zap.01`` of the source's private context accepts only listed peer
@@ -597,7 +597,13 @@ class ZmqSource:
                     task = asyncio.create_task(self._probe(self._last_seq))
                     probes.add(task)
                     task.add_done_callback(probes.discard)
-                elif self.config.replay_endpoint is None and self._last_seq is not None:
+                elif (
+                    self.config.mode == "connect"
+                    and self.config.replay_endpoint is None
+                    and self._last_seq is not None
+                ):
+                    # Connect mode only: there the one peer is the engine's endpoint. A
+                    # bound SUB also sees peers it refused (ZAP), which must not reset it.
                     await self._disconnected()
                 if self.config.mode == "connect":
                     with contextlib.suppress(zmq.ZMQError):
@@ -1017,9 +1023,9 @@ class ZmqSource:
         await self._resync("restart")
 
     async def _disconnected(self) -> None:
-        """No replay endpoint, and the engine's connection ended: nothing can tell an
-        engine that restarted empty (and publishes nothing yet, so shows no sequence
-        reset) from one still holding its blocks. A gap forgets the view too; so does
+        """No replay endpoint, connect mode, and the engine's connection ended: nothing
+        can tell an engine that restarted empty (and publishes nothing yet, so shows no
+        sequence reset) from one still holding its blocks. A gap forgets the view too; so does
         this, rather than keep it possibly stale. The next batch is a new baseline."""
         logger.warning(
             "zmq source %s: the engine's connection ended and there is no replay endpoint to"

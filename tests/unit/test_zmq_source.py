@@ -762,9 +762,9 @@ async def test_a_frame_over_max_frame_bytes_is_dropped_counted_and_receiving_goe
 ) -> None:
     """ZMQ_MAXMSGSIZE: libzmq refuses the frame before any byte of it is buffered and drops
     the connection. The source counts that, reconnects (connect mode; in bind mode the
-    engine does). With no replay endpoint the connection's end already forgets the view
-    (module docstring: a restart could not be told apart), so the next batch is a new
-    baseline rather than a gap."""
+    engine does). In connect mode with no replay endpoint the connection's end already
+    forgets the view (module docstring: a restart could not be told apart), so the next
+    batch is a new baseline; in bind mode the lost batch is a gap like any other."""
     engine = FakeEngine(zctx)
     rec = Recorder()
     endpoint = engine.bind() if mode == "connect" else "tcp://127.0.0.1:*"
@@ -787,10 +787,12 @@ async def test_a_frame_over_max_frame_bytes_is_dropped_counted_and_receiving_goe
             engine.pub.disable_monitor()
             monitor.close(0)
         await engine.close()
-    assert rec.items == [("batch", 0, 0), ("resync", "disconnect"), ("batch", 2, 0)]
+    connect = mode == "connect"
+    reason = "disconnect" if connect else "gap"
+    assert rec.items == [("batch", 0, 0), ("resync", reason), ("batch", 2, 0)]
     assert [p for p, _ in rec.payloads] == [batch_payload(0), batch_payload(2)]
     st = source.stats
-    assert (st.disconnects, st.gaps, st.resyncs, st.decode_errors) == (1, 0, 1, 0)
+    assert (st.disconnects, st.gaps, st.resyncs, st.decode_errors) == (1, int(not connect), 1, 0)
     assert st.connects == 1
 
 
