@@ -55,6 +55,7 @@ import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import jinja2
@@ -102,11 +103,6 @@ def _rare(sub: str) -> str:
         if not ch.isalnum() and not ch.isspace():
             return ch
     return sub[:1]
-
-
-def _holds(s: str, sub_rare: tuple[str, str]) -> bool:
-    """``sub in s``, answered by the one-character search when that is enough."""
-    return sub_rare[1] in s and sub_rare[0] in s
 
 
 def _truth(s: str, _: Any) -> bool:
@@ -182,7 +178,7 @@ class _Probe(str):
         if type(sub) is not str:
             self.trace.opaque = True
             return str.__contains__(self, sub)
-        return self.trace.ask(self, _holds, (sub, _rare(sub)))
+        return self.trace.ask(self, operator.contains, sub)
 
     def __eq__(self, other: object) -> bool:
         if type(other) is not str:
@@ -219,7 +215,7 @@ class _Probe(str):
         if type(sep) is not str or not sep or type(maxsplit) is not int:
             self.trace.opaque = True
             return method(str(self), sep, maxsplit)
-        if maxsplit == 0 or not self.trace.ask(self, _holds, (sep, _rare(sep))):
+        if maxsplit == 0 or not self.trace.ask(self, operator.contains, sep):
             return [self]
         return method(str(self), sep, maxsplit)
 
@@ -316,13 +312,66 @@ def _text_b(i: int) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class _Check:
+    """One question asked of several messages with the same answer."""
+
+    pick: Callable[[Sequence[str]], tuple[str, ...]]
+    """The messages' contents (``itemgetter``: a tuple, always)."""
+    question: Question
+    arg: Any
+    answer: bool
+    rare: str | None
+    """For "does not contain ``arg``": a character of it most contents lack (one
+    ``memchr`` per content settles the check when none holds it)."""
+
+    def holds(self, contents: Sequence[str]) -> bool:
+        texts = self.pick(contents)
+        if self.answer:
+            return all(map(self.question, texts, repeat(self.arg)))
+        rare = self.rare
+        if rare is not None and not any(map(operator.contains, texts, repeat(rare))):
+            return True
+        return not any(map(self.question, texts, repeat(self.arg)))
+
+
+@dataclass(frozen=True, slots=True)
 class _Shape:
-    program: tuple[Any, ...]
-    """Literal strings and message indexes (ints), in output order."""
-    predicates: tuple[_Predicate, ...]
+    pick: Callable[[Sequence[str]], tuple[str, ...]]
+    """The output's pieces, from the contents followed by ``literals`` (C-level)."""
+    literals: list[str]
+    checks: tuple[_Check, ...]
+    size: int
+    """Program items and predicates (the memory bound's unit)."""
+
+    @classmethod
+    def of(cls, program: tuple[Any, ...], predicates: Sequence[_Predicate], count: int) -> _Shape:
+        """``program`` (literals and message indexes) over ``count`` messages, and the
+        ``predicates`` that must hold, compiled for the request path."""
+        literals = [p for p in program if type(p) is str]
+        at = iter(range(count, count + len(literals)))
+        pool = [p if type(p) is int else next(at) for p in program]
+        literals.append("")
+        pool += [count + len(literals) - 1] * 2  # itemgetter of 2+ items: a tuple
+        grouped: dict[tuple[Any, ...], list[int]] = {}
+        for i, question, arg, answer in predicates:
+            grouped.setdefault((question, arg, answer), []).append(i)
+        checks = tuple(
+            _Check(
+                operator.itemgetter(*indexes, indexes[0]),
+                question,
+                arg,
+                answer,
+                _rare(arg) if question is operator.contains and not answer and arg else None,
+            )
+            for (question, arg, answer), indexes in grouped.items()
+        )
+        return cls(operator.itemgetter(*pool), literals, checks, len(program) + len(predicates))
+
+    def text(self, contents: list[str]) -> str:
+        return "".join(self.pick(contents + self.literals))
 
 
-_OPAQUE = _Shape((), ())
+_OPAQUE = _Shape(operator.itemgetter(0, 0), [], (), 0)
 
 
 class SegmentRenderer:
@@ -344,7 +393,7 @@ class SegmentRenderer:
         """Requests of a known shape whose contents answered a predicate otherwise."""
 
     def render(
-        self, roles: tuple[str, ...], contents: Sequence[str], variables: Mapping[str, Any]
+        self, roles: tuple[str, ...], contents: list[str], variables: Mapping[str, Any]
     ) -> str | None:
         """The prompt for a plain chat (:func:`.messages.plain_chat`: its messages' roles
         and contents, as the template sees them) with the template's other ``variables``
@@ -360,12 +409,12 @@ class SegmentRenderer:
             shape = self._learn(key, roles, variables)
         if shape is _OPAQUE:
             return None
-        for i, question, arg, answer in shape.predicates:
-            if question(contents[i], arg) is not answer:
+        for check in shape.checks:
+            if not check.holds(contents):
                 self.refused += 1
                 return None
         self.hits += 1
-        return "".join([contents[p] if type(p) is int else p for p in shape.program])
+        return shape.text(contents)
 
     def stats(self) -> dict[str, int]:
         return {
@@ -390,7 +439,7 @@ class SegmentRenderer:
                 and program_a == _program(b[0], _FIND_B, len(roles))
                 and a[1] == b[1]
             ):
-                shape = _Shape(program_a, tuple(a[1]))
+                shape = _Shape.of(program_a, a[1], len(roles))
         self.learned += 1
         if shape is _OPAQUE:
             self.opaque += 1
@@ -414,13 +463,13 @@ class SegmentRenderer:
         return out, trace.predicates
 
     def _keep(self, key: tuple[Any, ...], shape: _Shape) -> None:
-        size = len(shape.program) + len(shape.predicates) + 1
+        size = shape.size + 1
         if size > MAX_ITEMS:
             return
         shapes = self._shapes
         while shapes and (len(shapes) >= MAX_SHAPES or self._items + size > MAX_ITEMS):
             old = shapes.pop(next(iter(shapes)))
-            self._items -= len(old.program) + len(old.predicates) + 1
+            self._items -= old.size + 1
         shapes[key] = shape
         self._items += size
 
