@@ -94,6 +94,18 @@ _MEDIA_KEYS = (
     "video_url",
 )
 _UNSET = (None, "auto")
+_KNOBS = frozenset(
+    (
+        "chat_template",
+        "chat_template_kwargs",
+        "documents",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "reasoning_effort",
+    )
+)
+"""The body fields that change what ``prepare_chat`` passes the template."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -312,6 +324,15 @@ def prepare_chat(
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise RenderError("invalid", "messages is not a list")
+    if _KNOBS.isdisjoint(body) and not known:
+        # the common body: none of the fields below set, so the defaults (what the
+        # general path gives for it), and plain messages passed on as they are
+        template = chat_template.select(False)
+        plain = plain_chat(messages) if template.content_format == "string" else None
+        if plain is not None and "developer" not in plain[0]:
+            return PreparedChat(
+                template, list(messages), None, None, True, False, {"tokenize": False}, plain
+            )
     if body.get("chat_template") is not None:
         raise RenderError("unsupported", "the request carries its own chat_template")
     ctk = body.get("chat_template_kwargs")

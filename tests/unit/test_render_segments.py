@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from router.conversation import ChatTemplate, load_chat_template, render_prompt
 from router.conversation import segments as seg_mod
-from router.conversation.messages import plain_chat
+from router.conversation.messages import plain_chat, prepare_chat
 
 from .conversation_support import qwen_dir
 
@@ -199,3 +199,21 @@ def test_shapes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     stats = _stats(template)
     assert stats["shapes"] == 4
     assert stats["learned"] == 11
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "x"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}],
+        [{"role": "developer", "content": "d"}, {"role": "user", "content": "x"}],
+        [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+    ],
+)
+def test_a_body_without_template_fields_prepares_as_the_general_path(
+    messages: list[dict[str, Any]],
+) -> None:
+    """``tools: null`` takes the general path and means the same as no ``tools``."""
+    template = _qwen()
+    body = _body(messages, max_tokens=5)
+    assert prepare_chat(body, template) == prepare_chat({**body, "tools": None}, template)
