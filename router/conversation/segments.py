@@ -132,8 +132,8 @@ def _is_text(arg: Any) -> bool:
     return type(arg) is str or (type(arg) is tuple and all(type(a) is str for a in arg))
 
 
-class _Derived(str):
-    """A string built from a probe with ``+``: anything but ``+`` or output is opaque."""
+class _Traced(str):
+    """A string of a probe render: ``+`` with a plain string gives a :class:`_Derived`."""
 
     trace: _Trace
 
@@ -147,17 +147,20 @@ class _Derived(str):
         return _derived(other + str(self), self.trace)
 
 
+class _Derived(_Traced):
+    """A string built from a probe with ``+``: anything but ``+`` or output is opaque."""
+
+
 def _derived(text: str, trace: _Trace) -> _Derived:
     out = _Derived(text)
     out.trace = trace
     return out
 
 
-class _Probe(str):
+class _Probe(_Traced):
     """One message's content during a probe render (see the module header)."""
 
     position: int
-    trace: _Trace
     core: str
     """The text questions are answered about: set A's text in both sets, so both take
     the same branches and set B's padding shows only to what the probe cannot see."""
@@ -224,15 +227,6 @@ class _Probe(str):
 
     def rsplit(self, sep: Any = None, maxsplit: Any = -1) -> Any:
         return self._split(str.rsplit, sep, maxsplit)
-
-    def __add__(self, other: Any) -> Any:
-        return _derived(str.__add__(str(self), other), self.trace)
-
-    def __radd__(self, other: Any) -> Any:
-        if type(other) is not str:
-            self.trace.opaque = True
-            return NotImplemented
-        return _derived(other + str(self), self.trace)
 
 
 _TRACED = frozenset(
