@@ -18,9 +18,10 @@ that record every operation the template performs on them:
   (which leaves the probe whole when the separator is absent) and ``strip``/``lstrip``/
   ``rstrip`` (the probe itself when they remove nothing) become *predicates*: (message,
   question, answer);
-* ``+`` gives a derived string on which any operation but ``+`` and output makes the shape
-  opaque, and so does any other operation on a probe (``len``, indexing, iteration,
-  hashing, ``replace``, ...): an opaque shape is always rendered by jinja.
+* ``+`` and ``str()`` (which filters such as ``replace`` call first) give a derived
+  string on which any operation but ``+`` and output makes the shape opaque, and so does
+  any other operation on a probe (``len``, indexing, iteration, hashing, ``replace``,
+  ...): an opaque shape is always rendered by jinja.
 
 The output is then cut at the probes' texts into a *program*: literal strings and
 message indexes. Each shape is rendered twice, with two probe sets that differ in every
@@ -133,18 +134,23 @@ def _is_text(arg: Any) -> bool:
 
 
 class _Traced(str):
-    """A string of a probe render: ``+`` with a plain string gives a :class:`_Derived`."""
+    """A string of a probe render: ``+`` with a plain string, and ``str()`` (which
+    filters such as ``replace`` call before working on the text), give a
+    :class:`_Derived`."""
 
     trace: _Trace
 
+    def __str__(self) -> str:
+        return _derived(str.__str__(self), self.trace)
+
     def __add__(self, other: Any) -> Any:
-        return _derived(str.__add__(str(self), other), self.trace)
+        return _derived(str.__add__(str.__str__(self), other), self.trace)
 
     def __radd__(self, other: Any) -> Any:
         if type(other) is not str:
             self.trace.opaque = True
             return NotImplemented
-        return _derived(other + str(self), self.trace)
+        return _derived(other + str.__str__(self), self.trace)
 
 
 class _Derived(_Traced):
@@ -203,7 +209,7 @@ class _Probe(_Traced):
             return method(self, chars)
         if self.trace.ask(self, question, chars):
             return self
-        return method(str(self), chars)
+        return method(str.__str__(self), chars)
 
     def strip(self, chars: Any = None) -> Any:
         return self._stripped(_strip_same, str.strip, chars)
@@ -217,10 +223,10 @@ class _Probe(_Traced):
     def _split(self, method: Any, sep: Any, maxsplit: Any) -> Any:
         if type(sep) is not str or not sep or type(maxsplit) is not int:
             self.trace.opaque = True
-            return method(str(self), sep, maxsplit)
+            return method(str.__str__(self), sep, maxsplit)
         if maxsplit == 0 or not self.trace.ask(self, operator.contains, sep):
             return [self]
-        return method(str(self), sep, maxsplit)
+        return method(str.__str__(self), sep, maxsplit)
 
     def split(self, sep: Any = None, maxsplit: Any = -1) -> Any:
         return self._split(str.split, sep, maxsplit)
@@ -274,7 +280,7 @@ def _opaque(cls: type, name: str) -> None:
 
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         self.trace.opaque = True
-        return original(str(self), *args, **kwargs)
+        return original(str.__str__(self), *args, **kwargs)
 
     method.__name__ = name
     setattr(cls, name, method)

@@ -217,3 +217,13 @@ def test_a_body_without_template_fields_prepares_as_the_general_path(
     template = _qwen()
     body = _body(messages, max_tokens=5)
     assert prepare_chat(body, template) == prepare_chat({**body, "tools": None}, template)
+
+
+def test_a_filter_working_on_str_of_a_content_makes_the_shape_opaque(tmp_path: Path) -> None:
+    """``replace`` works on ``str(value)``: that string is traced too."""
+    template = _jinja(
+        tmp_path, "{% for m in messages %}{{ m.content | replace('<|x|>', '') }};{% endfor %}"
+    )
+    assert _same(template, _body([{"role": "user", "content": "a<|x|>b"}])) == "ab;"
+    assert _same(template, _body([{"role": "user", "content": "c"}])) == "c;"
+    assert _stats(template)["hits"] == 0
