@@ -40,8 +40,10 @@ contents: ``"".join``. Anything else (a message with other keys, content parts, 
 ``continue_final_message``, a predicate answered otherwise, an opaque shape) renders
 with jinja as before. Templates that name ``strftime_now`` (the date in the prompt) or
 ``lipsum`` (random text) get no segment renderer at all.
-Nor do templates that test or cut a string they build with ``~``, ``%``, ``join`` or
-``format`` (which read a probe's text without its methods) instead of outputting it.
+Nor do templates that test or cut a string they build with ``~``, ``%``, ``join``,
+``format`` or the escaping filters (which read a probe's text without its methods)
+instead of outputting it, nor those naming ``int``, ``float``, ``wordcount``, ``urlize``
+(their results depend on the text in ways no probe shows).
 ``tests/unit/test_render_fast.py`` holds this path equal to jinja's plain sandbox for
 random conversations of both template families, and the golden test to ``transformers``.
 
@@ -496,6 +498,12 @@ def _program(out: str, find: re.Pattern[str], count: int) -> tuple[Any, ...] | N
 
 
 _JOINERS = frozenset(("join", "format", "format_map"))
+_MARKUP_FILTERS = frozenset(("safe", "e", "escape", "forceescape", "striptags", "urlencode"))
+"""Filters that build a new string from their value's text in C code, without its
+methods: harmless when output as they are (the probes show any change to the text)."""
+_READING_FILTERS = frozenset(("int", "float", "wordcount", "filesizeformat", "urlize", "round"))
+"""Filters whose result depends on the text in ways no probe can show (a number parsed
+from it, URLs found in it): a template naming one gets no segment renderer."""
 
 
 def _untraced(node: n.Node) -> bool:
@@ -506,7 +514,7 @@ def _untraced(node: n.Node) -> bool:
     if isinstance(node, n.Mod):
         return isinstance(node.left, n.Const) and isinstance(node.left.value, str)
     if isinstance(node, n.Filter):
-        return node.name in _JOINERS
+        return node.name in _JOINERS or node.name in _MARKUP_FILTERS
     if isinstance(node, n.Call):
         return isinstance(node.node, n.Getattr) and node.node.attr in _JOINERS
     return False
@@ -542,6 +550,9 @@ def segment_renderer(ast: n.Template, template: jinja2.Template) -> SegmentRende
     it tests or cuts a string built without the probes' methods (see the header)."""
     for name in ast.find_all(n.Name):
         if name.name in _UNSTABLE_GLOBALS:
+            return None
+    for node in ast.find_all(n.Filter):
+        if node.name in _READING_FILTERS:
             return None
     if not _built_for_output(ast):
         return None

@@ -148,6 +148,7 @@ _CONTENTS = ["a", "  padded  ", "", "line\nbreak", 'quote " and \\', "<b>&</b>",
         ("{% for m in messages %}{{ ('x' + m.content).strip() }}{% endfor %}", False),
         ("{% for m in messages %}{{ m.content ~ '!' }}{% endfor %}", True),
         ("{{ messages | map(attribute='content') | join('\\n') }}", True),
+        ("{% for m in messages %}{{ m.content | safe }}{% endfor %}", True),
     ],
 )
 def test_contents_looked_at_render_as_jinja_does(tmp_path: Path, source: str, served: bool) -> None:
@@ -167,6 +168,9 @@ def test_contents_looked_at_render_as_jinja_does(tmp_path: Path, source: str, se
         "{{ strftime_now('%Y-%m-%d') }}{% for m in messages %}{{ m.content }}{% endfor %}",
         "{% for m in messages %}{% if (m.content ~ '').endswith('x') %}X{% endif %}{% endfor %}",
         "{% for m in messages %}{% set s = '%s' % m.content %}{{ s.strip() }}{% endfor %}",
+        "{% for m in messages %}{% if m.content | int > 2 %}big{% endif %}{% endfor %}",
+        "{% for m in messages %}{{ m.content | urlize }}{% endfor %}",
+        "{% for m in messages %}{% if (m.content | safe).endswith('x') %}X{% endif %}{% endfor %}",
     ],
 )
 def test_no_segment_renderer_for_unstable_or_untraced_templates(
