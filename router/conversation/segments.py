@@ -42,8 +42,9 @@ with jinja as before. Templates that name ``strftime_now`` (the date in the prom
 ``lipsum`` (random text) get no segment renderer at all.
 Nor do templates that test or cut a string they build with ``~``, ``%``, ``join``,
 ``format`` or the escaping filters (which read a probe's text without its methods)
-instead of outputting it, nor those naming ``int``, ``float``, ``wordcount``, ``urlize``
-(their results depend on the text in ways no probe shows).
+instead of outputting it, nor those naming ``int``, ``float``, ``wordcount``, ``urlize``,
+``wordwrap``, ``title`` (their results depend on the text in ways no probe shows) or
+``random``.
 ``tests/unit/test_render_fast.py`` holds this path equal to jinja's plain sandbox for
 random conversations of both template families, and the golden test to ``transformers``.
 
@@ -501,9 +502,22 @@ _JOINERS = frozenset(("join", "format", "format_map"))
 _MARKUP_FILTERS = frozenset(("safe", "e", "escape", "forceescape", "striptags", "urlencode"))
 """Filters that build a new string from their value's text in C code, without its
 methods: harmless when output as they are (the probes show any change to the text)."""
-_READING_FILTERS = frozenset(("int", "float", "wordcount", "filesizeformat", "urlize", "round"))
+_READING_FILTERS = frozenset(
+    (
+        "int",
+        "float",
+        "round",
+        "wordcount",
+        "filesizeformat",
+        "urlize",
+        "wordwrap",
+        "title",
+        "random",
+    )
+)
 """Filters whose result depends on the text in ways no probe can show (a number parsed
-from it, URLs found in it): a template naming one gets no segment renderer."""
+from it, URLs or long lines or words found in it by regular expressions) or on nothing
+(``random``): a template naming one gets no segment renderer."""
 
 
 def _untraced(node: n.Node) -> bool:

@@ -170,6 +170,7 @@ def test_contents_looked_at_render_as_jinja_does(tmp_path: Path, source: str, se
         "{% for m in messages %}{% set s = '%s' % m.content %}{{ s.strip() }}{% endfor %}",
         "{% for m in messages %}{% if m.content | int > 2 %}big{% endif %}{% endfor %}",
         "{% for m in messages %}{{ m.content | urlize }}{% endfor %}",
+        "{% for m in messages %}{{ m.content | wordwrap(20) }}{% endfor %}",
         "{% for m in messages %}{% if (m.content | safe).endswith('x') %}X{% endif %}{% endfor %}",
     ],
 )
