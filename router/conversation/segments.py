@@ -48,13 +48,17 @@ instead of outputting it, nor those naming ``int``, ``float``, ``wordcount``, ``
 ``tests/unit/test_render_fast.py`` holds this path equal to jinja's plain sandbox for
 random conversations of both template families, and the golden test to ``transformers``.
 
+A shape's first concatenation is checked against jinja's render of that request too (a
+safety net under the probes: a difference makes the shape opaque, counted as
+``mismatched`` and logged once), so a new shape costs three renders, once.
+
 Memory: shapes are kept first in, first out, up to :data:`MAX_SHAPES` shapes and
-:data:`MAX_ITEMS` program items and predicates in all (a few MiB); a new shape costs two
-renders, once.
+:data:`MAX_ITEMS` program items and predicates in all (a few MiB).
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
@@ -64,6 +68,8 @@ from typing import Any
 
 import jinja2
 import jinja2.nodes as n
+
+log = logging.getLogger("continuum.conversation")
 
 __all__ = ["MAX_ITEMS", "MAX_SHAPES", "SegmentRenderer", "segment_renderer"]
 
@@ -380,7 +386,17 @@ _OPAQUE = _Shape(operator.itemgetter(0, 0), [], (), 0)
 class SegmentRenderer:
     """One compiled template's shapes (one event loop: no locking)."""
 
-    __slots__ = ("_items", "_shapes", "_template", "hits", "learned", "opaque", "refused")
+    __slots__ = (
+        "_items",
+        "_shapes",
+        "_template",
+        "_unchecked",
+        "hits",
+        "learned",
+        "mismatched",
+        "opaque",
+        "refused",
+    )
 
     def __init__(self, template: jinja2.Template) -> None:
         self._template = template
@@ -394,6 +410,11 @@ class SegmentRenderer:
         """Shapes found opaque (their requests render with jinja)."""
         self.refused = 0
         """Requests of a known shape whose contents answered a predicate otherwise."""
+        self.mismatched = 0
+        """Shapes whose first request's concatenation differed from jinja's render of it
+        (made opaque, logged): a template this module's checks missed."""
+        self._unchecked: set[tuple[Any, ...]] = set()
+        """Shapes learned whose first concatenation is still to be checked."""
 
     def render(
         self, roles: tuple[str, ...], contents: list[str], variables: Mapping[str, Any]
@@ -416,8 +437,40 @@ class SegmentRenderer:
             if not check.holds(contents):
                 self.refused += 1
                 return None
+        text = shape.text(contents)
+        if key in self._unchecked and not self._agrees(key, text, roles, contents, variables):
+            return None
         self.hits += 1
-        return shape.text(contents)
+        return text
+
+    def _agrees(
+        self,
+        key: tuple[Any, ...],
+        text: str,
+        roles: tuple[str, ...],
+        contents: list[str],
+        variables: Mapping[str, Any],
+    ) -> bool:
+        """A shape's first concatenation, checked against jinja's render of the same
+        request (one more render per shape, once): a safety net under the probes."""
+        self._unchecked.discard(key)
+        chat = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+        try:
+            same = str(self._template.render(messages=chat, **variables)) == text
+        except Exception:
+            same = False
+        if not same:
+            self.mismatched += 1
+            self.opaque += 1
+            self._shapes[key] = _OPAQUE
+            if self.mismatched == 1:
+                log.warning(
+                    "conversation keys: a chat template's output for plain chats differs "
+                    "from its learned pieces (roles %s); such shapes render with jinja "
+                    "(logged once)",
+                    list(roles),
+                )
+        return same
 
     def stats(self) -> dict[str, int]:
         return {
@@ -427,6 +480,7 @@ class SegmentRenderer:
             "learned": self.learned,
             "opaque": self.opaque,
             "refused": self.refused,
+            "mismatched": self.mismatched,
         }
 
     def _learn(
@@ -471,10 +525,14 @@ class SegmentRenderer:
             return
         shapes = self._shapes
         while shapes and (len(shapes) >= MAX_SHAPES or self._items + size > MAX_ITEMS):
-            old = shapes.pop(next(iter(shapes)))
+            oldest = next(iter(shapes))
+            self._unchecked.discard(oldest)
+            old = shapes.pop(oldest)
             self._items -= old.size + 1
         shapes[key] = shape
         self._items += size
+        if shape is not _OPAQUE:
+            self._unchecked.add(key)
 
 
 def _program(out: str, find: re.Pattern[str], count: int) -> tuple[Any, ...] | None:

@@ -232,3 +232,28 @@ def test_a_filter_working_on_str_of_a_content_makes_the_shape_opaque(tmp_path: P
     assert _same(template, _body([{"role": "user", "content": "a<|x|>b"}])) == "ab;"
     assert _same(template, _body([{"role": "user", "content": "c"}])) == "c;"
     assert _stats(template)["hits"] == 0
+
+
+def test_a_first_concatenation_unlike_jinja_makes_the_shape_opaque(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safety net: a shape's first concatenation is checked against jinja's render
+    (here the learned pieces are replaced by wrong ones, before that check)."""
+    template = _jinja(tmp_path, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    renderer = template.templates["default"].segments
+    assert renderer is not None
+    learn = seg_mod.SegmentRenderer._learn
+
+    def tampered(self: seg_mod.SegmentRenderer, key: Any, *args: Any) -> Any:
+        learn(self, key, *args)
+        wrong = seg_mod._Shape.of(("<user>!", 0), (), 1)
+        self._shapes[key] = wrong
+        return wrong
+
+    body = _body([{"role": "user", "content": "x"}])
+    with monkeypatch.context() as patch:
+        patch.setattr(seg_mod.SegmentRenderer, "_learn", tampered)
+        assert render_prompt(template, body) == "<user>x"
+    assert render_prompt(template, body) == "<user>x"
+    stats = renderer.stats()
+    assert stats["mismatched"] == 1 and stats["hits"] == 0 and stats["opaque"] == 1
