@@ -35,8 +35,8 @@ Modes (``mode``):
   (``pool_size`` connections each) fail at once when full instead of waiting, so
   :class:`_BoundedCluster` lets at most ``pool_size`` commands run at a time, the others
   waiting up to the connect timeout like the standalone pool. The cluster-level retry is
-  ``Retry(NoBackoff(), 1)`` too. ``RedisPools.client`` hands it out; ``RedisPools.get``
-  refuses it (the KV index needs one server: its scripts touch keys of many slots).
+  ``Retry(NoBackoff(), 1)`` too. ``RedisPools.client`` hands it out (to the response cache
+  and the KV index); ``RedisPools.get`` refuses it (it promises one server).
 
 In all modes, a command that fails while a primary is away raises one of
 :data:`UNAVAILABLE_ERRORS`, which the stores answer from memory (counted) until it answers.
@@ -147,14 +147,24 @@ def _sentinel_client(config: RedisConfig) -> Redis:
 class _BoundedCluster(RedisCluster):
     """A ``RedisCluster`` that runs at most ``limit`` commands at a time: a caller waits
     (up to ``wait_s``) for a turn instead of meeting a full per-node pool, which fails at
-    once (``MaxConnectionsError``) and would trip the memory fallback on a mere burst."""
+    once (``MaxConnectionsError``) and would trip the memory fallback on a mere burst.
+
+    It also reads the slot map once for all waiting commands (at the first command and
+    whenever an error marked it stale): a burst of commands on a client that had not read
+    it yet went out by the default node, drew MOVED replies and re-initialisations that
+    dropped the connections of the commands still running (seen with redis-py 8.1)."""
 
     def __init__(self, *args: Any, limit: int, wait_s: float, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._turns = asyncio.Semaphore(limit)
         self._wait_s = wait_s
+        self._map_lock = asyncio.Lock()
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self._initialize:
+            async with self._map_lock:
+                if self._initialize:
+                    await self.initialize()
         try:
             async with asyncio.timeout(self._wait_s):
                 await self._turns.acquire()
@@ -197,7 +207,7 @@ def build_redis(config: RedisConfig) -> Redis:
     if config.mode == "cluster":
         raise ValueError(
             "a Redis Cluster has no single server for this client "
-            "(the KV index's scripts need one; response_cache.redis.mode: cluster)"
+            "(response_cache.redis.mode: cluster; use build_client)"
         )
     if config.mode == "sentinel":
         return _sentinel_client(config)
@@ -272,7 +282,7 @@ class RedisPools:
         return client
 
     def get(self, config: RedisConfig) -> Redis:
-        """The shared single-server client for ``config`` (what the KV index needs).
+        """The shared client for ``config`` when it is one server (standalone, Sentinel).
 
         Raises:
             ValueError: ``mode: cluster``.
