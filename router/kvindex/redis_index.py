@@ -929,9 +929,15 @@ class RedisKvIndex(KvIndex):
     # ---- recovery (used by FallbackKvIndex) -------------------------------------------
 
     async def ping(self) -> None:
-        """Raises :class:`KvIndexUnavailable` unless Redis answers."""
+        """Raises :class:`KvIndexUnavailable` unless Redis answers: on a Cluster every
+        primary (one node answering proves little: the fallback would switch back, meet
+        the dead primary's slots and switch again, once per check, until its replica is
+        promoted)."""
         try:
-            await self._redis.ping()
+            if isinstance(self._redis, RedisCluster):
+                await self._redis.execute_command("PING", target_nodes=RedisCluster.PRIMARIES)
+            else:
+                await self._redis.ping()
             if self._server_clock is not None and not self._server_clock.synced:
                 await self._server_clock.sync(self._redis, self._seq_key)
         except UNAVAILABLE_ERRORS as exc:

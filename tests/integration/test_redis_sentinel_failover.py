@@ -29,7 +29,8 @@ from bus.sse import SseParser
 from harness.sim.fleet import SimFleet
 from router.config.models import RedisConfig
 from router.kvindex import RedisKvIndex
-from router.redis import build_redis, close_client
+from router.redis import build_client, close_client
+from router.redis.keyspace import scan_pages
 
 from .client_load import ClientLoad
 from .conftest import RouterProc, StartRouter, metric_value, wait_until
@@ -92,15 +93,19 @@ async def listener_state(listener: Listener) -> Entries:
 
 
 async def index_state(config: RedisConfig) -> Entries:
-    """Every live entry of the KV index in Redis (the primary Sentinel names now)."""
-    client = build_redis(config)
+    """Every live entry of the KV index in Redis (the primary Sentinel names now; on a
+    Cluster, every primary and every backend's ``{cr:kvidx:<backend>}`` sets)."""
+    client = build_client(config)
     try:
         idx = RedisKvIndex(client, 600, KEY_PREFIX)
-        prefixes: list[str] = []
-        async for key in client.scan_iter(match=KEY_PREFIX + "*", count=500, _type="zset"):
-            prefixes.append(key.decode()[len(KEY_PREFIX) :])
+        prefixes: set[str] = set()
+        for match in (KEY_PREFIX + "*", "{" + KEY_PREFIX + "*"):
+            async for page in scan_pages(client, match, 500, "zset"):
+                for key in page:
+                    prefixes.add(key.decode().rpartition("}")[2].removeprefix(KEY_PREFIX))
+        order = sorted(prefixes)
         out: Entries = {}
-        for prefix, entries in zip(prefixes, await idx.query_many(prefixes), strict=True):
+        for prefix, entries in zip(order, await idx.query_many(order), strict=True):
             for e in entries:
                 tier = "storage" if e.tier.name == "STORAGE_WARM" else "gpu"
                 out[(prefix, e.backend)] = (e.token_count, tier)
