@@ -121,7 +121,7 @@ from typing import Any
 from redis import exceptions as rx
 from redis.asyncio.cluster import RedisCluster
 
-from router.redis import UNAVAILABLE_ERRORS, RedisClient, close_client, glob_escape
+from router.redis import UNAVAILABLE_ERRORS, RedisClient, close_client, glob_escape, send_by_node
 from router.redis.keyspace import SCAN_START, ScanPos, scan_pages, scan_step, unlink
 
 from .base import (
@@ -708,7 +708,15 @@ class RedisKvIndex(KvIndex):
             return [EMPTY] * len(keys)
         for start in range(0, len(keys), _QUERY_BATCH):
             part = keys[start : start + _QUERY_BATCH]
-            per_group = await _all(self._query_group(tag, part) for tag in tags)
+            rkeys = [self._group_keys(tag, part) for tag in tags]
+            try:
+                blobs = await self._query_blobs(rkeys)
+            except UNAVAILABLE_ERRORS as exc:
+                raise self._unavailable("query", exc) from exc
+            per_group = [
+                await self._parse_group(tag, part, blob)
+                for tag, blob in zip(tags, blobs, strict=True)
+            ]
             if len(per_group) == 1:
                 out += per_group[0]
                 continue
@@ -722,16 +730,31 @@ class RedisKvIndex(KvIndex):
                     out.append(tuple(merged))
         return out
 
-    async def _query_group(self, tag: bytes, part: Sequence[Key]) -> list[Sequence[IndexEntry]]:
-        """The query_many script over ``part`` in one key group."""
+    def _group_keys(self, tag: bytes, part: Sequence[Key]) -> list[bytes]:
+        """The query_many script's keys over ``part`` in one key group."""
         rkeys: list[bytes] = [self._gens_key(tag)]
         for k in part:
             key = self._key(tag, k)
             rkeys += (key, key + b":t")
-        try:
-            blob = await self._query_many_script(keys=rkeys)
-        except UNAVAILABLE_ERRORS as exc:
-            raise self._unavailable("query", exc) from exc
+        return rkeys
+
+    async def _query_blobs(self, groups: list[list[bytes]]) -> list[bytes]:
+        """The query_many script's reply for each group of keys. On a Cluster, first as
+        one pipeline per node (``send_by_node``); if that meets anything unusual, one call
+        per group through the client, which follows redirects and loads the script."""
+        if isinstance(self._redis, RedisCluster):
+            sha = self._query_many_script.sha
+            sent = await send_by_node(
+                self._redis, [(g[0], ("EVALSHA", sha, len(g), *g)) for g in groups]
+            )
+            if sent is not None:
+                return sent
+        return await _all(self._query_many_script(keys=g) for g in groups)
+
+    async def _parse_group(
+        self, tag: bytes, part: Sequence[Key], blob: bytes
+    ) -> list[Sequence[IndexEntry]]:
+        """The lines of one group's query_many reply, as entries."""
         lines = blob.split(b"\n")
         if len(lines) != len(part) + 1:
             raise KvIndexError(f"query_many: {len(lines)} lines for {len(part)} keys")

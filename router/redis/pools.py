@@ -48,6 +48,7 @@ bound to the event loop that first used them.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any, TypeAlias, overload
 
 import redis.exceptions
@@ -70,6 +71,7 @@ __all__ = [
     "close_client",
     "effective_url",
     "glob_escape",
+    "send_by_node",
 ]
 
 _CLIENT_NAME = "continuum-router"
@@ -160,11 +162,8 @@ class _BoundedCluster(RedisCluster):
         self._wait_s = wait_s
         self._map_lock = asyncio.Lock()
 
-    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        if self._initialize:
-            async with self._map_lock:
-                if self._initialize:
-                    await self.initialize()
+    async def _turn(self) -> None:
+        """Wait for a turn (release it with ``self._turns.release()``)."""
         try:
             async with asyncio.timeout(self._wait_s):
                 await self._turns.acquire()
@@ -172,10 +171,77 @@ class _BoundedCluster(RedisCluster):
             raise redis.exceptions.MaxConnectionsError(
                 f"no free cluster connection within {self._wait_s:g}s"
             ) from None
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self._initialize:
+            async with self._map_lock:
+                if self._initialize:
+                    await self.initialize()
+        await self._turn()
         try:
             return await super().execute_command(*args, **kwargs)
         finally:
             self._turns.release()
+
+    async def send_by_node(self, commands: Sequence[tuple[Any, Sequence[Any]]]) -> list[Any] | None:
+        """``(slot key, command)`` pairs sent as one pipeline per node (a turn each),
+        concurrently; the raw replies in order. None when anything is unusual (a stale
+        slot map, MOVED, a missing script, a connection error): the caller then sends
+        the commands one by one through :meth:`execute_command`, whose redirects,
+        retries and map refreshes handle it. Only for idempotent commands.
+
+        Why: a query of the KV index is one script call per backend; each call through
+        redis-py's cluster dispatch costs more client CPU than the round trip itself, so
+        three of them took ~1.3x a bare ``RedisCluster`` pipeline of the same reads."""
+        if self._initialize:
+            return None
+        by_node: dict[str, tuple[ClusterNode, list[int]]] = {}
+        try:
+            for i, (key, _) in enumerate(commands):
+                node = self.get_node_from_key(key)
+                if node is None:
+                    return None
+                by_node.setdefault(node.name, (node, []))[1].append(i)
+        except redis.exceptions.RedisClusterException:
+            return None
+        out: list[Any] = [None] * len(commands)
+
+        async def one(node: ClusterNode, at: list[int]) -> None:
+            await self._turn()
+            try:
+                conn = node.acquire_connection()
+                try:
+                    cmds = [commands[i][1] for i in at]
+                    await conn.send_packed_command(conn.pack_commands(cmds))
+                    for i in at:
+                        out[i] = await conn.read_response()
+                except BaseException:
+                    await conn.disconnect()  # unread replies must not reach the next user
+                    raise
+                finally:
+                    node.release(conn)
+            finally:
+                self._turns.release()
+
+        done = await asyncio.gather(
+            *(one(node, at) for node, at in by_node.values()), return_exceptions=True
+        )
+        for r in done:
+            if isinstance(r, redis.exceptions.RedisError | OSError):
+                return None
+            if isinstance(r, BaseException):
+                raise r
+        return out
+
+
+async def send_by_node(
+    client: RedisCluster, commands: Sequence[tuple[Any, Sequence[Any]]]
+) -> list[Any] | None:
+    """``_BoundedCluster.send_by_node`` on the router's Cluster client; None (send them one
+    by one) on any other ``RedisCluster``, which has no turns to respect."""
+    if isinstance(client, _BoundedCluster):
+        return await client.send_by_node(commands)
+    return None
 
 
 def _cluster_client(config: RedisConfig) -> RedisCluster:

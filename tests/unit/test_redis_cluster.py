@@ -173,9 +173,10 @@ async def test_the_kv_index_keeps_each_backend_in_one_slot_and_routers_share_it(
 
 
 def check_slots(client: RedisCluster) -> list[tuple[str, int]]:
-    """Make ``client`` record the keys of every command it sends and fail on one whose keys
-    are in more than one slot, before redis-py or Redis would; the list of the multi-key
-    commands seen (name, number of keys)."""
+    """Make ``client`` record the keys of every command it sends (one by one, or as the
+    per-node pipelines of ``send_by_node``) and fail on one whose keys are in more than one
+    slot, before redis-py or Redis would; the list of the multi-key commands seen (name,
+    number of keys). ``client.piped`` lists the sizes of the pipelines answered."""
     seen: list[tuple[str, int]] = []
     send = client.execute_command
 
@@ -193,7 +194,22 @@ def check_slots(client: RedisCluster) -> list[tuple[str, int]]:
             seen.append((name, len(keys)))
         return await send(*args, **kwargs)
 
+    async def send_by_node(commands: Any) -> Any:
+        for _, cmd in commands:
+            assert cmd[0] == "EVALSHA"
+            slots = {client.keyslot(k) for k in cmd[3 : 3 + int(cmd[2])]}
+            assert len(slots) == 1, f"EVALSHA across slots {sorted(slots)}"
+            seen.append(("EVALSHA", int(cmd[2])))
+        replies = await pipe(commands)
+        if replies is not None:  # answered, not handed back to the one-by-one path
+            piped.append(len(commands))
+        return replies
+
+    pipe = client.send_by_node  # type: ignore[attr-defined]
+    piped: list[int] = []
     client.execute_command = execute_command  # type: ignore[method-assign]
+    client.send_by_node = send_by_node  # type: ignore[attr-defined]
+    client.piped = piped  # type: ignore[attr-defined]
     return seen
 
 
@@ -236,6 +252,12 @@ async def test_no_command_of_the_kv_index_crosses_a_slot(shared_cluster: Cluster
         await a.upsert(P(61), "b1", 1, GPU)
         assert await b.clear() == 1
         assert "EVALSHA" in {n for n, _ in multi_key} and len(multi_key) > 20
+        # Queries went out as per-node pipelines of one script call per backend.
+        assert 6 in client.piped  # type: ignore[attr-defined]
+        piped = len(client.piped)  # type: ignore[attr-defined]
+        await a.upsert(P(70), "b1", 5, GPU)
+        assert [e.backend for e in await a.query_backends(P(70))] == ["b1"]
+        assert len(client.piped) == piped + 1  # type: ignore[attr-defined]
     finally:
         await delete_prefix(client, kp)
         await close_client(client)
