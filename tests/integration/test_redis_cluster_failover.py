@@ -16,36 +16,17 @@ slot is SIGKILLed under traffic, and the index must converge to the listener's s
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import itertools
 import uuid
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import grpc
 import pytest
 import pytest_asyncio
 
-from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from router.config.models import RedisConfig
-
 from .client_load import ClientLoad
 from .conftest import RouterProc, StartRouter, backend, chat_body, metric_value, wait_until
-from .test_redis_sentinel_failover import KEY_PREFIX, index_state, listener_state
-from .test_tier4_e2e import (
-    NAMES,
-    SALT_ENV,
-    SECRET,
-    Listener,
-    Stack,
-    backends,
-    direct,
-    engines_and_listener,
-    event_sources,
-    kv_backends,
-    quiesce,
-    sys_req,
-)
+from .redis_failover import KEY_PREFIX, failover_redis, kv_failover_under_traffic
+from .test_tier4_e2e import NAMES, Listener, engines_and_listener
 
 if TYPE_CHECKING:
     from harness.sim.fleet import SimFleet
@@ -63,12 +44,7 @@ async def test_primary_killed_under_traffic(
     sims: SimFleet, cluster_set: ClusterSet, start_router: StartRouter
 ) -> None:
     c = cluster_set
-    redis = {
-        **c.config(),
-        "health_check_interval_ms": 200,
-        "connect_timeout_ms": 300,
-        "command_timeout_ms": 300,
-    }
+    redis = failover_redis(c.config())
     router: RouterProc = await start_router(
         {
             "backends": [backend("sim-1", sims.urls[0])],
@@ -129,91 +105,13 @@ async def test_primary_of_an_index_slot_killed_under_traffic(
     entry, read through the Cluster."""
     fleet, listener = engines
     c = cluster_set
-    redis = {
-        **c.config(),
-        "health_check_interval_ms": 200,
-        "connect_timeout_ms": 300,
-        "command_timeout_ms": 300,
-    }
-    router: RouterProc = await start_router(
-        {
-            "server": {"grpc_listen": "127.0.0.1:0"},
-            "selection_strategy": "RoundRobin",
-            "prefix_routing": {"enabled": True},
-            "backends": backends(fleet, salt=False),
-            "response_cache": {"enabled": True, "backend": "redis", "redis": redis},
-            "kv_cache_index": {
-                "enabled": True,
-                "backend": "redis",
-                "salt_secret_env": SALT_ENV,
-                "event_sources": event_sources(listener),
-            },
-        },
-        env={SALT_ENV: SECRET},
+
+    def kill() -> None:
+        victim = c.primary_for("{" + KEY_PREFIX + NAMES[0] + "}")
+        assert entries_on(c, victim) > 0
+        c.kill(victim)
+        c.wait_failover(victim)
+
+    await kv_failover_under_traffic(
+        start_router, fleet, listener, c.config(), kill, cache_switches=(0, 1)
     )
-
-    async def connected() -> bool:
-        return all(b["connection"]["connected"] for b in await kv_backends(router))
-
-    await wait_until(connected, within=10, what="the router's event consumers")
-    stop = asyncio.Event()
-
-    async def engines_work() -> None:
-        for i in itertools.count():
-            if stop.is_set():
-                return
-            await direct(fleet.urls[i % len(NAMES)], sys_req(f"work-{i}"))
-
-    run = uuid.uuid4().hex[:8]
-    load = ClientLoad(router, lambda i: {**sys_req(f"traffic-{run}-{i % 7}"), "temperature": 0})
-    work = asyncio.create_task(engines_work())
-    try:
-        async with load:
-            await load.served(20, "traffic before the kill")
-            victim = c.primary_for("{" + KEY_PREFIX + NAMES[0] + "}")
-            assert entries_on(c, victim) > 0
-            c.kill(victim)
-            before_kill = load.count
-            await asyncio.to_thread(c.wait_failover, victim)
-
-            async def recovered() -> bool:
-                text = await router.metrics()
-                return (
-                    metric_value(text, "continuum_kv_index_fallback_active") == 0
-                    and metric_value(text, "continuum_cache_fallback_active") == 0
-                    and metric_value(text, "continuum_kv_index_fallback_switches_total") >= 1
-                )
-
-            await wait_until(recovered, within=30, interval=0.2, what="both stores on Redis")
-            await load.served(before_kill + 20, "traffic after")
-    finally:
-        stop.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
-    assert load.failures == [], load.failures[:3]
-    text = await router.metrics()
-    assert metric_value(text, "continuum_kv_index_fallback_switches_total") == 1
-    assert metric_value(text, "continuum_cache_fallback_switches_total") <= 1
-
-    # The index converges to the listener's state, entry by entry, through the Cluster.
-    cfg = RedisConfig.model_validate(c.config())
-    assert router.grpc_target is not None
-    async with grpc.aio.insecure_channel(router.grpc_target) as channel:
-        st = Stack(fleet, listener, router, pb_grpc.KvIndexStub(channel))
-        await quiesce(st, within=30)
-    want = await listener_state(listener)
-    assert len(want) > 20, "the engines held too little to compare"
-    assert {b for _, b in want} == set(NAMES)
-
-    async def converged() -> bool:
-        return await index_state(cfg) == want
-
-    try:
-        await wait_until(converged, within=15, interval=0.2, what="the index = the listener")
-    except AssertionError:
-        got = await index_state(cfg)
-        missing = {k: v for k, v in want.items() if got.get(k) != v}
-        extra = {k: v for k, v in got.items() if k not in want}
-        raise AssertionError(
-            f"missing/different {list(missing.items())[:5]}, extra {list(extra.items())[:5]}"
-        ) from None
