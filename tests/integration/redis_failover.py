@@ -15,11 +15,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
 import grpc
+import pytest
+import pytest_asyncio
 
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from bus.events import KvEvent
@@ -40,16 +42,32 @@ from .test_tier4_e2e import (
     Stack,
     backends,
     direct,
+    engines_and_listener,
     event_sources,
     kv_backends,
     quiesce,
     sys_req,
 )
 
-__all__ = ["KEY_PREFIX", "failover_redis", "index_state", "kv_failover_under_traffic"]
+__all__ = [
+    "KEY_PREFIX",
+    "engines",
+    "failover_redis",
+    "index_state",
+    "kv_failover_under_traffic",
+]
 
 KEY_PREFIX = "cr:kvidx:"
 Entries = dict[tuple[str, str], tuple[int, str]]
+
+
+@pytest_asyncio.fixture(loop_scope="session")
+async def engines(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> AsyncIterator[tuple[SimFleet, Listener]]:
+    """Two simulated engines and the real listener (a test module imports this fixture)."""
+    async with engines_and_listener(tmp_path_factory.mktemp("redis-failover")) as pair:
+        yield pair
 
 
 def failover_redis(deployment: dict[str, Any]) -> dict[str, Any]:

@@ -17,16 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
-
-import pytest
-import pytest_asyncio
 
 from .client_load import ClientLoad
 from .conftest import RouterProc, StartRouter, backend, chat_body, metric_value, wait_until
-from .redis_failover import KEY_PREFIX, failover_redis, kv_failover_under_traffic
-from .test_tier4_e2e import NAMES, Listener, engines_and_listener
+from .redis_failover import (  # noqa: F401 (engines: the fixture)
+    KEY_PREFIX,
+    engines,
+    failover_redis,
+    kv_failover_under_traffic,
+)
+from .test_tier4_e2e import NAMES, Listener
 
 if TYPE_CHECKING:
     from harness.sim.fleet import SimFleet
@@ -87,16 +88,10 @@ async def test_primary_killed_under_traffic(
     assert second.json()["choices"] == first.json()["choices"]
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def engines(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[tuple[SimFleet, Listener]]:
-    async with engines_and_listener(tmp_path_factory.mktemp("cluster")) as pair:
-        yield pair
-
-
 async def test_primary_of_an_index_slot_killed_under_traffic(
-    engines: tuple[Any, Listener], cluster_set: ClusterSet, start_router: StartRouter
+    engines: tuple[Any, Listener],  # noqa: F811 (the imported fixture)
+    cluster_set: ClusterSet,
+    start_router: StartRouter,
 ) -> None:
     """The KV index on the Cluster (each backend's keys in one slot): the primary serving
     a backend's slot is SIGKILLed while clients send requests and the engines produce KV

@@ -12,17 +12,13 @@ holds exactly the listener's state, entry by entry.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
-import pytest_asyncio
-
-from harness.sim.fleet import SimFleet
 
 from .conftest import StartRouter
-from .redis_failover import kv_failover_under_traffic
-from .test_tier4_e2e import Listener, engines_and_listener
+from .redis_failover import engines, kv_failover_under_traffic  # noqa: F401 (the fixture)
+from .test_tier4_e2e import Listener
 
 if TYPE_CHECKING:
     from tests.redis_fixture import SentinelSet
@@ -32,16 +28,10 @@ pytest.importorskip("tokenizers")
 pytest_plugins = ("tests.redis_fixture",)
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def engines(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[tuple[SimFleet, Listener]]:
-    async with engines_and_listener(tmp_path_factory.mktemp("sentinel")) as pair:
-        yield pair
-
-
 async def test_primary_killed_under_traffic(
-    engines: tuple[Any, Listener], sentinel_set: SentinelSet, start_router: StartRouter
+    engines: tuple[Any, Listener],  # noqa: F811 (the imported fixture)
+    sentinel_set: SentinelSet,
+    start_router: StartRouter,
 ) -> None:
     fleet, listener = engines
     s = sentinel_set
