@@ -261,3 +261,27 @@ async def test_no_command_of_the_kv_index_crosses_a_slot(shared_cluster: Cluster
     finally:
         await delete_prefix(client, kp)
         await close_client(client)
+
+
+async def test_a_backend_another_router_starts_writing_shows_up_in_queries(
+    shared_cluster: ClusterSet,
+) -> None:
+    """On a Cluster a query asks the backends listed in ``<kp>#backends``: one that
+    another router writes for the first time after this router's first query is asked
+    as soon as the list is read again (``backends_refresh_s``, 0 here)."""
+    client = build_client(config(shared_cluster))
+    kp = new_key_prefix()
+    try:
+        reader = RedisKvIndex(client, 600, kp, backends_refresh_s=0)
+        writer = RedisKvIndex(client, 600, kp)
+        assert await reader.query_backends(P(1)) == ()
+        await writer.upsert(P(1), "late", 64, GPU)
+        assert [(e.backend, e.token_count) for e in await reader.query_backends(P(1))] == [
+            ("late", 64)
+        ]
+        assert await reader.remove_backend("late") == 1
+        # Taken off the list too: nobody asks it any more.
+        assert await client.smembers((kp + "#backends").encode()) == set()
+    finally:
+        await delete_prefix(client, kp)
+        await close_client(client)
