@@ -536,11 +536,16 @@ class RedisKvIndex(KvIndex):
             await pool.release(conn)
 
     async def _commands(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """Single-key commands, the replies in order: pipelined on one server; on a
-        Cluster each sent to its slot's primary, concurrently (the bounded client lets
-        ``pool_size`` run at a time)."""
+        """Idempotent single-key commands (key second), the replies in order: pipelined
+        on one server; on a Cluster one pipeline per node (a page of a SCAN as 500 single
+        commands would hold every turn of the bounded client for a while, and wait for
+        them past its timeout under load), else each sent to its slot's primary."""
         if self._pool is not None:
             return await self._roundtrip(commands)
+        assert isinstance(self._redis, RedisCluster)
+        sent = await send_by_node(self._redis, [(c[1], c) for c in commands])
+        if sent is not None:
+            return sent
         return await _all(self._redis.execute_command(*c) for c in commands)
 
     def _slot_groups(self, keys: list[bytes]) -> list[list[bytes]]:

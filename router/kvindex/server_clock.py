@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-if TYPE_CHECKING:
-    from router.redis import RedisClient
+from router.redis import RedisClient
 
 __all__ = ["ServerClock"]
 
