@@ -194,7 +194,10 @@ async def kv_failover_under_traffic(
     assert load.failures == [], load.failures[:3]
     text = await router.metrics()
     assert metric_value(text, "continuum_cache_fallback_switches_total") in cache_switches
-    assert metric_value(text, "continuum_kv_index_fallback_switches_total") == 1
+    switches = metric_value(text, "continuum_kv_index_fallback_switches_total")
+    assert switches == 1, [  # each switch logs why
+        line for line in router.log().splitlines() if "KV index" in line
+    ][-10:]
 
     # The index converges to the listener's state, entry by entry.
     cfg = RedisConfig.model_validate(redis)
