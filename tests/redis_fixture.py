@@ -16,6 +16,8 @@ Use from a test module with ``pytest_plugins = ("tests.redis_fixture",)``.
   by ``redis-cli --cluster create``), ready (``cluster_state:ok`` everywhere, replicas
   synced); the test may kill and restart any node. ``cluster_tls_set``: the same, TLS
   only (a client certificate for the bus).
+* ``shared_cluster`` (session): one such Cluster for a whole session, for tests that only
+  read and write (never kill a node); each uses a key prefix of its own.
 
 ``redis_pools`` (function): a ``RedisPools`` registry closed after the test.
 
@@ -48,6 +50,7 @@ __all__ = [
     "require_redis",
     "sentinel_set",
     "sentinel_tls_set",
+    "shared_cluster",
     "unavailable",
 ]
 
@@ -146,6 +149,12 @@ def _cluster(tls: TlsFiles | None) -> Iterator[ClusterSet]:
 @pytest.fixture
 def cluster_set() -> Iterator[ClusterSet]:
     """A private Redis Cluster, 3 primaries + 3 replicas (needs redis-server, redis-cli)."""
+    yield from _cluster(None)
+
+
+@pytest.fixture(scope="session")
+def shared_cluster() -> Iterator[ClusterSet]:
+    """One Cluster for the session (3 primaries + 3 replicas); never kill its nodes."""
     yield from _cluster(None)
 
 

@@ -17,7 +17,7 @@ from bus.config import log_warnings as _log_warnings
 
 from ..conversation import TemplateLoadError, load_chat_template
 from .admin_token import read_admin_token
-from .models import KV_INDEX_ON_CLUSTER, RouterConfig, ServerConfig, parse_hostport
+from .models import RouterConfig, ServerConfig, parse_hostport
 
 __all__ = [
     "ConfigError",
@@ -88,14 +88,6 @@ def check_config(cfg: RouterConfig) -> list[ConfigIssue]:
                 "error",
                 "kv_cache_index.backend",
                 "redis requires response_cache.redis (the shared connection pool)",
-            )
-        )
-    elif kv.backend == "redis" and cfg.response_cache.redis.mode == "cluster":  # type: ignore[union-attr]
-        issues.append(
-            ConfigIssue(
-                "error",
-                "kv_cache_index.backend",
-                KV_INDEX_ON_CLUSTER,
             )
         )
     for i, b in enumerate(cfg.backends):

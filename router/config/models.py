@@ -15,7 +15,6 @@ from bus.config import parse_duration, parse_hostport
 
 __all__ = [
     "BACKEND_TYPES",
-    "KV_INDEX_ON_CLUSTER",
     "STRATEGIES",
     "BackendConfig",
     "BrokerConfig",
@@ -232,13 +231,6 @@ class SentinelConfig(_Section):
     _addrs = field_validator("addresses")(_dialable)
 
 
-KV_INDEX_ON_CLUSTER = (
-    "redis does not work with response_cache.redis.mode: cluster (the index's scripts "
-    "touch keys of many hash slots); use backend: memory, or a standalone or sentinel Redis"
-)
-"""Why ``kv_cache_index.backend: redis`` refuses a Redis Cluster."""
-
-
 class ClusterConfig(_Section):
     """Where a Redis Cluster is (``response_cache.redis.mode: cluster``)."""
 
@@ -255,8 +247,8 @@ class RedisConfig(_Section):
     mode: Literal["standalone", "sentinel", "cluster"] = "standalone"
     """``standalone``: one server at ``url``; ``sentinel``: the primary Sentinel names
     (``sentinel``), followed across failovers; ``cluster``: a Redis Cluster
-    (``cluster``), the response cache only (the KV index's scripts touch keys of many
-    slots, so ``kv_cache_index.backend: redis`` refuses it)."""
+    (``cluster``), for the response cache and the KV index alike (the index then keeps
+    each backend's keys under a hash tag of its own, one slot per backend)."""
     url: str = "redis://127.0.0.1:6379"
     """``redis://`` or ``rediss://`` (TLS); ``tls: true`` upgrades a ``redis://`` URL.
     Standalone only."""

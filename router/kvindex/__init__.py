@@ -13,8 +13,8 @@ hold its query, cost model, load ledger and predicted-vs-delivered sums.
 
 from __future__ import annotations
 
-from router.config.models import KV_INDEX_ON_CLUSTER, KvCacheIndexConfig, RedisConfig
-from router.redis import RedisPools, build_redis
+from router.config.models import KvCacheIndexConfig, RedisConfig
+from router.redis import RedisPools, build_client
 
 from .apply import ACTIONS, Action, apply_event, apply_events, end_resync
 from .base import (
@@ -36,13 +36,9 @@ from .redis_index import DEFAULT_KEY_PREFIX, RedisKvIndex, Restore
 CHAIN_KEY_PREFIX = "cr:kvchain:"
 """The chain index's Redis namespace (the prefix index keeps ``cr:kvidx:``)."""
 
-CLUSTER_REFUSED = f"kv_cache_index.backend: {KV_INDEX_ON_CLUSTER}"
-"""Why the Redis index refuses a Cluster (``build_kv_index``; the config check says it too)."""
-
 __all__ = [
     "ACTIONS",
     "CHAIN_KEY_PREFIX",
-    "CLUSTER_REFUSED",
     "DEFAULT_KEY_PREFIX",
     "EMPTY",
     "Action",
@@ -78,7 +74,8 @@ def build_kv_index(
 
     * ``memory``: ``InstrumentedKvIndex(InMemoryKvIndex(max_entries, entry_ttl_seconds))``.
     * ``redis``: a ``RedisKvIndex`` on the client ``pools`` hands out for ``redis_config``
-      (the response cache's connection pool, shared). With ``fallback_to_memory`` it is
+      (the response cache's connection pool, shared; in any ``mode``, a Cluster's keys laid
+      out per backend as ``redis_index`` explains). With ``fallback_to_memory`` it is
       wrapped in a ``FallbackKvIndex`` whose fallback is an ``InMemoryKvIndex`` sized like
       the memory backend (``max_entries``, ``entry_ttl_seconds``;
       ``fallback_capacity``/``fallback_ttl_seconds`` size the response cache's fallback,
@@ -93,8 +90,7 @@ def build_kv_index(
             index: ``conversation.max_entries``).
 
     Raises:
-        ValueError: ``backend: redis`` without ``redis_config``, or on a Redis Cluster
-            (:data:`CLUSTER_REFUSED`).
+        ValueError: ``backend: redis`` without ``redis_config``.
     """
     ttl = float(config.entry_ttl_seconds)
     size = config.max_entries if max_entries is None else max_entries
@@ -105,10 +101,8 @@ def build_kv_index(
             "kv_cache_index.backend: redis requires response_cache.redis "
             "(the shared connection pool)"
         )
-    if redis_config.mode == "cluster":
-        raise ValueError(CLUSTER_REFUSED)
     owned = pools is None
-    client = build_redis(redis_config) if pools is None else pools.get(redis_config)
+    client = build_client(redis_config) if pools is None else pools.client(redis_config)
     primary = RedisKvIndex(client, ttl, key_prefix, owns_redis=owned)
     if not redis_config.fallback_to_memory:
         return InstrumentedKvIndex(primary)

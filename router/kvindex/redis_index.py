@@ -60,7 +60,8 @@ Operations, one round trip each:
   first), so a prediction never shortens an entry or the key around it;
 * restore (a fallback's state replayed after an outage): one script call per 128 entries;
 * reclaiming a generation / clear / stats / cleanup_expired: ``SCAN`` over the key prefix
-  with a TYPE filter, never ``KEYS``; these are rare (resync, admin, a periodic sweep).
+  with a TYPE filter, never ``KEYS``, then one script per page (per slot on a Cluster) to
+  reclaim or clear; these are rare (resync, admin, a periodic sweep).
   ``stats`` counts the members of generations not reclaimed yet too.
 
 Expired entries inside a live prefix are hidden on read and removed by ``cleanup_expired``,
@@ -73,18 +74,43 @@ Failures: a connection error, timeout, read-only replica, OOM or loading Redis
 to Redis only. :class:`~router.kvindex.fallback.FallbackKvIndex` puts a memory index behind
 it and uses :meth:`RedisKvIndex.ping` and :meth:`RedisKvIndex.restore` to come back.
 
-Size: the module stays whole (about 830 lines) because the key layout, the Lua scripts
+Size: the module stays whole (about 1000 lines) because the key layout, the Lua scripts
 that encode it and the commands reading it must change together.
 
 Clocks: expiries are Unix time on Redis's own clock by default
 (``router.kvindex.server_clock``: ``TIME`` read before every sweep, advanced by the
 monotonic clock in between), so a router whose wall clock steps forward never deletes the
-fleet's live entries. Redis Cluster is not supported (the two keys of a
-prefix are not hash-tagged into one slot).
+fleet's live entries.
+
+Redis Cluster (the client is a ``RedisCluster``): a script or pipeline may only touch keys
+of one hash slot, and the layout above puts every backend of a prefix in one sorted set
+and every generation in one hash. So on a Cluster each backend has keys of its own, all
+under the hash tag ``{<kp><backend>}`` (one slot per backend)::
+
+    {<kp><backend>}<key>     sorted set   member = backend[@gen], score = token_count
+    {<kp><backend>}<key>:t   hash         field  = backend[@gen], value = <tier><expiry>
+    {<kp><backend>}#gens     hash         field  = backend, value = its current generation
+    <kp>#seq                 string       generation counter (one key: any slot)
+    <kp>#backends            set          the backends written, so readers know whom to ask
+
+Same members, values and scripts as above: a "key group" is the namespace (``<kp>``, one
+group) on one server and a backend's tag on a Cluster, and every script gets the keys of
+one group, its ``#gens`` first. Writes are split by group (one script call per backend in
+a batch, run concurrently, each atomic); a query asks every backend of ``#backends`` (one
+script call per backend, concurrently: one round trip of wall time) and merges the lines.
+Readers re-read ``#backends`` every ``backends_refresh_s`` (1 s) and writers re-add their
+backends every 10 s, so a backend written by another router for the first time shows up
+within a second; ``remove_backend`` takes it out (a router still writing it re-adds it).
+``clear`` keeps ``#backends`` like ``#seq``. The scans (reclaim, clear, stats, sweep) walk
+every primary (``router.redis.keyspace``) and send their per-page scripts one per slot.
+A backend's index lives on the node of its slot: with few backends and many primaries the
+nodes hold unequal shares. The standalone/Sentinel layout is unchanged (the seed's
+``cr:kvidx:<hash>`` sets, read by other tools).
 """
 
 from __future__ import annotations
 
+import asyncio
 import binascii
 import logging
 import math
@@ -93,9 +119,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from redis import exceptions as rx
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 
-from router.redis import UNAVAILABLE_ERRORS, close_client, glob_escape
+from router.redis import UNAVAILABLE_ERRORS, RedisClient, close_client, glob_escape, send_by_node
+from router.redis.keyspace import SCAN_START, ScanPos, scan_pages, scan_step, unlink
 
 from .base import (
     EMPTY,
@@ -245,6 +272,32 @@ end
 return n
 """
 
+# KEYS: zset, hash of each key (one page of a SCAN, one slot). ARGV: member. Deletes the
+# member from every key (a replaced generation); returns how many sets held it.
+_RECLAIM_LUA = """
+local n = 0
+for i = 1, #KEYS, 2 do
+  n = n + redis.call('ZREM', KEYS[i], ARGV[1])
+  redis.call('HDEL', KEYS[i + 1], ARGV[1])
+end
+return n
+"""
+
+# KEYS: zset, hash of each key (one page of a SCAN, one slot). Unlinks both; returns how
+# many members the sets held (atomic, so the count is what was deleted).
+_CLEAR_LUA = """
+local n = 0
+for i = 1, #KEYS, 2 do
+  n = n + redis.call('ZCARD', KEYS[i])
+  redis.call('UNLINK', KEYS[i], KEYS[i + 1])
+end
+return n
+"""
+_BACKENDS_REFRESH_S = 1.0
+"""How long a reader (on a Cluster) trusts its list of backends before re-reading it."""
+_REREGISTER_S = 10.0
+"""How often a writer (on a Cluster) re-adds the backends it writes to ``#backends``."""
+
 
 def _as_dict(reply: Any) -> dict[bytes, bytes]:
     """A HGETALL reply (RESP3 map or RESP2 flat list) as a dict."""
@@ -261,6 +314,33 @@ def _expiry_ms(value: bytes) -> float:
         return math.inf
 
 
+async def _all(calls: Iterable[Any]) -> list[Any]:
+    """Await ``calls`` concurrently, every one to its end; their results in order, or the
+    first failure raised once all are done (none left running behind a fallback switch)."""
+    tasks = list(calls)
+    if len(tasks) == 1:
+        return [await tasks[0]]
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    return results
+
+
+class _Batch:
+    """The write script calls of one batch of changes: one per key group (the namespace
+    on one server, a backend on a Cluster), each ``(keys, args)`` starting with the
+    group's ``#gens`` and the shared ``head`` arguments (ttl_ms, now_ms, new_expiry_ms)."""
+
+    __slots__ = ("backends", "calls", "head", "size")
+
+    def __init__(self, ttl_ms: int, now_ms: int, expiry_ms: int) -> None:
+        self.head = (ttl_ms, now_ms, expiry_ms)
+        self.calls: dict[bytes, tuple[list[bytes], list[Any]]] = {}
+        self.backends: set[str] = set()
+        self.size = 0
+
+
 class RedisKvIndex(KvIndex):
     """KV index in Redis sorted sets; raises :class:`KvIndexUnavailable` while Redis is
     unusable (wrap it in ``FallbackKvIndex`` to be served from memory instead)."""
@@ -272,18 +352,20 @@ class RedisKvIndex(KvIndex):
 
     def __init__(
         self,
-        redis: Redis,
+        redis: RedisClient,
         ttl_seconds: float = 600.0,
         key_prefix: str = DEFAULT_KEY_PREFIX,
         *,
         clock: Callable[[], float] | None = None,
         sweep_keys: int = 10_000,
         stats_cache_s: float = 10.0,
+        backends_refresh_s: float = _BACKENDS_REFRESH_S,
         owns_redis: bool = False,
     ) -> None:
         """
         Args:
             redis: a client whose pool may be shared (``RedisPools``); never closed here.
+                A ``RedisCluster`` selects the Cluster layout (module docstring).
             ttl_seconds: an entry expires this long after its last event.
             key_prefix: namespace of this index's keys; everything under it is ours.
             clock: Unix seconds; per-entry expiries are on this clock. Default: Redis's
@@ -291,6 +373,8 @@ class RedisKvIndex(KvIndex):
                 every sweep), so no router's wall clock decides what the fleet deletes.
             sweep_keys: hashes examined per ``cleanup_expired`` call.
             stats_cache_s: how long ``stats()`` reuses its SCAN counts.
+            backends_refresh_s: on a Cluster, how long a query trusts its list of the
+                backends (``#backends``) before reading it again.
             owns_redis: ``close`` also closes ``redis`` (a client nobody else uses).
         """
         if not ttl_seconds > 0:
@@ -298,36 +382,49 @@ class RedisKvIndex(KvIndex):
         if not key_prefix:
             raise ValueError("key_prefix must not be empty")
         self._redis = redis
+        self._cluster = isinstance(redis, RedisCluster)
+        if self._cluster and ("{" in key_prefix or "}" in key_prefix):
+            raise ValueError("key_prefix must not contain { or } on a Redis Cluster")
         self._owns_redis = owns_redis
-        self._pool = redis.connection_pool
+        self._pool = None if isinstance(redis, RedisCluster) else redis.connection_pool
         self._ttl_ms = max(1, int(ttl_seconds * 1000))
         self.key_prefix = key_prefix
         self._kp = key_prefix.encode()
-        self._zset_match = glob_escape(self._kp) + b"*"
-        self._hash_match = glob_escape(self._kp) + b"*:t"
+        namespace = b"{" + self._kp if self._cluster else self._kp
+        self._zset_match = glob_escape(namespace) + b"*"
+        self._hash_match = glob_escape(namespace) + b"*:t"
         if clock is None:
             clock = ServerClock()
         self._server_clock = clock if isinstance(clock, ServerClock) else None
         self.clock: Callable[[], float] = clock
         self._sweep_keys = sweep_keys
         self._stats_cache_s = stats_cache_s
-        self._gens_key = self._kp + b"#gens"
         self._seq_key = self._kp + b"#seq"
+        self._backends_key = self._kp + b"#backends"
+        self._backends_refresh_s = backends_refresh_s
+        self._tags: dict[str, bytes] = {}
+        self._known: dict[str, None] = {}
+        """Cluster: the backends a query asks (``#backends`` as last read, and ours)."""
+        self._known_at = -math.inf
+        self._registered: dict[str, float] = {}
+        """Cluster: backend -> when this instance last added it to ``#backends``."""
         self._staging: dict[str, int] = {}
         self._set_tier_script = redis.register_script(_SET_TIER_LUA)
         self._swap_script = redis.register_script(_SWAP_LUA)
         self._prune_script = redis.register_script(_PRUNE_LUA)
         self._write_many_script = redis.register_script(_WRITE_MANY_LUA)
         self._query_many_script = redis.register_script(_QUERY_MANY_LUA)
+        self._reclaim_script = redis.register_script(_RECLAIM_LUA)
+        self._clear_script = redis.register_script(_CLEAR_LUA)
         self._names: dict[bytes, str] = {}
         self._expired = 0
         self._stats_cache: tuple[float, int, int] | None = None
-        self._sweep_cursor = 0
+        self._sweep_pos: ScanPos = SCAN_START
 
     # ---- state -----------------------------------------------------------------------
 
     @property
-    def redis(self) -> Redis:
+    def redis(self) -> RedisClient:
         """The client this index uses (closed by ``close`` only if ``owns_redis``)."""
         return self._redis
 
@@ -343,10 +440,58 @@ class RedisKvIndex(KvIndex):
     def _unavailable(self, operation: str, exc: BaseException) -> KvIndexUnavailable:
         return KvIndexUnavailable(self.kind, operation, exc)
 
-    def _key(self, prefix_hash: Key) -> bytes:
+    # ---- key layout ------------------------------------------------------------------
+
+    def _tag(self, backend: str) -> bytes:
+        """The key group ``backend``'s keys belong to: the namespace on one server, the
+        backend's hash tag ``{<kp><backend>}`` on a Cluster."""
+        if not self._cluster:
+            return self._kp
+        tag = self._tags.get(backend)
+        if tag is None:
+            tag = b"{" + self._kp + backend.encode() + b"}"
+            if len(self._tags) < _MAX_NAMES:
+                self._tags[backend] = tag
+        return tag
+
+    @staticmethod
+    def _gens_key(tag: bytes) -> bytes:
+        return tag + b"#gens"
+
+    @staticmethod
+    def _key(tag: bytes, prefix_hash: Key) -> bytes:
         if type(prefix_hash) is bytes:
-            return self._kp + binascii.hexlify(prefix_hash)
-        return self._kp + prefix_hash.encode()  # type: ignore[union-attr]
+            return tag + binascii.hexlify(prefix_hash)
+        return tag + prefix_hash.encode()  # type: ignore[union-attr]
+
+    def _prefix_of(self, key: bytes) -> bytes:
+        """A set's key without its group: the prefix it indexes (several backends' sets
+        share it on a Cluster)."""
+        return key[key.index(b"}") + 1 :] if self._cluster else key
+
+    async def _query_tags(self) -> list[bytes]:
+        """The key groups a query reads: the namespace, or every known backend's tag."""
+        if not self._cluster:
+            return [self._kp]
+        now = time.monotonic()
+        if now - self._known_at >= self._backends_refresh_s:
+            members = await self._redis.smembers(self._backends_key)
+            known = {m if isinstance(m, str) else self._name(m): None for m in members}
+            known.update(dict.fromkeys(self._registered))
+            self._known, self._known_at = known, now
+        return [self._tag(b) for b in self._known]
+
+    async def _register(self, backends: Iterable[str]) -> None:
+        """Cluster: add the backends about to be written to ``#backends`` (again every
+        ``_REREGISTER_S``, so a ``remove_backend`` elsewhere does not hide them for long)."""
+        now = time.monotonic()
+        due = [b for b in backends if now - self._registered.get(b, -math.inf) >= _REREGISTER_S]
+        if not due:
+            return
+        await self._redis.sadd(self._backends_key, *due)
+        for b in due:
+            self._registered[b] = now
+            self._known[b] = None
 
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -365,13 +510,15 @@ class RedisKvIndex(KvIndex):
     # ---- wire ------------------------------------------------------------------------
 
     async def _roundtrip(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
-        """Send ``commands`` pipelined on one pooled connection and read every reply.
+        """Send ``commands`` pipelined on one pooled connection and read every reply
+        (one server only).
 
         A connection error retries once on a fresh socket (every command we pipeline is
         idempotent); any other failure drops the connection, whose unread replies would
         otherwise poison the pool.
         """
         pool = self._pool
+        assert pool is not None
         conn = await pool.get_connection()
         try:
             packed = conn.pack_commands(commands)
@@ -388,16 +535,27 @@ class RedisKvIndex(KvIndex):
         finally:
             await pool.release(conn)
 
-    async def _transaction(self, commands: list[tuple[Any, ...]]) -> list[Any]:
-        """``MULTI commands EXEC`` in one round trip; the EXEC reply list."""
-        replies = await self._roundtrip([(b"MULTI",), *commands, (b"EXEC",)])
-        result = replies[-1]
-        if not isinstance(result, list):
-            raise KvIndexError(f"unexpected EXEC reply {result!r}")
-        for r in result:
-            if isinstance(r, Exception):
-                raise r
-        return result
+    async def _commands(self, commands: Sequence[Sequence[Any]]) -> list[Any]:
+        """Idempotent single-key commands (key second), the replies in order: pipelined
+        on one server; on a Cluster one pipeline per node (a page of a SCAN as 500 single
+        commands would hold every turn of the bounded client for a while, and wait for
+        them past its timeout under load), else each sent to its slot's primary."""
+        if self._pool is not None:
+            return await self._roundtrip(commands)
+        assert isinstance(self._redis, RedisCluster)
+        sent = await send_by_node(self._redis, [(c[1], c) for c in commands])
+        if sent is not None:
+            return sent
+        return await _all(self._redis.execute_command(*c) for c in commands)
+
+    def _slot_groups(self, keys: list[bytes]) -> list[list[bytes]]:
+        """``keys`` (sets of one SCAN page) by hash slot: one group on one server."""
+        if not isinstance(self._redis, RedisCluster):
+            return [keys]
+        by_slot: dict[int, list[bytes]] = {}
+        for k in keys:
+            by_slot.setdefault(self._redis.keyslot(k), []).append(k)
+        return list(by_slot.values())
 
     def _gen(self, backend: str) -> bytes:
         """The generation a write of ``backend`` goes to: this instance's resync in
@@ -407,34 +565,44 @@ class RedisKvIndex(KvIndex):
 
     def _add_change(
         self,
-        keys: list[bytes],
-        args: list[Any],
+        batch: _Batch,
         prefix_hash: Key,
         backend: str,
         token_count: int,
         value: bytes | None,
     ) -> None:
-        """One change of the write script: its two keys and five arguments (``value``, the
-        hash's ``<tier><expiry>``, None for a remove)."""
-        key = self._key(prefix_hash)
+        """One change of the write script, into its key group's call: its two keys and
+        five arguments (``value``, the hash's ``<tier><expiry>``, None for a remove)."""
+        tag = self._tag(backend)
+        call = batch.calls.get(tag)
+        if call is None:
+            call = batch.calls[tag] = ([self._gens_key(tag)], list(batch.head))
+        if self._cluster:
+            batch.backends.add(backend)
+        keys, args = call
+        key = self._key(tag, prefix_hash)
         keys += (key, key + b":t")
+        batch.size += 1
         if value is None:
             args += (b"r", backend, self._gen(backend), 0, b"")
         else:
             args += (b"u", backend, self._gen(backend), token_count, value)
 
-    async def _write(self, keys: list[bytes], args: list[Any], operation: str) -> tuple[int, int]:
-        """One ``_WRITE_MANY_LUA`` call: ``(removed, expired)``."""
+    async def _write(self, batch: _Batch, operation: str) -> tuple[int, int]:
+        """One ``_WRITE_MANY_LUA`` call per key group, concurrently: ``(removed, expired)``
+        summed."""
         try:
-            removed, expired = await self._write_many_script(
-                keys=[self._gens_key, *keys], args=args
+            if self._cluster:
+                await self._register(batch.backends)
+            replies = await _all(
+                self._write_many_script(keys=keys, args=args) for keys, args in batch.calls.values()
             )
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable(operation, exc) from exc
-        return int(removed), int(expired)
+        return sum(int(r[0]) for r in replies), sum(int(r[1]) for r in replies)
 
-    async def _generations(self) -> dict[bytes, bytes]:
-        return _as_dict(await self._redis.hgetall(self._gens_key))
+    async def _generations(self, tag: bytes) -> dict[bytes, bytes]:
+        return _as_dict(await self._redis.hgetall(self._gens_key(tag)))
 
     def _decode(self, zreply: Any, hreply: Any, greply: Any) -> Sequence[IndexEntry]:
         if not zreply:
@@ -495,10 +663,14 @@ class RedisKvIndex(KvIndex):
     # ---- KvIndex ---------------------------------------------------------------------
 
     async def query_backends(self, prefix_hash: Key) -> Sequence[IndexEntry]:
-        """The query_many script for one key, sent on a pooled connection: one bulk string
-        to parse instead of the three replies (and their elements) of the commands."""
-        key = self._key(prefix_hash)
-        rkeys = (self._gens_key, key, key + b":t")
+        """The query_many script for one key. On one server it is sent on a pooled
+        connection: one bulk string to parse instead of the three replies (and their
+        elements) of the commands. On a Cluster, one call per backend, concurrently."""
+        if self._cluster:
+            return (await self.query_many((prefix_hash,)))[0]
+        tag = self._kp
+        key = self._key(tag, prefix_hash)
+        rkeys = (self._gens_key(tag), key, key + b":t")
         try:
             try:
                 (blob,) = await self._roundtrip(
@@ -511,17 +683,17 @@ class RedisKvIndex(KvIndex):
         head, _, line = blob.partition(b"\n")
         g = head.split(b" ") if head else []
         got = self._decode_line(line, self._now_ms(), dict(zip(g[::2], g[1::2], strict=False)))
-        return got if got is not None else await self._query_commands(key)
+        return got if got is not None else await self._query_commands(tag, key)
 
-    async def _query_commands(self, key: bytes) -> Sequence[IndexEntry]:
+    async def _query_commands(self, tag: bytes, key: bytes) -> Sequence[IndexEntry]:
         """The query as plain commands: what reads a member the script's line cannot
         carry (a foreign tool's)."""
         try:
-            zreply, hreply, greply = await self._roundtrip(
+            zreply, hreply, greply = await self._commands(
                 (
-                    (b"ZREVRANGEBYSCORE", key, b"+inf", b"-inf", b"WITHSCORES"),
-                    (b"HGETALL", key + b":t"),
-                    (b"HGETALL", self._gens_key),
+                    ("ZREVRANGEBYSCORE", key, b"+inf", b"-inf", b"WITHSCORES"),
+                    ("HGETALL", key + b":t"),
+                    ("HGETALL", self._gens_key(tag)),
                 )
             )
         except UNAVAILABLE_ERRORS as exc:
@@ -530,47 +702,97 @@ class RedisKvIndex(KvIndex):
 
     async def query_many(self, keys: Sequence[Key]) -> list[Sequence[IndexEntry]]:
         """One script call per ``_QUERY_BATCH`` keys (one round trip for any prompt up to
-        512 chunks, some 128k tokens; a longer one does not block Redis in one go)."""
+        512 chunks, some 128k tokens; a longer one does not block Redis in one go) and
+        key group: on a Cluster one per backend, concurrently, merged by token count."""
         out: list[Sequence[IndexEntry]] = []
+        try:
+            tags = await self._query_tags()
+        except UNAVAILABLE_ERRORS as exc:
+            raise self._unavailable("query", exc) from exc
+        if not tags:
+            return [EMPTY] * len(keys)
         for start in range(0, len(keys), _QUERY_BATCH):
             part = keys[start : start + _QUERY_BATCH]
-            rkeys: list[bytes] = [self._gens_key]
-            for k in part:
-                key = self._key(k)
-                rkeys += (key, key + b":t")
+            rkeys = [self._group_keys(tag, part) for tag in tags]
             try:
-                blob = await self._query_many_script(keys=rkeys)
+                blobs = await self._query_blobs(rkeys)
             except UNAVAILABLE_ERRORS as exc:
                 raise self._unavailable("query", exc) from exc
-            lines = blob.split(b"\n")
-            if len(lines) != len(part) + 1:
-                raise KvIndexError(f"query_many: {len(lines)} lines for {len(part)} keys")
-            g = lines[0].split(b" ") if lines[0] else []
-            gens = dict(zip(g[::2], g[1::2], strict=False))
-            now_ms = self._now_ms()
-            for k, line in zip(part, lines[1:], strict=True):
-                got = self._decode_line(line, now_ms, gens)
-                out.append(got if got is not None else await self._query_commands(self._key(k)))
+            per_group = [
+                await self._parse_group(tag, part, blob)
+                for tag, blob in zip(tags, blobs, strict=True)
+            ]
+            if len(per_group) == 1:
+                out += per_group[0]
+                continue
+            for found in zip(*per_group, strict=True):
+                live = [g for g in found if g]
+                if len(live) <= 1:
+                    out.append(live[0] if live else EMPTY)
+                else:
+                    merged = [e for g in live for e in g]
+                    merged.sort(key=lambda e: (e.token_count, e.backend), reverse=True)
+                    out.append(tuple(merged))
+        return out
+
+    def _group_keys(self, tag: bytes, part: Sequence[Key]) -> list[bytes]:
+        """The query_many script's keys over ``part`` in one key group."""
+        rkeys: list[bytes] = [self._gens_key(tag)]
+        for k in part:
+            key = self._key(tag, k)
+            rkeys += (key, key + b":t")
+        return rkeys
+
+    async def _query_blobs(self, groups: list[list[bytes]]) -> list[bytes]:
+        """The query_many script's reply for each group of keys. On a Cluster, first as
+        one pipeline per node (``send_by_node``); if that meets anything unusual, one call
+        per group through the client, which follows redirects and loads the script."""
+        if isinstance(self._redis, RedisCluster):
+            sha = self._query_many_script.sha
+            sent = await send_by_node(
+                self._redis, [(g[0], ("EVALSHA", sha, len(g), *g)) for g in groups]
+            )
+            if sent is not None:
+                return sent
+        return await _all(self._query_many_script(keys=g) for g in groups)
+
+    async def _parse_group(
+        self, tag: bytes, part: Sequence[Key], blob: bytes
+    ) -> list[Sequence[IndexEntry]]:
+        """The lines of one group's query_many reply, as entries."""
+        lines = blob.split(b"\n")
+        if len(lines) != len(part) + 1:
+            raise KvIndexError(f"query_many: {len(lines)} lines for {len(part)} keys")
+        g = lines[0].split(b" ") if lines[0] else []
+        gens = dict(zip(g[::2], g[1::2], strict=False))
+        now_ms = self._now_ms()
+        out: list[Sequence[IndexEntry]] = []
+        for k, line in zip(part, lines[1:], strict=True):
+            got = self._decode_line(line, now_ms, gens)
+            if got is None:
+                got = await self._query_commands(tag, self._key(tag, k))
+            out.append(got)
         return out
 
     async def backend_counts(self) -> dict[str, int]:
         counts: dict[str, int] = {}
-        cursor = 0
+        gens_of: dict[bytes, dict[bytes, bytes]] = {}
         try:
-            gens = await self._generations()
-            while True:
-                cursor, keys = await self._scan(self._zset_match, "zset", cursor)
-                if keys:
-                    replies = await self._roundtrip(tuple((b"ZRANGE", k, 0, -1) for k in keys))
-                    for members in replies:
-                        for m in members:
-                            raw, at, gen = m.partition(b"@")
-                            if gens.get(raw, b"0") != (gen if at else b"0"):
-                                continue
-                            name = self._name(raw)
-                            counts[name] = counts.get(name, 0) + 1
-                if cursor == 0:
-                    break
+            async for keys in scan_pages(self._redis, self._zset_match, _SCAN_COUNT, "zset"):
+                if not keys:
+                    continue
+                replies = await self._commands(tuple(("ZRANGE", k, 0, -1) for k in keys))
+                for key, members in zip(keys, replies, strict=True):
+                    tag = key[: key.index(b"}") + 1] if self._cluster else self._kp
+                    gens = gens_of.get(tag)
+                    if gens is None:
+                        gens = gens_of[tag] = await self._generations(tag)
+                    for m in members:
+                        raw, at, gen = m.partition(b"@")
+                        if gens.get(raw, b"0") != (gen if at else b"0"):
+                            continue
+                        name = self._name(raw)
+                        counts[name] = counts.get(name, 0) + 1
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable("backend_counts", exc) from exc
         return counts
@@ -589,11 +811,10 @@ class RedisKvIndex(KvIndex):
             await self.write_many([(prefix_hash, backend, token_count, tier)], ttl)
             return
         now_ms = self._now_ms()
-        keys: list[bytes] = []
-        args: list[Any] = [self._ttl_ms, now_ms, 0]
+        batch = _Batch(self._ttl_ms, now_ms, 0)
         value = _TIER_CODE[tier] + str(now_ms + self._ttl_ms).encode()
-        self._add_change(keys, args, prefix_hash, backend, token_count, value)
-        await self._write(keys, args, "upsert")
+        self._add_change(batch, prefix_hash, backend, token_count, value)
+        await self._write(batch, "upsert")
 
     async def write_many(self, changes: Sequence[Change], ttl: float | None = None) -> None:
         """One script call per ``write_batch`` changes instead of a MULTI/EXEC each: the
@@ -609,20 +830,20 @@ class RedisKvIndex(KvIndex):
             part = changes[start : start + _WRITE_BATCH]
             now_ms = self._now_ms()
             value_tail = str(now_ms + ttl_ms).encode()
-            keys: list[bytes] = []
-            args: list[Any] = [ttl_ms, now_ms, 0 if ttl is None else now_ms + ttl_ms]
+            batch = _Batch(ttl_ms, now_ms, 0 if ttl is None else now_ms + ttl_ms)
             for prefix_hash, backend, token_count, tier in part:
                 value = None if tier is None else _TIER_CODE[tier] + value_tail
-                self._add_change(keys, args, prefix_hash, backend, token_count, value)
-            self._expired += (await self._write(keys, args, "write_many"))[1]
+                self._add_change(batch, prefix_hash, backend, token_count, value)
+            self._expired += (await self._write(batch, "write_many"))[1]
 
     async def set_tier(self, prefix_hash: Key, backend: str, tier: StorageTier) -> bool:
-        key = self._key(prefix_hash)
+        tag = self._tag(backend)
+        key = self._key(tag, prefix_hash)
         now_ms = self._now_ms()
         value = _TIER_CODE[tier] + str(now_ms + self._ttl_ms).encode()
         try:
             done = await self._set_tier_script(
-                keys=[self._gens_key, key, key + b":t"],
+                keys=[self._gens_key(tag), key, key + b":t"],
                 args=[backend, self._gen(backend), value, self._ttl_ms, now_ms],
             )
         except UNAVAILABLE_ERRORS as exc:
@@ -630,10 +851,9 @@ class RedisKvIndex(KvIndex):
         return bool(done)
 
     async def remove(self, prefix_hash: Key, backend: str) -> bool:
-        keys: list[bytes] = []
-        args: list[Any] = [self._ttl_ms, self._now_ms(), 0]
-        self._add_change(keys, args, prefix_hash, backend, 0, None)
-        removed, expired = await self._write(keys, args, "remove")
+        batch = _Batch(self._ttl_ms, self._now_ms(), 0)
+        self._add_change(batch, prefix_hash, backend, 0, None)
+        removed, expired = await self._write(batch, "remove")
         self._expired += expired
         return removed > expired
 
@@ -647,6 +867,10 @@ class RedisKvIndex(KvIndex):
             n = await self._reclaim(backend, garbage)
             if staged is not None:
                 await self._reclaim(backend, staged)
+            if self._cluster:  # queries stop asking it (a router writing it re-adds it)
+                self._registered.pop(backend, None)
+                self._known.pop(backend, None)
+                await self._redis.srem(self._backends_key, backend)
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable("remove_backend", exc) from exc
         return n
@@ -692,7 +916,9 @@ class RedisKvIndex(KvIndex):
     async def _swap(self, backend: str, gen: int) -> int:
         """Make ``gen`` current unless a newer one is; the generation now garbage."""
         self._stats_cache = None
-        return int(await self._swap_script(keys=[self._gens_key], args=[backend, gen]))
+        return int(
+            await self._swap_script(keys=[self._gens_key(self._tag(backend))], args=[backend, gen])
+        )
 
     async def clear(self) -> int:
         try:
@@ -703,7 +929,7 @@ class RedisKvIndex(KvIndex):
     async def cleanup_expired(self) -> int:
         try:
             if self._server_clock is not None:
-                await self._server_clock.sync(self._redis)
+                await self._server_clock.sync(self._redis, self._seq_key)
             return await self._redis_sweep()
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable("cleanup_expired", exc) from exc
@@ -731,11 +957,17 @@ class RedisKvIndex(KvIndex):
     # ---- recovery (used by FallbackKvIndex) -------------------------------------------
 
     async def ping(self) -> None:
-        """Raises :class:`KvIndexUnavailable` unless Redis answers."""
+        """Raises :class:`KvIndexUnavailable` unless Redis answers: on a Cluster every
+        primary (one node answering proves little: the fallback would switch back, meet
+        the dead primary's slots and switch again, once per check, until its replica is
+        promoted)."""
         try:
-            await self._redis.ping()
+            if isinstance(self._redis, RedisCluster):
+                await self._redis.execute_command("PING", target_nodes=RedisCluster.PRIMARIES)
+            else:
+                await self._redis.ping()
             if self._server_clock is not None and not self._server_clock.synced:
-                await self._server_clock.sync(self._redis)
+                await self._server_clock.sync(self._redis, self._seq_key)
         except UNAVAILABLE_ERRORS as exc:
             raise self._unavailable("ping", exc) from exc
 
@@ -743,72 +975,70 @@ class RedisKvIndex(KvIndex):
         """Write each entry with the lifetime it has left, or remove it (see :data:`Restore`):
         another store's state carried into Redis, e.g. a fallback's after an outage.
 
-        ``_REPLAY_CHUNK`` items per ``MULTI ... EXEC``. ``items`` is consumed lazily, one
-        chunk at a time, so a generator reads its store as late as possible. Not atomic as
+        ``_REPLAY_CHUNK`` items per write (one script call per key group). ``items`` is
+        consumed lazily, one chunk at a time, so a generator reads its store as late as
+        possible. Not atomic as
         a whole: if it raises, any prefix of the chunks may have been applied.
         """
         now_ms = self._now_ms()
-        keys: list[bytes] = []
-        args: list[Any] = [self._ttl_ms, now_ms, 0]
+        batch = _Batch(self._ttl_ms, now_ms, 0)
         for prefix_hash, backend, token_count, tier, ttl_left_s in items:
             value = None
             if tier is not None:
                 value = _TIER_CODE[tier] + str(now_ms + int(ttl_left_s * 1000)).encode()
-            self._add_change(keys, args, prefix_hash, backend, token_count, value)
-            if len(keys) >= 2 * _REPLAY_CHUNK:
-                await self._write(keys, args, "restore")
-                keys, args = [], [self._ttl_ms, now_ms, 0]
-        if keys:
-            await self._write(keys, args, "restore")
+            self._add_change(batch, prefix_hash, backend, token_count, value)
+            if batch.size >= _REPLAY_CHUNK:
+                await self._write(batch, "restore")
+                batch = _Batch(self._ttl_ms, now_ms, 0)
+        if batch.size:
+            await self._write(batch, "restore")
 
     # ---- scans (rare: resync, admin, sweep) -------------------------------------------
 
-    async def _scan(self, match: bytes, type_: str | None, cursor: int = 0) -> tuple[int, list]:
-        return await self._redis.scan(cursor, match=match, count=_SCAN_COUNT, _type=type_)
+    def _scan_match(self, backend: str | None = None) -> bytes:
+        """The SCAN pattern of the sets: all, or (on a Cluster) one backend's."""
+        if backend is None or not self._cluster:
+            return self._zset_match
+        return glob_escape(self._tag(backend)) + b"*"
+
+    @staticmethod
+    def _pairs(keys: list[bytes]) -> list[bytes]:
+        out: list[bytes] = []
+        for k in keys:
+            out += (k, k + b":t")
+        return out
 
     async def _reclaim(self, backend: str, gen: int) -> int:
         """Delete the members of ``backend``'s generation ``gen`` (readers no longer see
         them, so this need not be atomic); how many there were."""
         member = backend if gen == 0 else f"{backend}@{gen}"
         n = 0
-        cursor = 0
-        while True:
-            cursor, keys = await self._scan(self._zset_match, "zset", cursor)
+        async for keys in scan_pages(self._redis, self._scan_match(backend), _SCAN_COUNT, "zset"):
             if keys:
-                cmds: list[tuple[Any, ...]] = []
-                for k in keys:
-                    cmds.append((b"ZREM", k, member))
-                    cmds.append((b"HDEL", k + b":t", member))
-                res = await self._roundtrip(cmds)
-                n += sum(res[0::2])
-            if cursor == 0:
-                break
+                got = await _all(
+                    self._reclaim_script(keys=self._pairs(group), args=[member])
+                    for group in self._slot_groups(keys)
+                )
+                n += sum(int(x) for x in got)
         self._stats_cache = None
         return n
 
     async def _redis_clear(self) -> int:
         n = 0
-        cursor = 0
-        while True:
-            cursor, keys = await self._scan(self._zset_match, "zset", cursor)
+        async for keys in scan_pages(self._redis, self._zset_match, _SCAN_COUNT, "zset"):
             if keys:
-                cmds: list[tuple[Any, ...]] = []
-                for k in keys:
-                    cmds.append((b"ZCARD", k))
-                    cmds.append((b"UNLINK", k, k + b":t"))
-                res = await self._transaction(cmds)
-                n += sum(res[0::2])
-            if cursor == 0:
-                break
+                got = await _all(
+                    self._clear_script(keys=self._pairs(group)) for group in self._slot_groups(keys)
+                )
+                n += sum(int(x) for x in got)
         # Leftovers of any type (a hash whose set vanished, foreign keys in our namespace).
-        cursor = 0
-        while True:
-            cursor, keys = await self._scan(self._zset_match, None, cursor)
-            keys = [k for k in keys if k != self._seq_key]  # generation numbers never repeat
+        # Generation numbers never repeat (#seq stays); nor does the list of backends go,
+        # which other routers may not re-add for a while.
+        keep = (self._seq_key, self._backends_key)
+        async for keys in scan_pages(self._redis, self._zset_match, _SCAN_COUNT):
+            keys = [k for k in keys if k not in keep]
             if keys:
-                await self._redis.unlink(*keys)
-            if cursor == 0:
-                break
+                await unlink(self._redis, keys)
         self._stats_cache = None
         return n
 
@@ -818,41 +1048,42 @@ class RedisKvIndex(KvIndex):
         if cached is not None and now - cached[0] < self._stats_cache_s:
             return cached[1], cached[2]
         prefixes = entries = 0
-        cursor = 0
-        while True:
-            cursor, keys = await self._scan(self._zset_match, "zset", cursor)
+        # On a Cluster a prefix has a set per backend: count the distinct ones.
+        seen: set[bytes] | None = set() if self._cluster else None
+        async for keys in scan_pages(self._redis, self._zset_match, _SCAN_COUNT, "zset"):
             if keys:
-                prefixes += len(keys)
-                res = await self._roundtrip([(b"ZCARD", k) for k in keys])
+                if seen is None:
+                    prefixes += len(keys)
+                else:
+                    seen.update(self._prefix_of(k) for k in keys)
+                res = await self._commands([("ZCARD", k) for k in keys])
                 entries += sum(res)
-            if cursor == 0:
-                break
+        if seen is not None:
+            prefixes = len(seen)
         self._stats_cache = (now, prefixes, entries)
         return prefixes, entries
 
     async def _redis_sweep(self) -> int:
         n = 0
         seen = 0
-        cursor = self._sweep_cursor
+        pos: ScanPos | None = self._sweep_pos
         now_ms = self._now_ms()
-        while True:
-            cursor, keys = await self._scan(self._hash_match, "hash", cursor)
+        while pos is not None:
+            pos, keys = await scan_step(self._redis, pos, self._hash_match, _SCAN_COUNT, "hash")
             if keys:
                 seen += len(keys)
-                metas = await self._roundtrip([(b"HGETALL", k) for k in keys])
+                metas = await self._commands([("HGETALL", k) for k in keys])
                 for tkey, meta in zip(keys, metas, strict=True):
-                    if not isinstance(meta, dict):
-                        meta = dict(zip(meta[::2], meta[1::2], strict=True))
                     args: list[bytes] = []
-                    for field, value in meta.items():
+                    for field, value in _as_dict(meta).items():
                         if _expiry_ms(value) <= now_ms:
                             args += (field, value)
                     if args:
                         removed = await self._prune_script(keys=[tkey[:-2], tkey], args=args)
                         n += int(removed)
-            if cursor == 0 or seen >= self._sweep_keys:
+            if seen >= self._sweep_keys:
                 break
-        self._sweep_cursor = cursor
+        self._sweep_pos = pos if pos is not None else SCAN_START
         self._expired += n
         if n:
             self._stats_cache = None

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import Any
 
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+
+from router.redis import RedisClient
 
 __all__ = ["ServerClock"]
 
@@ -42,10 +45,20 @@ class ServerClock:
     def __call__(self) -> float:
         return self._base_unix + (self._mono() - self._base_mono)
 
-    async def sync(self, redis: Redis) -> None:
-        """Set the clock from the server's ``TIME`` (raises what the client raises)."""
+    async def sync(self, redis: RedisClient, key: bytes = b"") -> None:
+        """Set the clock from the server's ``TIME`` (raises what the client raises). On a
+        Cluster, the ``TIME`` of the primary serving ``key``: every router asks the same
+        node, whose clock they then share."""
         sent = self._mono()
-        seconds, micros = await redis.time()
+        if isinstance(redis, RedisCluster):
+            await redis.initialize()
+            node = redis.get_node_from_key(key)  # type: ignore[arg-type]  # bytes work too
+            reply: Any = await redis.execute_command("TIME", target_nodes=node)
+            if isinstance(reply, dict):  # {node name: reply}
+                (reply,) = reply.values()
+            seconds, micros = int(reply[0]), int(reply[1])
+        else:
+            seconds, micros = await redis.time()
         received = self._mono()
         self._base_unix = seconds + micros / 1e6 + (received - sent) / 2
         self._base_mono = received

@@ -15,6 +15,7 @@ from .pools import (
     close_client,
     effective_url,
     glob_escape,
+    send_by_node,
 )
 
 __all__ = [
@@ -28,4 +29,5 @@ __all__ = [
     "close_client",
     "effective_url",
     "glob_escape",
+    "send_by_node",
 ]

@@ -1,7 +1,8 @@
 """Keyspace-wide operations (SCAN, multi-key UNLINK) that work on one server and on a Cluster.
 
 On a Redis Cluster a SCAN cursor belongs to one node, and a multi-key command must keep to
-one hash slot. So :func:`scan_pages` walks every primary in turn (replicas hold copies),
+one hash slot. So :func:`scan_pages` (page by page: :func:`scan_step`, which a periodic
+sweep resumes where it stopped) walks every primary in turn (replicas hold copies),
 and :func:`unlink` sends one ``UNLINK`` per slot, through the client's own
 ``execute_command`` so that every command waits its turn on the bounded client
 (``router.redis.pools``) rather than through redis-py's per-slot pipeline, which takes a
@@ -21,34 +22,55 @@ from redis.asyncio.cluster import RedisCluster
 
 from .pools import RedisClient
 
-__all__ = ["scan_pages", "unlink"]
+__all__ = ["SCAN_START", "ScanPos", "scan_pages", "scan_step", "unlink"]
 
 _UNLINK_CHUNK = 500
 
 
-async def scan_pages(client: RedisClient, match: bytes | str, count: int) -> AsyncIterator[list]:
-    """Every page of ``SCAN 0 MATCH match COUNT count`` until the cursor is 0, on every
-    primary of a Cluster. Keys written meanwhile may be missed (SCAN semantics)."""
+ScanPos = tuple[int, int]
+"""Where a keyspace walk stands: (index of the primary, ordered by name; SCAN cursor on
+it). ``SCAN_START`` begins a walk; a primary added or lost meanwhile may make a resumed walk
+skip or repeat one node's keys, which SCAN allows anyway."""
+SCAN_START: ScanPos = (0, 0)
+
+
+async def scan_step(
+    client: RedisClient,
+    pos: ScanPos,
+    match: bytes | str,
+    count: int,
+    type_: str | None = None,
+) -> tuple[ScanPos | None, list]:
+    """One ``SCAN`` page from ``pos``: ``(where to go on, or None when the walk is done,
+    keys)``. On a Cluster the walk goes primary by primary (replicas hold copies)."""
+    node_index, cursor = pos
     if isinstance(client, RedisCluster):
         await client.initialize()
-        for node in client.get_primaries():
-            cursor = 0
-            while True:
-                cursors: Any
-                cursors, keys = await client.scan(
-                    cursor, match=match, count=count, target_nodes=node
-                )
-                yield keys
-                cursor = cursors[node.name]
-                if cursor == 0:
-                    break
-        return
-    cursor = 0
-    while True:
-        cursor, keys = await client.scan(cursor, match=match, count=count)
+        nodes = sorted(client.get_primaries(), key=lambda n: n.name)
+        if node_index >= len(nodes):
+            return None, []
+        node = nodes[node_index]
+        cursors: Any
+        cursors, keys = await client.scan(
+            cursor, match=match, count=count, _type=type_, target_nodes=node
+        )
+        cursor = cursors[node.name]
+        if cursor != 0:
+            return (node_index, cursor), keys
+        return ((node_index + 1, 0) if node_index + 1 < len(nodes) else None), keys
+    cursor, keys = await client.scan(cursor, match=match, count=count, _type=type_)
+    return ((0, cursor) if cursor != 0 else None), keys
+
+
+async def scan_pages(
+    client: RedisClient, match: bytes | str, count: int, type_: str | None = None
+) -> AsyncIterator[list]:
+    """Every page of ``SCAN 0 MATCH match COUNT count [TYPE type_]`` until the cursor is 0,
+    on every primary of a Cluster. Keys written meanwhile may be missed (SCAN semantics)."""
+    pos: ScanPos | None = SCAN_START
+    while pos is not None:
+        pos, keys = await scan_step(client, pos, match, count, type_)
         yield keys
-        if cursor == 0:
-            break
 
 
 async def unlink(client: RedisClient, keys: Sequence[bytes | str]) -> int:

@@ -7,16 +7,27 @@ while clients keep asking repeated questions. Asserted: no client request fails 
 memory fallback answers during the failover window, and the switch is counted in
 /metrics, once), the router reaches the promoted replica by itself (the fallback ends),
 and afterwards the cache stores in and answers from the Cluster again.
+
+Then the KV index on the same Cluster (``kv_cache_index.backend: redis``): two simulated
+engines publish KV events to the real listener, the primary serving one backend's index
+slot is SIGKILLed under traffic, and the index must converge to the listener's state.
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .client_load import ClientLoad
 from .conftest import RouterProc, StartRouter, backend, chat_body, metric_value, wait_until
+from .redis_failover import (  # noqa: F401 (engines: the fixture)
+    KEY_PREFIX,
+    engines,
+    failover_redis,
+    kv_failover_under_traffic,
+)
+from .test_tier4_e2e import NAMES, Listener
 
 if TYPE_CHECKING:
     from harness.sim.fleet import SimFleet
@@ -34,12 +45,7 @@ async def test_primary_killed_under_traffic(
     sims: SimFleet, cluster_set: ClusterSet, start_router: StartRouter
 ) -> None:
     c = cluster_set
-    redis = {
-        **c.config(),
-        "health_check_interval_ms": 200,
-        "connect_timeout_ms": 300,
-        "command_timeout_ms": 300,
-    }
+    redis = failover_redis(c.config())
     router: RouterProc = await start_router(
         {
             "backends": [backend("sim-1", sims.urls[0])],
@@ -80,3 +86,27 @@ async def test_primary_killed_under_traffic(
     second = await router.chat(body)
     assert second.status == 200 and second.headers["x-cache"] == "HIT"
     assert second.json()["choices"] == first.json()["choices"]
+
+
+async def test_primary_of_an_index_slot_killed_under_traffic(
+    engines: tuple[Any, Listener],  # noqa: F811 (the imported fixture)
+    cluster_set: ClusterSet,
+    start_router: StartRouter,
+) -> None:
+    """The KV index on the Cluster (each backend's keys in one slot): the primary serving
+    a backend's slot is SIGKILLed while clients send requests and the engines produce KV
+    events. No client request fails, the index's memory fallback covers the failover once
+    and ends by itself, and afterwards the index holds the listener's state, entry by
+    entry, read through the Cluster."""
+    fleet, listener = engines
+    c = cluster_set
+
+    def kill() -> None:
+        victim = c.primary_for("{" + KEY_PREFIX + NAMES[0] + "}")
+        assert entries_on(c, victim) > 0
+        c.kill(victim)
+        c.wait_failover(victim)
+
+    await kv_failover_under_traffic(
+        start_router, fleet, listener, c.config(), kill, cache_switches=(0, 1)
+    )

@@ -12,41 +12,13 @@ holds exactly the listener's state, entry by entry.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import itertools
-from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
-import aiohttp
-import grpc
 import pytest
-import pytest_asyncio
 
-from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
-from bus.events import KvEvent
-from bus.sse import SseParser
-from harness.sim.fleet import SimFleet
-from router.config.models import RedisConfig
-from router.kvindex import RedisKvIndex
-from router.redis import build_redis, close_client
-
-from .client_load import ClientLoad
-from .conftest import RouterProc, StartRouter, metric_value, wait_until
-from .test_tier4_e2e import (
-    NAMES,
-    SALT_ENV,
-    SECRET,
-    Listener,
-    Stack,
-    backends,
-    direct,
-    engines_and_listener,
-    event_sources,
-    kv_backends,
-    quiesce,
-    sys_req,
-)
+from .conftest import StartRouter
+from .redis_failover import engines, kv_failover_under_traffic  # noqa: F401 (the fixture)
+from .test_tier4_e2e import Listener
 
 if TYPE_CHECKING:
     from tests.redis_fixture import SentinelSet
@@ -55,149 +27,16 @@ pytest.importorskip("tokenizers")
 
 pytest_plugins = ("tests.redis_fixture",)
 
-KEY_PREFIX = "cr:kvidx:"
-Entries = dict[tuple[str, str], tuple[int, str]]
-
-
-@pytest_asyncio.fixture(loop_scope="session")
-async def engines(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> AsyncIterator[tuple[SimFleet, Listener]]:
-    async with engines_and_listener(tmp_path_factory.mktemp("sentinel")) as pair:
-        yield pair
-
-
-async def listener_state(listener: Listener) -> Entries:
-    """Every backend's snapshot as the listener sends it to a new subscriber."""
-    out: Entries = {}
-    timeout = aiohttp.ClientTimeout(total=10)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        for name in NAMES:
-            parser = SseParser()
-            async with session.get(f"{listener.url}/events/{name}") as resp:
-                assert resp.status == 200
-                done = False
-                async for chunk in resp.content.iter_any():
-                    for rec in parser.feed(chunk):
-                        ev = KvEvent.from_json(rec.data, event_field=rec.event, backend=name)
-                        if ev.event == "cache_created":
-                            assert ev.prefix_hash is not None
-                            tier = "storage" if ev.tier == "storage" else "gpu"
-                            out[(ev.prefix_hash, name)] = (ev.token_count or 0, tier)
-                        if rec.id is not None and ".s" not in rec.id:
-                            done = True  # the last record of the resync block
-                    if done:
-                        break
-    return out
-
-
-async def index_state(config: RedisConfig) -> Entries:
-    """Every live entry of the KV index in Redis (the primary Sentinel names now)."""
-    client = build_redis(config)
-    try:
-        idx = RedisKvIndex(client, 600, KEY_PREFIX)
-        prefixes: list[str] = []
-        async for key in client.scan_iter(match=KEY_PREFIX + "*", count=500, _type="zset"):
-            prefixes.append(key.decode()[len(KEY_PREFIX) :])
-        out: Entries = {}
-        for prefix, entries in zip(prefixes, await idx.query_many(prefixes), strict=True):
-            for e in entries:
-                tier = "storage" if e.tier.name == "STORAGE_WARM" else "gpu"
-                out[(prefix, e.backend)] = (e.token_count, tier)
-        return out
-    finally:
-        await close_client(client)
-
 
 async def test_primary_killed_under_traffic(
-    engines: tuple[Any, Listener], sentinel_set: SentinelSet, start_router: StartRouter
+    engines: tuple[Any, Listener],  # noqa: F811 (the imported fixture)
+    sentinel_set: SentinelSet,
+    start_router: StartRouter,
 ) -> None:
     fleet, listener = engines
     s = sentinel_set
-    redis = {
-        **s.config(),
-        "health_check_interval_ms": 200,
-        "connect_timeout_ms": 300,
-        "command_timeout_ms": 300,
-    }
-    router: RouterProc = await start_router(
-        {
-            "server": {"grpc_listen": "127.0.0.1:0"},
-            "selection_strategy": "RoundRobin",
-            "prefix_routing": {"enabled": True},
-            "backends": backends(fleet, salt=False),
-            "response_cache": {"enabled": True, "backend": "redis", "redis": redis},
-            "kv_cache_index": {
-                "enabled": True,
-                "backend": "redis",
-                "salt_secret_env": SALT_ENV,
-                "event_sources": event_sources(listener),
-            },
-        },
-        env={SALT_ENV: SECRET},
-    )
 
-    async def connected() -> bool:
-        return all(b["connection"]["connected"] for b in await kv_backends(router))
+    def kill() -> None:
+        s.wait_failover(s.kill_primary())
 
-    await wait_until(connected, within=10, what="the router's event consumers")
-
-    stop = asyncio.Event()
-
-    async def engines_work() -> None:
-        for i in itertools.count():
-            if stop.is_set():
-                return
-            await direct(fleet.urls[i % len(NAMES)], sys_req(f"work-{i}"))
-
-    # Repeated questions (cache hits) and prompts the engines hold (KV routing).
-    load = ClientLoad(router, lambda i: {**sys_req(f"traffic-{i % 7}"), "temperature": 0})
-    work = asyncio.create_task(engines_work())
-    try:
-        async with load:
-            await load.served(20, "traffic before the kill")
-            old = s.kill_primary()
-            before_kill = load.count
-            await asyncio.to_thread(s.wait_failover, old)
-
-            async def recovered() -> bool:
-                text = await router.metrics()
-                return (
-                    metric_value(text, "continuum_cache_fallback_active") == 0
-                    and metric_value(text, "continuum_kv_index_fallback_active") == 0
-                    and metric_value(text, "continuum_kv_index_fallback_switches_total") >= 1
-                    and metric_value(text, "continuum_cache_fallback_switches_total") >= 1
-                )
-
-            await wait_until(recovered, within=30, interval=0.2, what="both stores back on Redis")
-            await load.served(before_kill + 20, "traffic after")
-    finally:
-        stop.set()
-        with contextlib.suppress(asyncio.CancelledError):
-            await work
-    assert load.failures == [], load.failures[:3]
-    text = await router.metrics()
-    assert metric_value(text, "continuum_cache_fallback_switches_total") == 1
-    assert metric_value(text, "continuum_kv_index_fallback_switches_total") == 1
-
-    # The index converges to the listener's state, entry by entry.
-    cfg = RedisConfig.model_validate(s.config())
-    assert router.grpc_target is not None
-    async with grpc.aio.insecure_channel(router.grpc_target) as channel:
-        st = Stack(fleet, listener, router, pb_grpc.KvIndexStub(channel))
-        await quiesce(st, within=30)
-    want = await listener_state(listener)
-    assert len(want) > 20, "the engines held too little to compare"
-
-    async def converged() -> bool:
-        return await index_state(cfg) == want
-
-    try:
-        await wait_until(converged, within=15, interval=0.2, what="the index = the listener")
-    except AssertionError:
-        got = await index_state(cfg)
-        missing = {k: v for k, v in want.items() if got.get(k) != v}
-        extra = {k: v for k, v in got.items() if k not in want}
-        raise AssertionError(
-            f"missing/different {list(missing.items())[:5]}, extra {list(extra.items())[:5]}"
-        ) from None
+    await kv_failover_under_traffic(start_router, fleet, listener, s.config(), kill)

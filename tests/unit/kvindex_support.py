@@ -6,9 +6,9 @@ import time
 import uuid
 from collections.abc import Sequence
 
-from redis.asyncio import Redis
-
 from router.kvindex import IndexEntry, StorageTier
+from router.redis import RedisClient
+from router.redis.keyspace import scan_pages, unlink
 
 GPU = StorageTier.GPU_HOT
 WARM = StorageTier.STORAGE_WARM
@@ -50,7 +50,9 @@ def new_key_prefix() -> str:
     return f"test:{uuid.uuid4().hex[:12]}:kvidx:"
 
 
-async def delete_prefix(client: Redis, key_prefix: str) -> None:
-    keys = [k async for k in client.scan_iter(match=key_prefix + "*", count=500)]
-    if keys:
-        await client.unlink(*keys)
+async def delete_prefix(client: RedisClient, key_prefix: str) -> None:
+    """Every key of an index under ``key_prefix``: ``<kp>...`` and, on a Cluster, the
+    per-backend ``{<kp><backend>}...``."""
+    for match in (key_prefix + "*", "{" + key_prefix + "*"):
+        keys = [k async for page in scan_pages(client, match, 500) for k in page]
+        await unlink(client, keys)

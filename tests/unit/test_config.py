@@ -235,12 +235,18 @@ def test_cluster_config_parses() -> None:
     assert r.cluster.startup_nodes == CLUSTER["startup_nodes"]
 
 
-def test_kv_index_on_a_cluster_is_a_config_error_naming_the_path() -> None:
+def test_kv_index_on_a_cluster_is_accepted(tmp_path: Path) -> None:
     cfg = {**_redis(mode="cluster", cluster=CLUSTER), "kv_cache_index": {"backend": "redis"}}
-    errs = errors_of(cfg)
-    assert "hash slots" in errs["kv_cache_index.backend"], errs
-    # The response cache alone on the Cluster, the index in memory: fine.
-    parse_config({**cfg, "kv_cache_index": {"backend": "memory"}})
+    parsed, issues = parse_config(cfg)
+    assert parsed.kv_cache_index.backend == "redis"
+    assert not [i for i in issues if i.path.startswith("kv_cache_index")], issues
+    r = _validate(
+        tmp_path,
+        "response_cache:\n  backend: redis\n  redis:\n    mode: cluster\n"
+        "    cluster: {startup_nodes: ['127.0.0.1:7000']}\n"
+        "kv_cache_index: {enabled: true, backend: redis}\n",
+    )
+    assert r.returncode == 0, r.stderr
 
 
 def test_sentinel_config_parses() -> None:

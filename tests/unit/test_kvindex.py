@@ -1,8 +1,10 @@
 """KV index: one conformance suite run against every backend and wrapper, then specifics.
 
-``harness`` is parametrised over ``memory``, ``redis``, ``fallback`` (``FallbackKvIndex``
-around Redis, healthy) and ``instrumented`` (``InstrumentedKvIndex`` around memory); every
-test taking it runs on each and asserts the same observable behaviour. Redis tests use a
+``harness`` is parametrised over ``memory``, ``redis``, ``cluster`` (the Redis index on a
+real 3-primary Redis Cluster, its per-backend key layout), ``fallback``
+(``FallbackKvIndex`` around Redis, healthy) and ``instrumented`` (``InstrumentedKvIndex``
+around memory); every test taking it runs on each and asserts the same observable
+behaviour. Redis tests use a
 key prefix of their own (parallel runs never collide) and delete their keys afterwards.
 Redis specifics are in ``test_kvindex_redis.py``, the fallback's outages in
 ``test_kvindex_fallback.py``.
@@ -19,7 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
-from redis.asyncio import Redis
 
 from bus.events import KvEvent
 from router.config.models import KvCacheIndexConfig, RedisConfig, StorageOffloadingConfig
@@ -37,7 +38,7 @@ from router.kvindex import (
     apply_events,
     build_kv_index,
 )
-from router.redis import RedisPools, build_redis
+from router.redis import RedisClient, RedisPools, build_client, build_redis, close_client
 from tests.unit.kvindex_support import (
     GPU,
     WARM,
@@ -62,11 +63,11 @@ class Harness:
     counts_hits: bool
     """Whether ``stats().total_hits`` counts queries (only the instrumented wrapper does)."""
     make: Callable[..., KvIndex]
-    client: Redis | None = None
+    client: RedisClient | None = None
     indexes: list[KvIndex] = field(default_factory=list)
 
 
-@pytest.fixture(params=["memory", "redis", "fallback", "instrumented"])
+@pytest.fixture(params=["memory", "redis", "cluster", "fallback", "instrumented"])
 async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
     """``make(ttl=600, clock=None, max_entries=10_000)`` builds a fresh, empty index."""
     if request.param in ("memory", "instrumented"):
@@ -81,8 +82,12 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
         yield Harness(request.param, "memory", wrap, make_memory)
         return
 
-    url = request.getfixturevalue("redis_url")
-    client = build_redis(RedisConfig(url=url, pool_size=16))
+    client: RedisClient
+    if request.param == "cluster":
+        c = request.getfixturevalue("shared_cluster")
+        client = build_client(RedisConfig.model_validate({**c.config(), "pool_size": 16}))
+    else:
+        client = build_redis(RedisConfig(url=request.getfixturevalue("redis_url"), pool_size=16))
     prefixes: list[str] = []
     with_fallback = request.param == "fallback"
 
@@ -109,7 +114,7 @@ async def harness(request: pytest.FixtureRequest) -> AsyncIterator[Harness]:
             await idx.close()
         for kp in prefixes:
             await delete_prefix(client, kp)
-        await client.aclose(close_connection_pool=True)
+        await close_client(client)
 
 
 # ---- conformance: every backend and wrapper ------------------------------------------

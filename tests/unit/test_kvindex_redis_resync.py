@@ -1,6 +1,7 @@
 """A resync on the shared Redis index is a generation swap: no reader ever sees it half done.
 
-Two index instances on one real redis-server stand for two routers sharing the index.
+Two index instances on one real redis-server (and, the same tests, on a real 3-primary
+Redis Cluster with its per-backend layout) stand for two routers sharing the index.
 While one rebuilds a backend from a snapshot (slowed down on purpose), the other's queries
 see the whole old state until the swap and the whole new one after it, never an empty or
 partial backend; two resyncing at once converge on one of the snapshots; a router killed
@@ -17,13 +18,12 @@ import textwrap
 from collections.abc import AsyncIterator
 
 import pytest
-from redis.asyncio import Redis
 
 from bus.events import KvEvent
 from router.config.models import RedisConfig, StorageOffloadingConfig
 from router.kvindex import RedisKvIndex, apply_events, end_resync
 from router.kvindex.base import Change
-from router.redis import build_redis
+from router.redis import RedisClient, build_client, close_client
 from tests.unit.kvindex_support import GPU, P, delete_prefix, new_key_prefix
 
 pytest_plugins = ("tests.redis_fixture",)
@@ -33,17 +33,24 @@ OTHER = "vllm-2"
 KEYS = [P(i) for i in range(300)]
 
 
+@pytest.fixture(params=["standalone", "cluster"])
+def redis_config(request: pytest.FixtureRequest) -> RedisConfig:
+    if request.param == "cluster":
+        return RedisConfig.model_validate(request.getfixturevalue("shared_cluster").config())
+    return RedisConfig(url=request.getfixturevalue("redis_url"))
+
+
 @pytest.fixture
-async def client(redis_url: str) -> AsyncIterator[Redis]:
-    c = build_redis(RedisConfig(url=redis_url))
+async def client(redis_config: RedisConfig) -> AsyncIterator[RedisClient]:
+    c = build_client(redis_config)
     try:
         yield c
     finally:
-        await c.aclose(close_connection_pool=True)
+        await close_client(c)
 
 
 @pytest.fixture
-async def prefix(client: Redis) -> AsyncIterator[str]:
+async def prefix(client: RedisClient) -> AsyncIterator[str]:
     kp = new_key_prefix()
     yield kp
     await delete_prefix(client, kp)
@@ -73,7 +80,7 @@ async def slow_resync(idx: RedisKvIndex, changes: list[Change], step: int = 10) 
 
 
 async def test_readers_see_the_old_state_until_the_swap_then_the_new(
-    client: Redis, prefix: str
+    client: RedisClient, prefix: str
 ) -> None:
     writer = RedisKvIndex(client, 600, prefix)
     reader = RedisKvIndex(client, 600, prefix)
@@ -100,7 +107,7 @@ async def test_readers_see_the_old_state_until_the_swap_then_the_new(
 
 
 async def test_live_writes_of_other_routers_land_in_the_current_state(
-    client: Redis, prefix: str
+    client: RedisClient, prefix: str
 ) -> None:
     """During A's resync, B keeps applying live events; they are visible at once (and A
     applies the same events after its snapshot, so the swapped-in state has them too)."""
@@ -118,7 +125,7 @@ async def test_live_writes_of_other_routers_land_in_the_current_state(
     assert await holders(a) == {**{i: 16 for i in range(5)}, 250: 7}
 
 
-async def test_two_routers_resyncing_at_once_converge(client: Redis, prefix: str) -> None:
+async def test_two_routers_resyncing_at_once_converge(client: RedisClient, prefix: str) -> None:
     a = RedisKvIndex(client, 600, prefix)
     b = RedisKvIndex(client, 600, prefix)
     await a.write_many(snapshot(0, 300))
@@ -148,7 +155,9 @@ async def slow_resync_rest(idx: RedisKvIndex, changes: list[Change]) -> None:
     await idx.end_resync(B)
 
 
-async def test_remove_backend_empties_it_for_everyone_at_once(client: Redis, prefix: str) -> None:
+async def test_remove_backend_empties_it_for_everyone_at_once(
+    client: RedisClient, prefix: str
+) -> None:
     a = RedisKvIndex(client, 600, prefix)
     b = RedisKvIndex(client, 600, prefix)
     await a.write_many(snapshot(0, 100) + snapshot(0, 100, OTHER))
@@ -161,7 +170,7 @@ async def test_remove_backend_empties_it_for_everyone_at_once(client: Redis, pre
 
 
 async def test_a_resync_restarted_mid_snapshot_reclaims_the_first_attempt(
-    client: Redis, prefix: str
+    client: RedisClient, prefix: str
 ) -> None:
     idx = RedisKvIndex(client, 600, prefix)
     await idx.write_many(snapshot(0, 10))
@@ -181,10 +190,11 @@ _KILLED = textwrap.dedent(
     from router.config.models import RedisConfig
     from router.kvindex import RedisKvIndex
     from router.kvindex.base import StorageTier
-    from router.redis import build_redis
+    from router.redis import build_client
 
     async def main():
-        idx = RedisKvIndex(build_redis(RedisConfig(url=sys.argv[1])), 600, sys.argv[2])
+        cfg = RedisConfig.model_validate_json(sys.argv[1])
+        idx = RedisKvIndex(build_client(cfg), 600, sys.argv[2])
         await idx.begin_resync("vllm-1")
         await idx.write_many(
             [(f"{i:064x}", "vllm-1", 99, StorageTier.GPU_HOT) for i in range(150, 300)]
@@ -198,7 +208,7 @@ _KILLED = textwrap.dedent(
 
 
 async def test_a_router_killed_mid_resync_leaves_a_consistent_index(
-    client: Redis, prefix: str, redis_url: str
+    client: RedisClient, prefix: str, redis_config: RedisConfig
 ) -> None:
     reader = RedisKvIndex(client, 600, prefix)
     await reader.write_many(snapshot(0, 200))
@@ -206,7 +216,7 @@ async def test_a_router_killed_mid_resync_leaves_a_consistent_index(
         sys.executable,
         "-c",
         _KILLED,
-        redis_url,
+        redis_config.model_dump_json(),
         prefix,
         stdout=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONPATH": os.getcwd()},
@@ -227,7 +237,7 @@ async def test_a_router_killed_mid_resync_leaves_a_consistent_index(
 
 
 async def test_apply_events_swaps_a_sized_resync_in_and_drops_an_unsized_one(
-    client: Redis, prefix: str
+    client: RedisClient, prefix: str
 ) -> None:
     idx = RedisKvIndex(client, 600, prefix)
     reader = RedisKvIndex(client, 600, prefix)
