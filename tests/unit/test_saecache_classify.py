@@ -89,10 +89,7 @@ _loaded = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @_loaded
 @given(
     st.dictionaries(
-        st.sampled_from(
-            ["tools", "turns", "tool_calls", "tool_results", "reasoning", "temperature"]
-            + ["max_tokens", "other"]
-        ),
+        st.sampled_from([*RequestFeatures.__slots__, "other"]),
         _junk,
     )
 )
@@ -196,7 +193,7 @@ async def test_observe_accepts_malformed_features_without_aborting() -> None:
             ],
         )
 
-    resp = await advisor.Observe(batches(), _Context())  # type: ignore[arg-type]
+    resp = await advisor.Observe(batches(), _Context())
     assert resp.events_applied == 2
     cache = advisor.cache("e1")
     assert cache is not None and cache.session_class("s") == U
