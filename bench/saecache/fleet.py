@@ -8,8 +8,12 @@ the same traffic; the table compares their token hit rates and modelled prefill 
 
 Workload (seeded): ShareGPT conversations as multi-turn chat sessions under four shared
 system prompts (the whole history re-sent every turn), interleaved with single-turn
-requests that share one of eight long instructions and carry a unique query. Requests
-are sent back to back, so the timing the advisor learns is compressed.
+requests that share one of eight long instructions and carry a unique query (greedy, a
+short output cap; chats keep a default temperature and no cap). Requests are sent back to
+back, so the timing the advisor learns is compressed. The advised engine types the blocks
+it reports from the chat template it renders and sends each request's engine-visible
+features (``harness.sim.block_types``), so the advisor routes system prompts to its
+structure queue and derives each session's class.
 
 ``python -m bench.saecache.fleet [--sessions 300] [--capacity-blocks 1500]``
 """
@@ -44,6 +48,14 @@ _SYSTEMS = [
 ]
 
 
+# Sampling parameters as each kind of client sends them (what the advisor derives the
+# session class from, with the turns in the prompt): a chat UI its default temperature and
+# no output cap (the simulator's answers are short without one), a templated batch job
+# greedy decoding and a short cap.
+_CHAT: dict[str, Any] = {"temperature": 0.7}
+_TEMPLATED: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8}
+
+
 def workload(sessions: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
     """``(session id, chat body)`` in send order."""
     rng = random.Random(seed)
@@ -60,6 +72,7 @@ def workload(sessions: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
             body = {
                 "model": "demo-model",
                 "messages": [{"role": "user", "content": rng.choice(instructions) + "\n" + query}],
+                **_TEMPLATED,
             }
             timeline.append((t, sid, f"s{sid}", body))
             continue
@@ -68,7 +81,8 @@ def workload(sessions: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
         tt = t
         for i in range(0, len(conv) - 1, 2):
             msgs = [*msgs, {"role": "user", "content": conv[i][1][:4000]}]
-            timeline.append((tt, sid, f"s{sid}", {"model": "demo-model", "messages": msgs}))
+            body = {"model": "demo-model", "messages": msgs, **_CHAT}
+            timeline.append((tt, sid, f"s{sid}", body))
             msgs = [*msgs, {"role": "assistant", "content": conv[i + 1][1][:4000]}]
             tt += rng.lognormvariate(3.0, 1.0)
     timeline.sort(key=lambda x: (x[0], x[1]))
@@ -109,7 +123,7 @@ async def run(args: argparse.Namespace) -> int:
                         for url in urls:
                             async with http.post(
                                 url + "/v1/chat/completions",
-                                json={**body, "user": sid, "max_tokens": 8},
+                                json={**body, "user": sid},
                             ) as r:
                                 r.raise_for_status()
                                 await r.read()

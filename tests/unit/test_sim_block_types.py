@@ -3,6 +3,7 @@ describes each chat request to the eviction advisor."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 from harness.sim.block_types import request_features, token_types
@@ -123,3 +124,42 @@ def test_request_features_are_what_the_engine_knows() -> None:
         None,
     )
     assert g.temperature is None and g.reasoning is True and g.turns == 1 and g.tools == 0
+
+
+async def test_the_advised_engine_reports_typed_blocks_and_the_request_features(
+    monkeypatch: Any,
+) -> None:
+    """A chat request through the engine simulator: REQUEST_STARTED carries what the
+    engine saw, and the system prompt's blocks are reported as SYSTEM, the rest USER."""
+    from bus._gen.continuum.listener.v1 import eviction_advisor_pb2 as pb
+    from harness.sim import advisor_client
+    from harness.sim.engine import SimConfig, SimEngine
+
+    sent: list[Any] = []
+
+    class Recording(advisor_client.AdvisedEviction):
+        def _kick(self) -> None:  # no listener: keep the queued events
+            sent.extend(self._events)
+            self._events.clear()
+
+    monkeypatch.setattr(advisor_client, "AdvisedEviction", Recording)
+    engine = SimEngine(SimConfig(name="e", eviction_advisor="127.0.0.1:1"))
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": "You are a helpful assistant. " * 20},
+            {"role": "user", "content": "hello there " * 30},
+        ],
+        "temperature": 0.0,
+        "max_tokens": 8,
+    }
+
+    monkeypatch.setattr(engine, "_json_body", lambda req: body)
+    await engine._chat(SimpleNamespace(headers={"x-session-id": "s1"}))  # type: ignore[arg-type]
+    start = sent[0]
+    assert start.kind == pb.BLOCK_EVENT_KIND_REQUEST_STARTED and start.session_id == "s1"
+    assert start.request.turns == 1 and start.request.max_tokens == 8
+    assert start.request.HasField("temperature") and start.request.temperature == 0.0
+    types = [e.token_type for e in sent if e.kind == pb.BLOCK_EVENT_KIND_INSERTED]
+    assert types[0] == pb.TOKEN_TYPE_SYSTEM and types[-1] == pb.TOKEN_TYPE_USER
+    assert set(types) == {pb.TOKEN_TYPE_SYSTEM, pb.TOKEN_TYPE_USER}
