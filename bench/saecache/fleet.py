@@ -10,7 +10,9 @@ Workload (seeded): ShareGPT conversations as multi-turn chat sessions under four
 system prompts (the whole history re-sent every turn), interleaved with single-turn
 requests that share one of eight long instructions and carry a unique query (greedy, a
 short output cap; chats keep a default temperature and no cap). Requests are sent back to
-back, so the timing the advisor learns is compressed. The advised engine types the blocks
+back, so the timing the advisor learns is compressed. ``--agents F`` turns that share of
+the multi-turn sessions into agent loops (tools declared, 2-6 steps of tool call and
+tool result, short gaps). The advised engine types the blocks
 it reports from the chat template it renders and sends each request's engine-visible
 features (``harness.sim.block_types``), so the advisor routes system prompts to its
 structure queue and derives each session's class.
@@ -56,9 +58,65 @@ _CHAT: dict[str, Any] = {"temperature": 0.7}
 _TEMPLATED: dict[str, Any] = {"temperature": 0.0, "max_tokens": 8}
 
 
-def workload(sessions: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
-    """``(session id, chat body)`` in send order."""
+_AGENT: dict[str, Any] = {"temperature": 0.2, "max_tokens": 1024}
+_VERBS = "search fetch read write list create update delete query run convert parse".split()
+_NOUNS = "file page database record calendar email ticket issue repository order".split()
+
+
+def _toolset(rng: random.Random, k: int) -> list[dict[str, Any]]:
+    return [
+        {
+            "type": "function",
+            "function": {
+                "name": f"{rng.choice(_VERBS)}_{rng.choice(_NOUNS)}_{k}_{i}",
+                "description": " ".join(rng.choice(_NOUNS + _VERBS) for _ in range(16)),
+                "parameters": {
+                    "type": "object",
+                    "properties": {
+                        f"{rng.choice(_NOUNS)}_{j}": {"type": "string"} for j in range(3)
+                    },
+                },
+            },
+        }
+        for i in range(rng.randint(6, 12))
+    ]
+
+
+def _agent(
+    arng: random.Random, sid: int, t: float, task: str, toolsets: list[list[dict[str, Any]]]
+) -> list[tuple[float, int, str, dict[str, Any]]]:
+    """An agent loop: tools declared, then 2-6 steps of tool call and tool result."""
+    tools = arng.choice(toolsets)
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an autonomous agent. Use the tools."},
+        {"role": "user", "content": task[:2000]},
+    ]
+    out = []
+    for step in range(arng.randint(2, 6)):
+        body = {"model": "demo-model", "messages": msgs, "tools": tools, **_AGENT}
+        out.append((t, sid, f"s{sid}", body))
+        fn = arng.choice(tools)["function"]["name"]
+        call = {
+            "id": f"c{sid}_{step}",
+            "type": "function",
+            "function": {"name": fn, "arguments": "{}"},
+        }
+        result = " ".join(arng.choice(_NOUNS + _VERBS) for _ in range(arng.randint(40, 200)))
+        msgs = [
+            *msgs,
+            {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": result},
+        ]
+        t += arng.lognormvariate(1.0, 0.8)
+    return out
+
+
+def workload(sessions: int, seed: int, agents: float = 0.0) -> list[tuple[str, dict[str, Any]]]:
+    """``(session id, chat body)`` in send order; ``agents``: the share of the multi-turn
+    sessions that are agent loops instead of chats (0: the workload of earlier runs)."""
     rng = random.Random(seed)
+    arng = random.Random(seed * 31 + 7)
+    toolsets = [_toolset(arng, k) for k in range(3)]
     convs = read_sharegpt(sessions)
     instructions = [
         f"Instruction {k}: " + " ".join(rng.choice(_SYSTEMS).split()[:40]) * 3 for k in range(8)
@@ -76,6 +134,9 @@ def workload(sessions: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
             }
             timeline.append((t, sid, f"s{sid}", body))
             continue
+        if arng.random() < agents:
+            timeline += _agent(arng, sid, t, conv[0][1], toolsets)
+            continue
         system = rng.choice(_SYSTEMS)
         msgs: list[dict[str, Any]] = [{"role": "system", "content": system}]
         tt = t
@@ -90,7 +151,7 @@ def workload(sessions: int, seed: int) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def run(args: argparse.Namespace) -> int:
-    work = workload(args.sessions, args.seed)
+    work = workload(args.sessions, args.seed, args.agents)
     grpc_port = _free_port()
     with tempfile.TemporaryDirectory(prefix="saecache-fleet-") as tmp:
         listener = Service(
@@ -161,6 +222,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--sessions", type=int, default=300)
     ap.add_argument("--capacity-blocks", type=int, default=1500)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument(
+        "--agents", type=float, default=0.0, help="share of multi-turn sessions that are agents"
+    )
     return asyncio.run(run(ap.parse_args(argv)))
 
 
