@@ -238,3 +238,26 @@ def test_engine_features_leave_the_trace_unchanged_and_replay_with_every_hint() 
         assert res.requests == len(a)
     with pytest.raises(ValueError, match="hint"):
         SaePolicy(hint="oracle")
+
+
+def test_the_fleet_workload_is_classified_by_what_its_engines_see() -> None:
+    """The fleet's clients send their kind's sampling parameters, so the class an engine
+    derives (``harness.sim.block_types.request_features``) is each session's kind."""
+    from bench.saecache.fleet import workload
+    from harness.sim.block_types import request_features
+
+    plain = workload(40, seed=3)
+    assert not any("tools" in body for _, body in plain)
+    seen: dict[str, set[SessionClass]] = {}
+    for sid, body in workload(40, seed=3, agents=0.5):
+        msgs = body["messages"]
+        got = classify(request_features(body, msgs, body.get("max_tokens")))
+        if "tools" in body:
+            kind = A
+        elif msgs[0]["role"] == "system":
+            kind = C
+        else:
+            kind = S
+        assert got == kind, (sid, body)
+        seen.setdefault(sid, set()).add(got)
+    assert set().union(*seen.values()) == {A, C, S}
