@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(VENV)/bin/pip
 
-.PHONY: run run-multi test lint proto bench faults faults-slow image image-base clean
+.PHONY: run run-multi test lint proto bench faults faults-slow faketime image image-base clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,11 +65,16 @@ bench: $(VENV)/.installed-dev
 # The fault matrix (tests/faults/): real processes under traffic, one fault per row, each
 # compared with the engines' own account of what they hold. Minutes, not part of `make test`;
 # prints one table and writes it to tests/faults/RESULTS.md.
-faults: $(VENV)/.installed-dev
+# multi/clock-step LD_PRELOADs Debian's libfaketime into one router.
+FAKETIME_LIB := /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1
+faketime:
+	test -e $(FAKETIME_LIB) || (apt-get update -qq && apt-get install -y -qq faketime)
+
+faults: $(VENV)/.installed-dev faketime
 	FAULTS_COMMAND="make faults" $(PY) -m tests.faults
 
 # Every row, the slow ones too (partitions of minutes): writes tests/faults/RESULTS-slow.md.
-faults-slow: $(VENV)/.installed-dev
+faults-slow: $(VENV)/.installed-dev faketime
 	FAULTS_COMMAND="make faults-slow" $(PY) -m tests.faults --slow --out tests/faults/RESULTS-slow.md
 
 # The container image (Containerfile) with buildah, else podman. IMAGE names it;

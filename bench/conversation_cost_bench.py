@@ -27,6 +27,11 @@ Two workloads (``--workloads``), each its own table:
   extend the previous turn. After each run the router's ``render_cache`` counters
   (``GET /admin/kv-index/stats``) give the hit rate and the cache's bytes.
 
+Both workloads are plain chats, so the segment renderer (``router/conversation/segments.py``)
+serves them before the render cache: ``concat`` is the share of the conversation row's
+requests rendered by concatenation (no jinja), and ``conversation``, ``nocache`` and
+``miss`` then differ only in the cache's bookkeeping.
+
 Per size and row: req/s and router CPU per request (utime + stime of the router process
 over the measured run / requests), the rows of a size interleaved per round and the
 table's ratios paired per round (a question and its answer are 1,800 bytes by default,
@@ -229,8 +234,15 @@ def cache_counters(url: str) -> dict[str, float] | None:
             doc = json.load(resp)
     except (OSError, ValueError):
         return None
-    rc = doc.get("conversation", {}).get("rendering", {}).get("render_cache")
-    return {k: float(v) for k, v in rc.items()} if isinstance(rc, dict) else None
+    rendering = doc.get("conversation", {}).get("rendering", {})
+    rc = rendering.get("render_cache")
+    if not isinstance(rc, dict):
+        return None
+    out = {k: float(v) for k, v in rc.items()}
+    # the segment renderer's share: requests rendered by concatenation, no jinja
+    out["concat"] = float(sum(m["hits"] for m in rendering.get("segments", {}).values()))
+    out["rendered"] = float(sum(rendering.get("rendered", {}).values()))
+    return out
 
 
 def _cache_delta(
@@ -241,8 +253,10 @@ def _cache_delta(
     hits, misses = after["hits"] - before["hits"], after["misses"] - before["misses"]
     # a rejected request is rendered whole and counted a miss too
     asked = hits + misses + after["bypassed"] - before["bypassed"]
+    rendered = after["rendered"] - before["rendered"]
     return {
-        "hit_rate": hits / asked if asked else float("nan"),
+        "concat_rate": (after["concat"] - before["concat"]) / rendered if rendered else 0.0,
+        "hit_rate": hits / asked if asked else 0.0,
         "cache_mib": after["bytes"] / 2**20,
         "entries": after["entries"],
         "evictions": after["evictions"] - before["evictions"],
@@ -287,6 +301,7 @@ async def bench(args: argparse.Namespace) -> dict[tuple[str, int, str], Cell]:
                             cell.runs.append(r)
                             extra = (
                                 f" hits {r['hit_rate']:.0%} cache {r['cache_mib']:.1f} MiB"
+                                f" concat {r['concat_rate']:.0%}"
                                 if "hit_rate" in r
                                 else ""
                             )
@@ -319,6 +334,11 @@ def report(args: argparse.Namespace, cells: dict[tuple[str, int, str], Cell]) ->
             mib = (
                 conv.med("cache_mib") if all("cache_mib" in r for r in conv.runs) else float("nan")
             )
+            concat = (
+                conv.med("concat_rate")
+                if all("concat_rate" in r for r in conv.runs)
+                else float("nan")
+            )
             rows.append(
                 [
                     f"{tokens}",
@@ -333,6 +353,7 @@ def report(args: argparse.Namespace, cells: dict[tuple[str, int, str], Cell]) ->
                     fmt_float(miss.ratio(prefix), 2),
                     f"{hit:.0%}",
                     fmt_float(mib, 1),
+                    f"{concat:.0%}",
                     verdict(ok_ratio),
                     "-" if ok_us is None else verdict(ok_us),
                     *(
@@ -386,6 +407,7 @@ def report(args: argparse.Namespace, cells: dict[tuple[str, int, str], Cell]) ->
                     "miss/prefix",
                     "hits",
                     "cache MiB",
+                    "concat",
                     f"<={TARGET_RATIO:g}",
                     f"<={TARGET_US_AT_8K:g}us @8k",
                     *(["ref us/req", "conv/ref"] if args.ref_tree else []),

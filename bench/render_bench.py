@@ -15,10 +15,16 @@ twice. Two columns, same bodies, interleaved rounds:
 
 * ``plain``: the template compiled in jinja's plain ``ImmutableSandboxedEnvironment``
   (the reference the fast path is tested against, and the cost before it);
-* ``fast``: as the router renders (the environment's inline fast paths).
+* ``jinja``: the fast environment's compilation (its inline fast paths), the segment
+  renderer off: every request through jinja, as before it;
+* ``fast``: as the router renders: the segment renderer (:mod:`router.conversation.
+  segments`) for plain chats, the same shape learned on the first body of a size (every
+  conversation of the chat workload has the roles of the others), jinja for the rest
+  (the agent's tool calls).
 
 One more row, ``chain() render cache``: ``chain()`` with the render cache on
-(``render_cache_bytes``), same bodies: the untimed previous turn leaves its state, so the
+(``render_cache_bytes``; the segment renderer off, since it serves plain chats before the
+cache), same bodies: the untimed previous turn leaves its state, so the
 timed call renders only the last two messages (its ``fast`` column; the ratio is to
 ``chain()`` fast, paired per round).
 
@@ -168,7 +174,16 @@ def _encode_and_key(text: str, root: ChainKey) -> list[ChainKey]:
 
 def _plain(template: ChatTemplate) -> ChatTemplate:
     """``template`` rendering with its plain-sandbox compilation (the baseline)."""
-    out = {n: dataclasses.replace(ct, template=ct.plain) for n, ct in template.templates.items()}
+    out = {
+        n: dataclasses.replace(ct, template=ct.plain, segments=None)
+        for n, ct in template.templates.items()
+    }
+    return dataclasses.replace(template, templates=out)
+
+
+def _jinja(template: ChatTemplate) -> ChatTemplate:
+    """``template`` without its segment renderer (every request rendered by jinja)."""
+    out = {n: dataclasses.replace(ct, segments=None) for n, ct in template.templates.items()}
     return dataclasses.replace(template, templates=out)
 
 
@@ -218,9 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     d = qwen_files()
     template = load_chat_template(str(d / "tokenizer_config.json"), None, str(d / "tokenizer.json"))
-    variants = {"plain": _plain(template), "fast": template}
+    variants = {"plain": _plain(template), "jinja": _jinja(template), "fast": template}
     keys = {name: ConversationKeys({MODEL: t}, chunk_bytes=1024) for name, t in variants.items()}
-    cached = ConversationKeys({MODEL: template}, chunk_bytes=1024, render_cache_bytes=64 << 20)
+    cached = ConversationKeys(
+        {MODEL: _jinja(template)}, chunk_bytes=1024, render_cache_bytes=64 << 20
+    )
     tok = Tokenizer.from_file(str(d / "tokenizer.json"))
 
     def count(body: dict[str, Any]) -> int:
@@ -232,8 +249,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"repeats x {args.loops} calls; Qwen template, chunk_bytes 1024.\n"
         "Every render_prompt/chain() call is a distinct body (a new conversation), timed "
         "right after the same conversation's previous turn (its last two messages fewer).\n"
-        "plain: jinja's plain immutable sandbox (the reference); fast: as requests are "
-        "rendered (the environment's fast paths)."
+        "plain: jinja's plain immutable sandbox (the reference); jinja: the environment's "
+        "fast paths; fast: as requests are rendered (segments for plain chats)."
     )
     for shape, size in [(sh, n) for sh in ("chat", "agent") for n in SIZES]:
         build = chat if shape == "chat" else conversation
@@ -285,10 +302,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         ):
             med = median(per) * 1e6
             results.append({"shape": shape, "tokens": tokens, "case": label, "us": med})
-            rows.append([label, "-", fmt_float(med, 1), "-", "-"])
+            rows.append([label, "-", "-", fmt_float(med, 1), "-", "-", "-"])
         for label, timings in (("render_prompt", render_t), ("chain() (all of it)", chain_t)):
             meds = {n: median(per) * 1e6 for n, per in zip(names, timings, strict=True)}
-            ratio = paired_ratio(timings[1], timings[0])
+            ratio = paired_ratio(timings[2], timings[0])
+            vs_jinja = paired_ratio(timings[2], timings[1])
             judged = label.startswith("chain()") and size == 8_000 and shape == "chat"
             ok = meds["fast"] <= BUDGET_US_8K if judged else None
             results.append(
@@ -300,6 +318,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "case": label,
                     **{f"{n}_us": v for n, v in meds.items()},
                     "fast_vs_plain": ratio,
+                    "fast_vs_jinja": vs_jinja,
                     "pass": ok,
                 }
             )
@@ -307,13 +326,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 [
                     label,
                     fmt_float(meds["plain"], 1),
+                    fmt_float(meds["jinja"], 1),
                     fmt_float(meds["fast"], 1),
                     fmt_float(ratio, 2) + "x",
+                    fmt_float(vs_jinja, 2) + "x",
                     verdict(ok),
                 ]
             )
         med_cached = median(cached_t) * 1e6
-        vs_fast = paired_ratio(cached_t, chain_t[1])
+        vs_fast = paired_ratio(cached_t, chain_t[2])
         results.append(
             {
                 "shape": shape,
@@ -324,13 +345,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             }
         )
         rows.append(
-            ["chain() render cache", "-", fmt_float(med_cached, 1), f"{vs_fast:.2f}x fast", "-"]
+            [
+                "chain() render cache",
+                "-",
+                "-",
+                fmt_float(med_cached, 1),
+                f"{vs_fast:.2f}x fast",
+                "-",
+                "-",
+            ]
         )
         print(
             f"\n{shape}: {tokens} tokens, {len(data)} bytes rendered, "
             f"{len(body['messages'])} messages, body {len(raw)} bytes"
         )
-        print(render_table(["case", "plain us", "fast us", "fast/plain", "budget"], rows))
+        print(
+            render_table(
+                ["case", "plain us", "jinja us", "fast us", "fast/plain", "fast/jinja", "budget"],
+                rows,
+            )
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"budget_us_8k": BUDGET_US_8K, "results": results}, f, indent=2)

@@ -6,13 +6,16 @@ be computed in exactly one place::
 
     SHA256(model_bytes ++ 0x00 ++ b"S" ++ system_bytes[:n])      # a system prompt exists
     SHA256(model_bytes ++ 0x00 ++ b"M" ++ first_msg_bytes[:n])   # otherwise: first message
+    SHA256(model_bytes ++ 0x00 ++ b"P" ++ prompt_bytes[:n])      # a text completion's prompt
 
 * ``n`` is ``max_prefix_length`` bytes, cut back to a UTF-8 code point boundary so a
   multi-byte character is never split (``None`` disables the cut: the Gemini cache
   hashes the whole system prompt).
 * The 0x00 separator stops ``("ab", "c...")`` and ``("a", "bc...")`` from colliding.
 * The ``S``/``M`` tag keeps the same text in a system prompt and in a first user message
-  apart: the engine renders them differently, so their KV blocks differ.
+  apart: the engine renders them differently, so their KV blocks differ. ``P`` is the
+  leading text of a ``/v1/completions`` prompt, which the engine tokenizes as it is (no
+  chat template), so it is kept apart from both.
 
 Content given as an array of parts (OpenAI content parts, Anthropic blocks) contributes
 its text parts joined with ``"\\n"``: that is how vLLM and SGLang flatten text parts
@@ -31,6 +34,7 @@ from typing import Any, Literal, NewType
 __all__ = [
     "DEFAULT_MAX_PREFIX_LENGTH",
     "PrefixKey",
+    "PrefixTag",
     "anchor_text",
     "compute_prefix_key",
     "extract_prefix_key",
@@ -43,7 +47,9 @@ PrefixKey = NewType("PrefixKey", bytes)
 DEFAULT_MAX_PREFIX_LENGTH = 1024
 
 _SYSTEM_ROLES = frozenset(("system", "developer"))
-_TAG_BYTES = {"S": b"\x00S", "M": b"\x00M"}
+_TAG_BYTES = {"S": b"\x00S", "M": b"\x00M", "P": b"\x00P"}
+PrefixTag = Literal["S", "M", "P"]
+"""System prompt, first message, raw completion prompt."""
 
 
 def truncate_utf8(data: bytes, limit: int | None) -> bytes:
@@ -58,7 +64,7 @@ def truncate_utf8(data: bytes, limit: int | None) -> bytes:
 
 
 def compute_prefix_key(
-    model: str, tag: Literal["S", "M"], text: str, max_prefix_length: int | None
+    model: str, tag: PrefixTag, text: str, max_prefix_length: int | None
 ) -> PrefixKey:
     """Hash already-located anchor text; the listener and Gemini cache call this directly."""
     if max_prefix_length is not None and len(text) > max_prefix_length:

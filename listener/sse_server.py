@@ -41,6 +41,7 @@ from prometheus_client.registry import Collector
 from bus.errors import BUFFER_OVERFLOW
 from bus.sse import encode_comment
 
+from .snapshot import snapshot_body
 from .stream import EventHub, StatsProvider, Subscription
 
 __all__ = ["METRICS_CONTENT_TYPE", "ListenerMetrics", "SseServer", "numeric_leaves", "sse_batches"]
@@ -303,15 +304,7 @@ class SseServer:
         if backend not in self.hub:
             known = ", ".join(self.hub.backends) or "none"
             return _error(404, f"unknown backend {backend!r} (configured: {known})", "not_found")
-        event_id, events = self.hub.snapshot(backend)
-        body = b"".join(
-            (
-                orjson.dumps({"backend": backend, "event_id": event_id})[:-1],
-                b',"events":[',
-                b",".join(ev.to_json() for ev in events),
-                b"]}",
-            )
-        )
+        body = snapshot_body(self.hub, backend)
         return web.Response(body=body, content_type="application/json")
 
     async def _health(self, request: web.Request) -> web.Response:

@@ -23,15 +23,28 @@ reconnects, so a reconnect is just another chance to see a gap. For each live ba
 * ``s == last_seq + 1``: delivered;
 * ``s > last_seq + 1`` (a gap: slow-joiner loss, HWM overflow, a reconnect): with a
   ``replay_endpoint`` a DEALER asks the engine's ROUTER for every buffered batch from
-  ``last_seq + 1``; the replayed batches are delivered in order (the live ``s`` among them)
-  and the live copies of replayed batches that are still queued on the SUB socket are
-  dropped as duplicates. If there is no replay endpoint, or replay fails, times out or
-  starts past ``last_seq + 1`` (the engine's buffer no longer holds the missing batches),
-  ``on_resync("gap")`` is called and delivery resumes at ``s``;
+  ``last_seq`` itself, which must come back with the payload delivered (or the buffer must
+  start right after it): another payload under that number, or none at all, is another
+  engine instance (restarted behind a partition, already past ``last_seq``) and handled as
+  a restart below. The newer replayed batches are delivered in order (the live ``s`` among
+  them) and the live copies still queued on the SUB socket are dropped as duplicates. A
+  replay that answers in full without reaching ``s - 1`` shows the engine never published
+  ``s``: the message is dropped (``forged_frames``) and the position stays. If replay
+  fails, times out or starts past ``last_seq + 1`` (the engine's buffer no longer holds the
+  missing batches), ``on_resync("gap")`` is called and the buffer is learned again from
+  wherever it starts; with no replay endpoint, ``on_resync("gap")`` and delivery resumes
+  at ``s``;
 * ``s <= last_seq`` outside that duplicate window: a PUB never repeats a sequence number,
-  so the engine restarted. ``on_resync("restart")`` is called and ``s`` becomes the new
-  baseline; with a replay endpoint the restarted engine's batches ``0..s-1`` (lost to the
-  slow-joiner rule) are fetched first.
+  so the engine restarted, unless (with a replay endpoint) the engine still holds batch
+  ``last_seq`` as delivered: then ``s`` is not its own and is dropped (``forged_frames``).
+  On a restart ``on_resync("restart")`` is called and ``s`` becomes the new baseline; with
+  a replay endpoint the restarted engine's batches ``0..s-1`` (lost to the slow-joiner
+  rule) are fetched first.
+
+Every resync that forgets the position re-arms learning: the next live batch fetches the
+engine's buffer first, or the idle replay (``idle_replay_after_s``) does for an engine
+that publishes nothing, and the consumer catches up on it at once (``on_drained``). So a
+message under a forged number never leaves the position there.
 
 A resync for a batch that arrived unusable (``decode_error``, ``malformed_event``,
 ``callback_error``, or :meth:`ZmqSource.relearn` after the batch callback's own fault)
@@ -64,7 +77,10 @@ is asked, until it answers, for batches from ``last_seq`` itself. The engine tha
 buffers its newest batch and sends it back; an engine that answers without it (only the
 end marker) never published that sequence number: it restarted, and is treated as above
 (``on_resync("restart")``, then a fresh baseline). The probe acts only if no batch was
-delivered meanwhile; a probe that fails or times out leaves things as they are.
+delivered meanwhile; a probe that fails or times out leaves things as they are. With no
+replay endpoint nothing can tell such an engine from one still holding its blocks, so in
+connect mode the end of the engine's connection forgets the view
+(``on_resync("disconnect")``), as a gap would, rather than keep it possibly stale.
 
 Access control: ``allowed_publishers`` (IPs, CIDRs, hostnames). In bind mode a ZAP handler
 on ``inproc://zeromq.zap.01`` of the source's private context accepts only listed peer
@@ -78,7 +94,7 @@ Structure: :meth:`ZmqSource.run` runs a :class:`bus.supervisor.Supervisor` (reco
 an injected :class:`bus.backoff.Backoff`); :meth:`ZmqSource._run_once` owns one socket's
 lifetime, and the first good frame after failures reports it healthy.
 
-Size: one module (about 650 lines): live delivery, replay and restart handling are one
+Size: one module (about 1200 lines): live delivery, replay and restart handling are one
 ordering algorithm over ``last_seq`` (above); the frame parsing and the ZAP handler it
 needs stay beside it.
 """
@@ -136,7 +152,8 @@ BatchCallback: TypeAlias = Callable[[EventBatch, "int | None"], "Awaitable[None]
 """``on_batch(batch, dp_rank)``; may be a plain function or a coroutine function."""
 ResyncCallback: TypeAlias = Callable[[str], "Awaitable[None] | None"]
 """``on_resync(reason)``: forget this source's blocks; ``reason`` is ``gap``, ``restart``,
-``decode_error``, ``malformed_event`` or ``callback_error`` (trtllm adds ``window``)."""
+``decode_error``, ``malformed_event``, ``callback_error`` or ``disconnect`` (trtllm adds
+``window``)."""
 
 SEQ_LEN = 8
 END_SEQ = b"\xff" * SEQ_LEN
@@ -238,6 +255,10 @@ class ZmqSourceStats:
     replayed_batches: int = 0
     duplicates: int = 0
     """Live batches dropped because replay had already delivered them."""
+    forged_frames: int = 0
+    """Live messages under a sequence number the engine's replay shows it never published
+    (from the future, or below a batch it still holds unchanged): dropped, the position
+    kept. Only counted with a replay endpoint (without one they cannot be told apart)."""
     restarts: int = 0
     resyncs: int = 0
     relearns: int = 0
@@ -422,6 +443,7 @@ class ZmqSource:
         self._bound_endpoint: str | None = None
         self._decode_error_logged = False
         self._malformed_logged = False
+        self._forged_logged = False
         self._replaying = False
         self._idle_replay_asked = False
         self._callback_error_logged = False
@@ -439,7 +461,14 @@ class ZmqSource:
         if self.config.replay_endpoint is None or self._replaying:
             return
         self.stats.relearns += 1
-        self._last_seq = None
+        self._forget()
+
+    def _forget(self) -> None:
+        """Forget the position after a resync: the next live batch is a new baseline
+        (with a replay endpoint, learned together with the engine's buffer), and the idle
+        replay is armed again, so an engine that publishes nothing more is learned too."""
+        self._last_seq = self.stats.last_seq = None
+        self._last_payload = None
         self._dup_floor = None
         self._idle_replay_asked = False
 
@@ -568,6 +597,14 @@ class ZmqSource:
                     task = asyncio.create_task(self._probe(self._last_seq))
                     probes.add(task)
                     task.add_done_callback(probes.discard)
+                elif (
+                    self.config.mode == "connect"
+                    and self.config.replay_endpoint is None
+                    and self._last_seq is not None
+                ):
+                    # Connect mode only: there the one peer is the engine's endpoint. A
+                    # bound SUB also sees peers it refused (ZAP), which must not reset it.
+                    await self._disconnected()
                 if self.config.mode == "connect":
                     with contextlib.suppress(zmq.ZMQError):
                         sock.disconnect(self.config.endpoint)
@@ -602,14 +639,23 @@ class ZmqSource:
         take = self._take
         on_drained = self._on_drained
         self._idle_replay_asked = False
+        idle_ms = int(cfg.idle_replay_after_s * 1000) or 1
         while True:
             if self._idle_replay_due():
                 try:
                     frames = await asyncio.wait_for(sock.recv_multipart(), cfg.idle_replay_after_s)
                 except TimeoutError:
                     await self._replay_idle_engine()
+                    # The replayed batches are a run like any other: the consumer catches
+                    # up now, not at the next live batch (an idle engine may send none).
+                    if on_drained is not None:
+                        await self._call(on_drained)
                     continue
             else:
+                # A resync outside this loop (the restart probe) may arm the idle replay:
+                # with a replay endpoint, look again after each quiet spell.
+                if cfg.replay_endpoint is not None and not await sock.poll(idle_ms):
+                    continue
                 frames = await sock.recv_multipart()
             pending = take(frames)
             if pending is not None:
@@ -635,14 +681,14 @@ class ZmqSource:
         )
 
     async def _replay_idle_engine(self) -> None:
-        """No live batch since the start and nothing known: learn the engine's buffer now
-        (in the receive loop, so no live batch is handled meanwhile; live copies of what it
-        returns are dropped as duplicates). Asked once per connection: a failure, or an
-        engine whose buffer does not reach back to batch 0, leaves the next live batch's
-        replay to try again."""
+        """No live batch since the start (or since a resync forgot the position) and
+        nothing known: learn the engine's buffer now (in the receive loop, so no live batch
+        is handled meanwhile; live copies of what it returns are dropped as duplicates),
+        from wherever it starts. Asked once per connection and resync: a failure leaves
+        the next live batch's replay to try again."""
         self._idle_replay_asked = True
         try:
-            await self._replay(0)
+            await self._replay(0, partial=True)
         except (_ReplayError, TimeoutError, zmq.ZMQError) as exc:
             logger.info(
                 "zmq source %s: no replay of an idle engine: %s",
@@ -721,20 +767,107 @@ class ZmqSource:
             await self._deliver(seq, payload)
         elif seq > last + 1:
             self.stats.gaps += 1
-            await self._recover(last + 1, seq, payload, after_restart=False)
+            if self.config.replay_endpoint:
+                await self._gap(last, seq, payload)
+            else:
+                await self._recover(last + 1, seq, payload, after_restart=False)
         elif self._dup_floor is not None and seq > self._dup_floor:
             self.stats.duplicates += 1
+        elif self.config.replay_endpoint and await self._verify(last) == "same":
+            # The engine still holds the batch last delivered, unchanged: it did not
+            # restart, so a lower number is not its own.
+            self._forged(seq)
         else:
             logger.warning(
                 "zmq source %s: seq fell from %d to %d: engine restarted", self._name, last, seq
             )
             await self._restarted(seq, payload)
 
+    async def _gap(self, last: int, seq: int, payload: bytes) -> None:
+        """Live batch ``seq`` after ``last`` with batches missing, replay endpoint on.
+
+        The replay is asked from ``last`` itself, so the engine proves it is the one that
+        published it (``_verify``). Then: what it returns closes the gap; if the engine
+        never published ``seq - 1`` the live message is not its own (a forged sequence
+        number) and is dropped, the position unmoved; another engine instance restarted;
+        a replay that fails or no longer reaches ``last`` resyncs and learns the engine's
+        whole buffer again.
+        """
+        verdict = await self._verify(last)
+        if verdict == "other":
+            logger.warning(
+                "zmq source %s: the engine no longer holds batch %d (gap to %d): engine restarted",
+                self._name,
+                last,
+                seq,
+            )
+            await self._restarted(seq, payload)
+            return
+        covered = self._last_seq
+        assert covered is not None
+        if covered >= seq - 1:
+            self.stats.replays += 1
+            if covered == seq - 1:
+                await self._deliver(seq, payload)
+            return
+        if verdict == "same":
+            self._forged(seq)
+            return
+        self.stats.replay_failures += 1
+        logger.warning(
+            "zmq source %s: lost batches %d..%d; resync", self._name, covered + 1, seq - 1
+        )
+        await self._resync("gap")
+        self._forget()
+        await self._recover(0, seq, payload, after_restart=True)
+
+    async def _verify(self, last: int) -> Literal["same", "other", "failed"]:
+        """Replay from ``last``, the batch last delivered: ``same`` when the engine holds
+        it with the payload delivered (or its buffer starts right after it), delivering
+        the newer batches it returns; ``other`` when it holds another payload under that
+        number or never published it (its newest batch is older: a restarted engine);
+        ``failed`` when the replay fails, times out or no longer reaches ``last + 1``."""
+        payload = self._last_payload
+        try:
+            await self._replay(
+                last, verify=True, digest=None if payload is None else payload_digest(payload)
+            )
+        except _OtherEngine:
+            return "other"
+        except (_ReplayError, TimeoutError, zmq.ZMQError) as exc:
+            self._replay_failed(last, exc)
+            return "failed"
+        if self._last_seq != last:  # newer batches were delivered: their live copies follow
+            floor = self._dup_floor
+            self._dup_floor = last if floor is None else min(floor, last)
+        return "same"
+
+    def _replay_failed(self, start: int, exc: Exception) -> None:
+        logger.warning(
+            "zmq source %s: replay from %d failed: %s",
+            self._name,
+            start,
+            str(exc) or type(exc).__name__,
+        )
+
+    def _forged(self, seq: int) -> None:
+        """A live message numbered ``seq`` that the engine's replay shows it never
+        published: dropped, the position unmoved (a hostile or broken peer on the PUB)."""
+        self.stats.forged_frames += 1
+        if not self._forged_logged:
+            self._forged_logged = True
+            logger.warning(
+                "zmq source %s: dropped a message numbered %d that the engine never published"
+                " (position %s); further ones are only counted",
+                self._name,
+                seq,
+                self._last_seq,
+            )
+
     async def _restarted(self, seq: int, payload: bytes) -> None:
         self.stats.restarts += 1
         await self._resync("restart")
-        self._last_seq = self.stats.last_seq = None
-        self._dup_floor = None
+        self._forget()
         if self.config.replay_endpoint and seq > 0:
             await self._recover(0, seq, payload, after_restart=True)
         else:
@@ -806,18 +939,17 @@ class ZmqSource:
         """Fill ``start..seq-1`` by replay, then make sure live batch ``seq`` is delivered.
 
         After a restart the state has just been reset, so a failed replay only means fewer
-        known blocks and no second resync is sent.
+        known blocks and no second resync is sent. A replay that answered in full without
+        reaching ``seq - 1`` shows the engine never published ``seq``: the live message is
+        not its own and is dropped (``_forged``).
         """
+        answered = False
         if self.config.replay_endpoint:
             try:
-                await self._replay(start)
+                await self._replay(start, partial=after_restart)
+                answered = True
             except (_ReplayError, TimeoutError, zmq.ZMQError) as exc:
-                logger.warning(
-                    "zmq source %s: replay from %d failed: %s",
-                    self._name,
-                    start,
-                    str(exc) or type(exc).__name__,
-                )
+                self._replay_failed(start, exc)
         covered = self._last_seq if self._last_seq is not None else start - 1
         if covered >= seq - 1:
             if self.config.replay_endpoint:
@@ -825,6 +957,9 @@ class ZmqSource:
             self._dup_floor = start - 1
             if covered == seq - 1:
                 await self._deliver(seq, payload)
+            return
+        if answered:
+            self._forged(seq)
             return
         if self.config.replay_endpoint:
             self.stats.replay_failures += 1
@@ -884,27 +1019,63 @@ class ZmqSource:
             self._name,
             last,
         )
-        self._last_seq = self.stats.last_seq = None
-        self._dup_floor = None
+        self._forget()
         await self._resync("restart")
 
-    async def _replay(self, start: int) -> None:
+    async def _disconnected(self) -> None:
+        """No replay endpoint, connect mode, and the engine's connection ended: nothing
+        can tell an engine that restarted empty (and publishes nothing yet, so shows no
+        sequence reset) from one still holding its blocks. A gap forgets the view too; so does
+        this, rather than keep it possibly stale. The next batch is a new baseline."""
+        logger.warning(
+            "zmq source %s: the engine's connection ended and there is no replay endpoint to"
+            " check whether it restarted; its blocks are forgotten",
+            self._name,
+        )
+        self._forget()
+        await self._resync("disconnect")
+
+    async def _replay(
+        self,
+        start: int,
+        *,
+        verify: bool = False,
+        digest: bytes | None = None,
+        partial: bool = False,
+    ) -> None:
         """Ask the replay ROUTER for batches from ``start`` and deliver them as they arrive.
 
+        ``verify``: ``start`` is the batch last delivered, with payload digest ``digest``
+        (None: not known): the engine must still hold it, with that digest, or its buffer must
+        start at ``start + 1``; it is not delivered again. ``partial``: the state was just
+        reset, so a buffer that starts past ``start`` is delivered from where it starts
+        (fewer known blocks, never wrong ones) instead of failing.
+
         Raises:
+            _OtherEngine: with ``verify``, the engine does not hold ``start`` as delivered.
             _ReplayError: malformed reply, or the first batch is past ``start`` (lost).
             TimeoutError: no reply within ``replay_timeout_s``.
         """
         expected = start
+        checking = verify
         async with contextlib.aclosing(self._replies(start)) as replies:
             async for seq, payload in replies:
+                if checking:
+                    checking = False
+                    if seq == start and digest is not None and payload_digest(payload) != digest:
+                        raise _OtherEngine
+                    expected = start + 1
+                    if seq == start:
+                        continue
                 if seq < expected or (self._last_seq is not None and seq <= self._last_seq):
                     continue
-                if seq > expected:
+                if seq > expected and not (partial and expected == start):
                     raise _ReplayError(f"replay buffer starts at {seq}, needed {expected}")
                 self.stats.replayed_batches += 1
                 await self._deliver(seq, payload)
                 expected = seq + 1
+        if checking:  # only the end marker: its newest batch is older than ``start``
+            raise _OtherEngine
 
     async def _replay_resume(self, start: int, digest: bytes | None) -> None:
         """Replay after a checkpoint at batch ``start``: the batch itself, if buffered,

@@ -25,6 +25,7 @@ so a request never mixes two configs.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from bus.salt import load_secret
 
@@ -35,7 +36,14 @@ from .cache.semantic import SemanticCache
 from .cache.service import ResponseCacheService
 from .config import RouterConfig
 from .conversation import ConversationKeys
-from .dialects import AnthropicMessages, CacheSalter, ChatCompletions, Embeddings
+from .dialects import (
+    AnthropicMessages,
+    CacheSalter,
+    ChatCompletions,
+    Completions,
+    Embeddings,
+    Responses,
+)
 from .errors import openai_error
 from .eventbus.sessions import SessionRegistry
 from .forwarder import Forwarder
@@ -124,6 +132,17 @@ class Router:
             config=current, pool=self.pool, forwarder=forwarder, gemini=self.gemini
         )
         embeddings = Embeddings(pool=self.pool, forwarder=forwarder)
+        generation: dict[str, Any] = dict(
+            config=current,
+            pool=self.pool,
+            forwarder=forwarder,
+            observe=self.metrics.observe,
+            cache=self.cache,
+            salter=salter,
+            conversation=self.conversation,
+        )
+        self._completions = completions = Completions(**generation)
+        self._responses = responses = Responses(**generation)
         status = StatusApi(self.pool, self.metrics)
         self.admin = AdminApi(
             config=current,
@@ -148,6 +167,8 @@ class Router:
             ("POST", "/v1/chat/completions"): chat.handle,
             ("POST", "/anthropic/v1/messages"): messages.handle,
             ("POST", "/v1/embeddings"): embeddings.handle,
+            ("POST", "/v1/completions"): completions.handle,
+            ("POST", "/v1/responses"): responses.handle,
             ("GET", "/v1/models"): status.list_models,
             ("GET", "/health"): status.health,
             ("GET", "/metrics"): status.metrics,
@@ -229,6 +250,7 @@ class Router:
             # (both restart-only); building does no I/O.
             self.cache = self._build_cache(config)
             self._chat.cache = self.admin.cache = self.cache
+            self._completions.cache = self._responses.cache = self.cache
             log.info("response cache: built on reload (%s)", config.response_cache.backend)
         elif self.cache is not None:
             self.cache.config = config.response_cache  # ttl, sizes, enabled: per request

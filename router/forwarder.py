@@ -44,7 +44,7 @@ from .upstream import (
     UpstreamTimeout,
 )
 
-__all__ = ["Forwarder"]
+__all__ = ["Forwarder", "openai_usage"]
 
 _SSE = "text/event-stream"
 
@@ -201,8 +201,8 @@ class Forwarder:
         backend.record_outcome(status < 500)
         self._metrics.observe(spec.endpoint, backend.name, status, time.perf_counter() - started)
         if feedback is not None and status == 200 and type(doc) is dict:
-            usage = doc.get("usage")
-            if type(usage) is dict:
+            usage = openai_usage(doc)
+            if usage is not None:
                 feedback.delivered(backend, spec.ctx, usage)
         if status == 200 and spec.store is not None and len(data) <= spec.store_limit:
             spec.store(data, False)
@@ -251,12 +251,35 @@ async def _once(data: bytes) -> AsyncIterator[bytes]:
     yield data
 
 
+def openai_usage(doc: dict[str, Any]) -> dict[str, Any] | None:
+    """The usage of an answer (or stream event) in chat completions' shape, or None.
+
+    Chat and text completions carry ``usage`` with ``prompt_tokens_details``; the Responses
+    API carries it as ``usage`` (a whole response) or ``response.usage`` (its
+    ``response.completed`` event) with ``input_tokens`` and ``input_tokens_details``,
+    which are renamed here so the routing feedback reads one shape.
+    """
+    usage = doc.get("usage")
+    if type(usage) is not dict:
+        inner = doc.get("response")
+        usage = inner.get("usage") if type(inner) is dict else None
+        if type(usage) is not dict:
+            return None
+    if "input_tokens_details" in usage and "prompt_tokens_details" not in usage:
+        return {
+            "prompt_tokens": usage.get("input_tokens"),
+            "prompt_tokens_details": usage["input_tokens_details"],
+        }
+    return usage
+
+
 async def _usage_of(
     chunks: AsyncIterator[bytes], sink: Callable[[dict[str, Any]], None]
 ) -> AsyncIterator[bytes]:
     """``chunks`` unchanged; the ``usage`` of the stream's usage chunk (OpenAI sends it
-    last, with ``stream_options.include_usage``) goes to ``sink``. Only a chunk that
-    mentions ``"usage"`` is parsed; an event split across chunks is joined first."""
+    last, with ``stream_options.include_usage``; the Responses API in its
+    ``response.completed`` event) goes to ``sink``. Only a chunk that mentions ``"usage"``
+    is parsed; an event split across chunks is joined first."""
     pending = b""
     async for chunk in chunks:
         yield chunk
@@ -264,14 +287,18 @@ async def _usage_of(
             pending += chunk
             *events, pending = pending.split(b"\n\n")
             for event in events:
-                if b'"usage"' in event and event.startswith(b"data: {"):
-                    try:
-                        doc = orjson.loads(event[6:])
-                    except orjson.JSONDecodeError:
-                        continue
-                    usage = doc.get("usage") if type(doc) is dict else None
-                    if type(usage) is dict:
-                        sink(usage)
+                if b'"usage"' not in event:
+                    continue
+                at = 0 if event.startswith(b"data: {") else event.find(b"\ndata: {") + 1
+                if at == 0 and not event.startswith(b"data: {"):
+                    continue
+                try:
+                    doc = orjson.loads(event[at + 6 :])
+                except orjson.JSONDecodeError:
+                    continue
+                usage = openai_usage(doc) if type(doc) is dict else None
+                if usage is not None:
+                    sink(usage)
             if len(pending) > 1 << 20:
                 pending = b""
 

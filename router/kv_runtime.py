@@ -18,8 +18,10 @@ come from) meets ingestion (``router.ingest``, which knows nothing of the index 
 in: the opener of every ``transport: event_bus`` source).
 
 With ``kv_cache_index.anti_entropy.interval_seconds`` > 0 it runs the anti-entropy check
-(``router.kvindex.anti_entropy``) of every pull-mode source: the listener's snapshot
-(``router.ingest.snapshot``) against the indexes, at the consumer's position.
+(``router.kvindex.anti_entropy``) of every source: the listener's snapshot against the
+indexes, at the consumer's position; fetched from ``GET /snapshot/<backend>``
+(``router.ingest.snapshot``) for a pull-mode source, asked for on the listener's event
+bus session (``SessionRegistry.snapshot``) for a push-mode one.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from .config.models import EventSourceConfig
 from .eventbus.sessions import SessionRegistry
 from .gemini.usage import cached_tokens_of
 from .ingest import KvEventConsumerManager, StreamOpener
-from .ingest.snapshot import fetch_snapshot, snapshot_session, snapshot_url
+from .ingest.snapshot import fetch_snapshot, parse_snapshot, snapshot_session, snapshot_url
 from .kvindex import (
     CHAIN_KEY_PREFIX,
     FallbackKvIndex,
@@ -140,16 +142,13 @@ class KvRuntime:
         self._restart: asyncio.Task[None] | None = None
         self.anti_entropy: AntiEntropy | None = None
         self._anti_entropy_task: asyncio.Task[None] | None = None
-        self._snapshot_urls = {
-            s.backend_name: url
-            for s in kv.event_sources
-            if s.transport == "sse" and (url := snapshot_url(s.endpoint)) is not None
-        }
+        self._snapshot_urls: dict[str, str] = {}
         ae = kv.anti_entropy
         self._snapshot_session: Any = None
-        if ae.interval_seconds > 0 and self._snapshot_urls:
+        targets = self._snapshot_targets(kv.event_sources)
+        if ae.interval_seconds > 0 and targets:
             self.anti_entropy = AntiEntropy(
-                list(self._snapshot_urls),
+                targets,
                 self.index,
                 self.chain_index,
                 offloading,
@@ -224,15 +223,11 @@ class KvRuntime:
             except Exception:  # a reload never raises; the running consumers stay as they are
                 log.exception("KV event sources: reload failed")
                 return
-            self._snapshot_urls = {
-                s.backend_name: url
-                for s in sources
-                if s.transport == "sse" and (url := snapshot_url(s.endpoint)) is not None
-            }
+            targets = self._snapshot_targets(sources)
             if self.anti_entropy is not None:
-                # The check follows the sources (a runtime started without a pull source
-                # has none to follow: anti-entropy starts with a restart then).
-                self.anti_entropy.follow(list(self._snapshot_urls))
+                # The check follows the sources (a runtime started without a source with
+                # a snapshot has none to follow: anti-entropy starts with a restart then).
+                self.anti_entropy.follow(targets)
             log.info(
                 "KV event sources reloaded: %s",
                 ", ".join(f"{s.backend_name} ({s.transport})" for s in sources) or "none",
@@ -272,8 +267,29 @@ class KvRuntime:
 
     # -- anti-entropy ----------------------------------------------------------------
 
+    def _snapshot_targets(self, sources: Sequence[EventSourceConfig]) -> list[str]:
+        """The backends of ``sources`` that have a snapshot to check against (a pull
+        source whose endpoint has a ``/snapshot/`` beside it, every push source when the
+        event bus is on); their snapshot URLs are kept for :meth:`_fetch_snapshot`."""
+        self._snapshot_urls = {
+            s.backend_name: url
+            for s in sources
+            if s.transport == "sse" and (url := snapshot_url(s.endpoint)) is not None
+        }
+        pushed = [
+            s.backend_name
+            for s in sources
+            if s.transport == "event_bus" and self.event_bus is not None
+        ]
+        return [*self._snapshot_urls, *pushed]
+
     async def _fetch_snapshot(self, backend: str) -> Any:
-        return await fetch_snapshot(self._snapshot_session, self._snapshot_urls[backend], backend)
+        url = self._snapshot_urls.get(backend)
+        if url is not None:
+            return await fetch_snapshot(self._snapshot_session, url, backend)
+        assert self.event_bus is not None
+        raw = await self.event_bus.snapshot(backend, self.config.anti_entropy.timeout_seconds)
+        return parse_snapshot(raw, backend)
 
     def _position(self, backend: str) -> Position | None:
         consumer = self.consumers.consumers.get(backend)

@@ -51,7 +51,7 @@ _STATUSES = frozenset(
         "504",
     )
 )
-_ENDPOINTS = frozenset(("chat", "anthropic", "embeddings"))
+_ENDPOINTS = frozenset(("chat", "anthropic", "embeddings", "completions", "responses"))
 _DECISIONS = ("prefix_hash", "overflow", "fallback")
 _CONVERSATION_OUTCOMES = ("chosen", "tie", "none_held")
 _NO_BACKEND = "none"

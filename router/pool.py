@@ -40,7 +40,7 @@ __all__ = ["BACKEND_STATES", "ENDPOINT_TYPES", "Backend", "BackendPool", "Backen
 
 log = logging.getLogger("continuum.pool")
 
-Endpoint = Literal["chat", "anthropic", "embeddings"]
+Endpoint = Literal["chat", "anthropic", "embeddings", "completions", "responses"]
 BackendState = Literal["healthy", "unhealthy", "ejected", "half_open"]
 BACKEND_STATES: tuple[BackendState, ...] = ("healthy", "unhealthy", "ejected", "half_open")
 
@@ -48,6 +48,8 @@ ENDPOINT_TYPES: dict[str, frozenset[str]] = {
     "chat": frozenset(("openai", "vllm", "sglang", "trtllm", "gemini")),
     "anthropic": frozenset(("anthropic",)),
     "embeddings": frozenset(("openai", "vllm", "sglang", "gemini")),
+    "completions": frozenset(("openai", "vllm", "sglang", "trtllm")),
+    "responses": frozenset(("openai", "vllm", "sglang")),
 }
 
 _DEFAULT_HEALTH_PATH = {

@@ -51,13 +51,17 @@ import struct
 import time
 import zlib
 from array import array
+from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
+from bus.prefix_key import compute_prefix_key
 from bus.prompt_chain import DEFAULT_CHUNK_BYTES
 
+from . import completions as text_api
+from . import responses as responses_api
 from .block_types import request_features, token_types
 from .chat_template import ChatTemplateError, anthropic_to_openai
 from .held import HeldConversation, HeldPrefixes
@@ -405,11 +409,15 @@ class SimEngine:
         self._id_prefix = os.urandom(4).hex()
         self._seq = itertools.count(1)
         self._headers = {"x-sim-backend": cfg.name}
+        #: Stored responses (``previous_response_id``): id -> conversation, oldest first.
+        self.stored_responses: OrderedDict[str, list[dict[str, Any]]] = OrderedDict()
         self._routes: dict[tuple[str, str], Callable[[Request], Awaitable[Any]]] = {
             ("POST", "/v1/chat/completions"): self._chat,
             ("POST", "/v1/messages"): self._messages,
             ("POST", "/v1/messages/count_tokens"): self._count_tokens,
             ("POST", "/v1/embeddings"): self._embeddings,
+            ("POST", "/v1/completions"): self._completions,
+            ("POST", "/v1/responses"): self._responses,
             ("GET", "/v1/models"): self._models,
             ("GET", "/health"): self._health,
             ("GET", "/metrics"): self._metrics,
@@ -664,12 +672,14 @@ class SimEngine:
         reply: _Reply | None = None,
         key: bytes | None = None,
         model: str | None = None,
+        ids: list[int] | None = None,
     ) -> tuple[int, int, int, _Decoder]:
-        """Run the cache model on the prompt; returns (cached, total, newly stored tokens)
-        and the decoder that caches ``reply``'s tokens as they are generated. The
-        sequence's blocks are recorded under the request's prefix ``key`` and, for a
-        request of ``model``, under its conversation keys (the oracles)."""
-        tokens = self.tokenizer.encode(prompt)
+        """Run the cache model on the prompt (or its token ``ids``, as given); returns
+        (cached, total, newly stored tokens) and the decoder that caches ``reply``'s tokens
+        as they are generated. The sequence's blocks are recorded under the request's
+        prefix ``key`` and, for a request of ``model``, under its conversation keys (the
+        oracles)."""
+        tokens = ids if ids is not None else self.tokenizer.encode(prompt)
         out = reply.token_ids if reply is not None and self.cache_output else []
         full = self.cache.sequence([*tokens, *out], salt, len(tokens))
         seq = full if out else None
@@ -1049,6 +1059,137 @@ class SimEngine:
                 },
             )
             yield event("message_stop", {"type": "message_stop"})
+        finally:
+            self.in_flight -= 1
+
+    # -- OpenAI text completions and Responses (formats: .completions, .responses) --------
+
+    async def _completions(self, req: Request) -> Response | StreamResponse:
+        body = self._json_body(req)
+        model = self._model(body)
+        try:
+            prompts = text_api.prompts_of(body.get("prompt"))
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        max_tokens = self._max_tokens(body, "max_tokens") or text_api.DEFAULT_MAX_TOKENS
+        salt = _cache_salt(body)
+        choices: list[text_api.Choice] = []
+        decoders: list[_Decoder] = []
+        cached = total = completion = 0
+        for prompt in prompts:
+            text = prompt if isinstance(prompt, str) else ""
+            answer = self._answer(text, max_tokens)
+            reply = _Reply(answer, {"role": "assistant", "content": answer.text})
+            if self.cache_output:
+                reply.token_ids = self.tokenizer.encode(answer.text)
+            n = self.held.max_prefix_length
+            key = bytes(compute_prefix_key(model, "P", text, n)) if text else None
+            ids = None if isinstance(prompt, str) else prompt
+            c, t, _, decoder = self._prefill(text, salt, None, reply, key, model, ids)
+            cached, total, completion = cached + c, total + t, completion + len(answer.words)
+            choices.append(
+                text_api.Choice(answer.pieces(), "length" if answer.truncated else "stop")
+            )
+            decoders.append(decoder)
+        await self._model_latency(total - cached)
+        usage = {
+            "prompt_tokens": total,
+            "total_tokens": total + completion,
+            "completion_tokens": completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
+        rid, created = self._next_id("cmpl-"), int(time.time())
+        headers = self._sim_headers(cached, total)
+        if body.get("stream"):
+            opts = body.get("stream_options")
+            include_usage = isinstance(opts, dict) and bool(opts.get("include_usage"))
+            delay, abort_after = self._stream_knobs(req)
+
+            async def pace(i: int, j: int, n: int) -> None:
+                if abort_after is not None and j >= abort_after:
+                    raise _SimulatedAbort(f"aborted after {j} content chunks")
+                if delay:
+                    await asyncio.sleep(delay)
+                await decoders[i].share(j, n)
+
+            gen = text_api.completion_stream(
+                rid, created, model, choices, usage if include_usage else None, pace
+            )
+            return StreamResponse(self._streaming(gen, decoders), headers=headers)
+        for decoder in decoders:
+            await decoder.run()
+        return json_response(
+            text_api.completion(rid, created, model, choices, usage), headers=headers
+        )
+
+    async def _responses(self, req: Request) -> Response | StreamResponse:
+        body = self._json_body(req)
+        model = self._model(body)
+        try:
+            chat, tools, choice = responses_api.conversation(body, self.stored_responses)
+        except responses_api.UnknownResponse as e:
+            raise ApiError(404, str(e)) from None
+        except ValueError as e:
+            raise ApiError(400, str(e)) from None
+        max_tokens = self._max_tokens(body, "max_output_tokens")
+        salt = _cache_salt(body)
+        try:
+            prompt = self.tokenizer.render_chat(chat, tools)
+            reply = self._reply({"tool_choice": choice}, chat, max_tokens, prompt, tools)
+        except ChatTemplateError as e:
+            raise ApiError(400, str(e)) from None
+        key = self.held.key_of({"model": model, "messages": chat})
+        cached, total, _, decoder = self._prefill(prompt, salt, None, reply, key, model)
+        await self._model_latency(total - cached)
+        out = reply.completion_tokens
+        usage = {
+            "input_tokens": total,
+            "input_tokens_details": {"cached_tokens": cached},
+            "output_tokens": out,
+            "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": total + out,
+        }
+        rid = self._next_id("resp_")
+        output = responses_api.output_items(reply.message, self._next_id("msg_"))
+        status = "incomplete" if reply.answer.truncated else "completed"
+        done = responses_api.response_object(
+            rid, int(time.time()), model, body, output, usage, status
+        )
+        if body.get("store", True):
+            self.stored_responses[rid] = [*chat, reply.message]
+            while len(self.stored_responses) > 1024:
+                self.stored_responses.popitem(last=False)
+        headers = self._sim_headers(cached, total)
+        if body.get("stream"):
+            delay, abort_after = self._stream_knobs(req)
+
+            async def pace(j: int, n: int) -> None:
+                if abort_after is not None and j >= abort_after:
+                    raise _SimulatedAbort(f"aborted after {j} content chunks")
+                if delay:
+                    await asyncio.sleep(delay)
+                await decoder.share(j, n)
+
+            gen = responses_api.response_stream(done, reply.answer.pieces(), pace)
+            return StreamResponse(self._streaming(gen, [decoder]), headers=headers)
+        await decoder.run()
+        return json_response(done, headers=headers)
+
+    async def _streaming(
+        self, gen: AsyncIterator[bytes], decoders: list[_Decoder]
+    ) -> AsyncIterator[bytes]:
+        """``gen`` counted in flight; every decoder finishes before the last record."""
+        self.in_flight += 1
+        try:
+            pending: bytes | None = None
+            async for chunk in gen:
+                if pending is not None:
+                    yield pending
+                pending = chunk
+            for decoder in decoders:
+                await decoder.run()
+            if pending is not None:
+                yield pending
         finally:
             self.in_flight -= 1
 

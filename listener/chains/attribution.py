@@ -170,19 +170,25 @@ class AttributionJobs:
                 continue
             root = next(iter(self._queue))
             del self._queue[root]
-            if not root.alive or not root.dirty:
-                continue
-            self._busy += 1
-            self._active.add(root)
-            try:
-                await self._process(root)
-            except Exception:
-                log.exception("source %s: attribution job failed", self.backend)
-            finally:
-                self._busy -= 1
-                self._active.discard(root)
-                if root.alive and root.dirty and root.root is root:
-                    self._queue[root] = None
+            if root.alive and root.dirty:
+                await self._job(root)
+            # An idle worker keeps no root: through its parent and children links a root
+            # holds its whole tree (a shared system prompt's is every chain), which would
+            # outlive a clear or a reset until this worker's next job.
+            del root
+
+    async def _job(self, root: TrackedBlock) -> None:
+        self._busy += 1
+        self._active.add(root)
+        try:
+            await self._process(root)
+        except Exception:
+            log.exception("source %s: attribution job failed", self.backend)
+        finally:
+            self._busy -= 1
+            self._active.discard(root)
+            if root.alive and root.dirty and root.root is root:
+                self._queue[root] = None
 
     async def _process(self, root: TrackedBlock) -> None:
         gen = self._gen

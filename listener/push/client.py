@@ -8,6 +8,12 @@ listener is draining, the supervisor waits ``reconnect_backoff`` doubling per fa
 to max(reconnect_backoff, reconnect_backoff_max) and dials again (a session that got its
 Welcome resets the count). ``CancelledError`` always propagates.
 
+The router's ``SnapshotRequest`` (its anti-entropy check, which cannot reach the
+listener's ``GET /snapshot/{backend}`` in push mode) is answered on the session by
+``SnapshotChunk`` messages holding the same JSON body (``listener.snapshot``), each of at
+most ``batch_max_bytes`` (the bound StreamData keeps under the router's message limit),
+one answer at a time: every write on the session call goes through one lock.
+
 Drain (SIGTERM, :meth:`drain`): send ``Draining``, close every open stream with
 ``CLOSE_REASON_DRAINING`` after its in-flight write, half-close the session and wait for
 the router to end it, all within ``drain_deadline``; whatever is left is then cancelled.
@@ -34,7 +40,8 @@ from bus.stream_data import encode_stream_request
 from bus.supervisor import Attempt, Supervisor, Verdict
 from bus.tasks import cancel_and_wait
 
-from ..stream import EventHub
+from ..snapshot import snapshot_body
+from ..stream import EventHub, UnknownBackendError
 from .config import EventBusClientConfig
 from .writer import OpenStream, StreamWriter
 
@@ -142,6 +149,8 @@ class EventBusClient:
             should_stop=lambda: self._draining,
         )
         self._call: grpc.aio.StreamStreamCall | None = None
+        self._write_lock = asyncio.Lock()
+        self._snapshots: set[asyncio.Task[None]] = set()
         self._writers: dict[str, tuple[StreamWriter, asyncio.Task[None]]] = {}
         self._done_draining = asyncio.Event()
         self.session_id: str | None = None
@@ -149,6 +158,7 @@ class EventBusClient:
             "connected": 0,
             "sessions": 0,
             "subscribes": 0,
+            "snapshots": 0,
             "last_error": None,
         }
 
@@ -184,6 +194,8 @@ class EventBusClient:
         finally:
             self.stats["connected"] = 0
             self._stop_writers(pb.CLOSE_REASON_ERROR)
+            for task in list(self._snapshots):  # their session is gone: nobody to answer
+                task.cancel()
 
     def _classify(self, exc: Exception | None) -> Verdict:
         """Every ending is retried (until the drain): the listener stays up whatever."""
@@ -298,11 +310,46 @@ class EventBusClient:
                 )
                 if entry is not None:
                     entry[0].stop(pb.CLOSE_REASON_UNSUBSCRIBED)
+            elif kind == "snapshot_request":
+                task = loop.create_task(
+                    self._answer_snapshot(call, msg.snapshot_request),
+                    name=f"bus-snapshot:{msg.snapshot_request.source[:64]}",
+                )
+                self._snapshots.add(task)
+                task.add_done_callback(self._snapshots.discard)
             elif kind == "forbidden":
                 log.error(
                     "event bus: the router ended the session: forbidden: %s",
                     msg.forbidden.reason,
                 )
+
+    async def _answer_snapshot(
+        self, call: grpc.aio.StreamStreamCall, req: pb.SnapshotRequest
+    ) -> None:
+        """The snapshot of ``req.source`` in chunks (module docstring); a session that ends
+        meanwhile ends the answer with it (the router forgets the request)."""
+        try:
+            body = snapshot_body(self.hub, req.source)
+        except UnknownBackendError:
+            chunks = [
+                pb.SnapshotChunk(
+                    request_id=req.request_id,
+                    last=True,
+                    error=f"unknown source {req.source[:64]!r}",
+                )
+            ]
+        else:
+            step = self.cfg.batch_max_bytes
+            pieces = [body[i : i + step] for i in range(0, len(body), step)] or [b""]
+            chunks = [
+                pb.SnapshotChunk(request_id=req.request_id, data=piece, last=n == len(pieces) - 1)
+                for n, piece in enumerate(pieces)
+            ]
+        with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError, ConnectionError):
+            for chunk in chunks:
+                async with self._write_lock:
+                    await call.write(pb.SessionRequest(snapshot=chunk))
+            self.stats["snapshots"] = int(self.stats["snapshots"] or 0) + 1
 
     def _forget_writer(self, stream_id: str, _task: asyncio.Task[None]) -> None:
         self._writers.pop(stream_id, None)
@@ -320,14 +367,16 @@ class EventBusClient:
         call = self._call
         if call is not None and not call.done():
             with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError, ConnectionError):
-                await call.write(pb.SessionRequest(draining=pb.Draining(reason="SIGTERM")))
+                async with self._write_lock:
+                    await call.write(pb.SessionRequest(draining=pb.Draining(reason="SIGTERM")))
         self._stop_writers(pb.CLOSE_REASON_DRAINING)
         tasks = [t for _w, t in self._writers.values()]
         if tasks:
             await asyncio.wait(tasks, timeout=max(0.0, deadline - time.monotonic()))
         if call is not None and not call.done():
             with contextlib.suppress(grpc.RpcError, grpc.aio.UsageError, ConnectionError):
-                await call.done_writing()
+                async with self._write_lock:
+                    await call.done_writing()
         if run_task is not None and not run_task.done():
             if call is not None:  # wait for the router to end the session (OK)
                 with contextlib.suppress(TimeoutError):

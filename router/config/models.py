@@ -506,15 +506,16 @@ class ConversationConfig(_Section):
 
 
 class AntiEntropyConfig(_Section):
-    """The periodic check of the index against each pull-mode listener's snapshot
-    (``router.kvindex.anti_entropy``): ``continuum_kv_index_divergence``."""
+    """The periodic check of the index against each backend's listener snapshot (pull:
+    ``GET /snapshot/<backend>``; push: asked on the event bus session;
+    ``router.kvindex.anti_entropy``): ``continuum_kv_index_divergence``."""
 
     interval_seconds: Annotated[float, Field(ge=0.0, le=86_400.0)] = 60.0
     """Seconds between checks of every backend (0: off)."""
     repair: bool = False
     """Resync a backend found divergent by two checks in a row."""
     timeout_seconds: Annotated[float, Field(gt=0.0, le=600.0)] = 10.0
-    """How long one snapshot fetch may take."""
+    """How long one snapshot fetch (or event bus snapshot answer) may take."""
 
 
 class KvCacheIndexConfig(_Section):

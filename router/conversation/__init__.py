@@ -24,6 +24,7 @@ Modules: :mod:`.template` (loading, compiling), :mod:`.environment` (the jinja
 environment), :mod:`.content_format` (vLLM's "string"/"openai" detection),
 :mod:`.messages` (vLLM's message preparation), :mod:`.render` (``apply_chat_template``),
 :mod:`.normalizer` (``tokenizer.json`` normalizers), :mod:`.chain` (the request chain);
+:mod:`.segments` (plain chats by concatenation, learned per shape);
 the render cache (``render_cache_bytes``): :mod:`.incremental` (a template's message loop
 instrumented, and what reuse must check), :mod:`.render_cache` (the bounded cache and the
 message digests), :mod:`.incremental_chain` (a request's chain from an earlier turn's

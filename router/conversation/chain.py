@@ -28,6 +28,7 @@ from bus.prompt_chain import ChainKey, chain_keys, chain_root
 
 from .errors import RenderError, RenderReason
 from .incremental_chain import CacheCounters, incremental_chain
+from .messages import plain_chat
 from .render import render_prompt
 from .render_cache import RenderCache
 from .template import ChatTemplate, load_chat_template
@@ -78,6 +79,21 @@ class _Route:
     @classmethod
     def of(cls, base: str, lora: str | None, template: ChatTemplate) -> _Route:
         return cls(base, lora, template, chain_root(base, None, lora))
+
+
+def _concatenated(template: ChatTemplate, body: Mapping[str, Any]) -> bool:
+    """Whether ``body`` is a plain chat the template's segment renderer serves (no jinja
+    at all: cheaper than the render cache's reuse, which renders the new messages)."""
+    if body.get("tools") is not None:
+        return False
+    compiled = template.select(False)
+    messages = body.get("messages")
+    return (
+        compiled.segments is not None
+        and compiled.content_format == "string"
+        and isinstance(messages, list)
+        and plain_chat(messages) is not None
+    )
 
 
 class ConversationKeys:
@@ -157,7 +173,11 @@ class ConversationKeys:
             self._no_template += 1
             return None
         salt = body.get("cache_salt")
-        if self._cache is not None and (salt is None or isinstance(salt, str)):
+        if (
+            self._cache is not None
+            and (salt is None or isinstance(salt, str))
+            and not _concatenated(route.template, body)
+        ):
             root = route.unsalted if salt is None else chain_root(route.base, salt, route.lora)
             done = incremental_chain(
                 route.template, body, root, self._chunk, self._cache, self._cache_counters
@@ -177,6 +197,28 @@ class ConversationKeys:
             self._failed(model, exc)
             return None
         root = route.unsalted if salt is None else chain_root(route.base, salt, route.lora)
+        self._rendered[model] = self._rendered.get(model, 0) + 1
+        return RequestChain(chain_keys(data, root, self._chunk), len(data), route.base, route.lora)
+
+    def prompt_chain(
+        self, prompt: str, model: str, cache_salt: str | None = None
+    ) -> RequestChain | None:
+        """The chain of a prompt the engine tokenizes as it is (``/v1/completions``: no
+        chat template), or None for a model without a template entry (its normalizer,
+        base model and LoRA adapters are configured there) or a prompt that is not UTF-8.
+        """
+        route = self._routes.get(model)
+        if route is None:
+            self._no_template += 1
+            return None
+        try:
+            data = route.template.normalizer(prompt).encode()
+        except UnicodeEncodeError:
+            self._failed(model, RenderError("invalid", "the prompt holds a lone surrogate"))
+            return None
+        root = (
+            route.unsalted if cache_salt is None else chain_root(route.base, cache_salt, route.lora)
+        )
         self._rendered[model] = self._rendered.get(model, 0) + 1
         return RequestChain(chain_keys(data, root, self._chunk), len(data), route.base, route.lora)
 
@@ -205,7 +247,21 @@ class ConversationKeys:
             "failures": failures,
             "no_template": self._no_template,
             "render_cache": self._cache_stats(),
+            "segments": self._segment_stats(),
         }
+
+    def _segment_stats(self) -> dict[str, dict[str, int]]:
+        """Per base model and template name (``default``, ``tool_use``): the segment
+        renderer's counters (:mod:`.segments`)."""
+        out: dict[str, dict[str, int]] = {}
+        for model, route in sorted(self._routes.items()):
+            if route.lora is not None:
+                continue
+            for name, compiled in route.template.templates.items():
+                if compiled.segments is not None:
+                    key = model if name == "default" else f"{model}:{name}"
+                    out[key] = compiled.segments.stats()
+        return out
 
     def _cache_stats(self) -> dict[str, Any] | None:
         cache, c = self._cache, self._cache_counters

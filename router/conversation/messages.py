@@ -49,6 +49,7 @@ server-side ``--default-chat-template-kwargs`` reach the router.
 from __future__ import annotations
 
 import json
+import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -57,7 +58,7 @@ from .content_format import ContentFormat
 from .errors import RenderError
 from .template import ChatTemplate, CompiledTemplate
 
-__all__ = ["PreparedChat", "prepare_chat", "prepare_tools"]
+__all__ = ["PreparedChat", "plain_chat", "prepare_chat", "prepare_tools"]
 
 _TEXT_FIELD = {
     "text": "text",
@@ -93,6 +94,18 @@ _MEDIA_KEYS = (
     "video_url",
 )
 _UNSET = (None, "auto")
+_KNOBS = frozenset(
+    (
+        "chat_template",
+        "chat_template_kwargs",
+        "documents",
+        "tools",
+        "add_generation_prompt",
+        "continue_final_message",
+        "reasoning_effort",
+    )
+)
+"""The body fields that change what ``prepare_chat`` passes the template."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +121,40 @@ class PreparedChat:
     continue_final_message: bool
     kwargs: dict[str, Any]
     """The other template variables (``reasoning_effort``, ``enable_thinking``, ...)."""
+    plain: tuple[tuple[str, ...], list[str]] | None = None
+    """:func:`plain_chat` of the request's messages when vLLM passes them on unchanged
+    (content format "string", no developer message): ``conversation`` is then a copy of
+    the request's list of messages, the same dicts (nothing to rebuild)."""
+
+
+_DICT = {dict}
+_STR = {str}
+_TWO = {2}
+_ROLE_FIRST = {"role"}
+_role = operator.itemgetter("role")
+_content_of = operator.itemgetter("content")
+
+
+def plain_chat(messages: Sequence[Any]) -> tuple[tuple[str, ...], list[str]] | None:
+    """The roles and contents of ``messages`` when every one is exactly ``{"role": str,
+    "content": str}``, keys in that order (the common chat, as vLLM rebuilds it), else
+    None: in C-level passes over the list, not a Python loop per message."""
+    if not messages:
+        return None
+    if (
+        set(map(type, messages)) != _DICT
+        or set(map(len, messages)) != _TWO
+        or set(map(next, map(iter, messages))) != _ROLE_FIRST
+    ):
+        return None
+    try:
+        roles = tuple(map(_role, messages))
+        contents = list(map(_content_of, messages))
+    except KeyError:
+        return None
+    if set(map(type, roles)) != _STR or set(map(type, contents)) != _STR:
+        return None
+    return roles, contents
 
 
 def _part(part: Any, wrap: bool) -> Any:
@@ -277,6 +324,15 @@ def prepare_chat(
     messages = body.get("messages")
     if not isinstance(messages, list):
         raise RenderError("invalid", "messages is not a list")
+    if _KNOBS.isdisjoint(body) and not known:
+        # the common body: none of the fields below set, so the defaults (what the
+        # general path gives for it), and plain messages passed on as they are
+        template = chat_template.select(False)
+        plain = plain_chat(messages) if template.content_format == "string" else None
+        if plain is not None and "developer" not in plain[0]:
+            return PreparedChat(
+                template, list(messages), None, None, True, False, {"tokenize": False}, plain
+            )
     if body.get("chat_template") is not None:
         raise RenderError("unsupported", "the request carries its own chat_template")
     ctk = body.get("chat_template_kwargs")
@@ -304,6 +360,11 @@ def prepare_chat(
     tools = merged.pop("tools", None)
     template = chat_template.select(tools is not None)
     fmt = template.content_format
+    plain = plain_chat(messages) if fmt == "string" and not known else None
+    if plain is not None and "developer" not in plain[0]:
+        # every message is {"role", "content": text}: what vLLM rebuilds is equal to it
+        # (and the template cannot change it: the sandbox is immutable)
+        return _prepared(template, list(messages), tools, merged, plain)
     conversation = [
         # the common message, {"role", "content": text} and nothing else, rebuilt inline
         # (what _message gives it, without the call)
@@ -319,7 +380,17 @@ def prepare_chat(
     ]
     if known:
         conversation[:0] = known
+    return _prepared(template, conversation, tools, merged, None)
+
+
+def _prepared(
+    template: CompiledTemplate,
+    conversation: list[dict[str, Any]],
+    tools: list[Any] | None,
+    merged: dict[str, Any],
+    plain: tuple[tuple[str, ...], list[str]] | None,
+) -> PreparedChat:
     docs = merged.pop("documents", None)
     agp = merged.pop("add_generation_prompt")
     cfm = merged.pop("continue_final_message")
-    return PreparedChat(template, conversation, tools, docs, bool(agp), bool(cfm), merged)
+    return PreparedChat(template, conversation, tools, docs, bool(agp), bool(cfm), merged, plain)

@@ -140,6 +140,9 @@ class RenderInputs:
     """Every other template variable (``tools``, ``add_generation_prompt``, ...)."""
     final: str | None
     """``continue_final_message``'s text tagged, or None."""
+    plain: tuple[tuple[str, ...], list[str]] | None
+    """The roles and contents of ``chat`` when every message is a plain ``{"role",
+    "content": text}`` (``PreparedChat.plain``) and none is tagged, else None."""
 
 
 def render_inputs(
@@ -178,21 +181,33 @@ def render_inputs(
     # a prepared message of two keys is {"role": str, "content": str or parts}: nothing
     # to drop or alias
     skip = len(known)
-    chat = [m if len(m) == 2 else _for_template(m) for m in prepared.conversation[skip:]]
-    if skip:
-        chat[:0] = known
+    if prepared.plain is not None:
+        chat = prepared.conversation  # the request's plain messages, as they are
+    else:
+        chat = [m if len(m) == 2 else _for_template(m) for m in prepared.conversation[skip:]]
+        if skip:
+            chat[:0] = known
     final = None
+    plain = prepared.plain
     if prepared.continue_final_message:
+        if plain is not None:
+            chat = list(chat)  # tagged below: not the prepared list itself
         final = _tag_final(chat, prepared.template.source)
+        plain = None
     variables["tools"] = tools
     variables["documents"] = documents
     variables["add_generation_prompt"] = prepared.add_generation_prompt
-    return RenderInputs(prepared, chat, variables, final)
+    return RenderInputs(prepared, chat, variables, final, plain)
 
 
 def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
     inputs = render_inputs(chat_template, body)
     template = inputs.prepared.template
+    if not plain and inputs.plain is not None and template.segments is not None:
+        # the common chat, by concatenation (the template's output learned per shape)
+        text = template.segments.render(*inputs.plain, inputs.variables)
+        if text is not None:
+            return text
     compiled = template.plain if plain else template.template
     rendered = compiled.render(messages=inputs.chat, **inputs.variables)
     if inputs.final is not None:

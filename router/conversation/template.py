@@ -37,6 +37,7 @@ from .environment import chat_environment, compile_template
 from .errors import TemplateLoadError
 from .incremental import IncrementalPlan, plan_for
 from .normalizer import Normalizer, UnsupportedNormalizer
+from .segments import SegmentRenderer, segment_renderer
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "ChatTemplate", "CompiledTemplate", "load_chat_template"]
 
@@ -67,6 +68,9 @@ class CompiledTemplate:
     incremental: IncrementalPlan | None = None
     """The message loop instrumented for the render cache (:mod:`.incremental`), or None
     when the template does not render message by message."""
+    segments: SegmentRenderer | None = None
+    """Plain chats by concatenation, per learned shape (:mod:`.segments`), or None when
+    the template's output may change between renders of one request."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +153,13 @@ def _compile(name: str, source: str, field: str, path: str) -> CompiledTemplate:
             field, f"{path!r}: {where}line {exc.lineno}: {exc.message}"
         ) from None
     return CompiledTemplate(
-        name, source, template, detect_content_format(ast), plain, plan_for(ast)
+        name,
+        source,
+        template,
+        detect_content_format(ast),
+        plain,
+        plan_for(ast),
+        segment_renderer(ast, template),
     )
 
 

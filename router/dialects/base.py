@@ -9,23 +9,26 @@ answer side of those is a pass-through (:class:`PassThroughAnswers`).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import orjson
 
+from ..cache.response import replay_sse
 from ..errors import anthropic_error, openai_error
 from ..forward_spec import ErrorFactory
-from ..http.types import Request, Response
+from ..http.types import Headers, Request, Response, StreamResponse
 from ..pool import Backend, BackendPool, Endpoint
 
 __all__ = [
     "PassThroughAnswers",
     "anthropic_errors",
+    "cached_answer",
     "forwarded_headers",
     "no_candidates",
     "openai_errors",
     "parse_body",
+    "session_affinity",
 ]
 
 _NOT_FORWARDED = frozenset(
@@ -86,6 +89,33 @@ def no_candidates(
     if pool.knows_model(model, endpoint):
         return error(503, f"no healthy backend is available for model '{model}'", "no_backend")
     return error(404, f"the model '{model}' is not served by any backend", "model_not_found")
+
+
+def cached_answer(data: bytes, stream: bool, mode: str = "exact") -> Response | StreamResponse:
+    """A response cache hit: the stored JSON, or the stored stream replayed as SSE."""
+    if stream:
+        return StreamResponse(
+            200,
+            replay_sse(data),
+            [
+                ("content-type", "text/event-stream"),
+                ("cache-control", "no-cache"),
+                ("x-cache", "HIT"),
+            ],
+        )
+    headers = [("content-type", "application/json"), ("x-cache", "HIT")]
+    if mode == "semantic":
+        headers.append(("x-cache-mode", "semantic"))
+    return Response(200, data, headers)
+
+
+def session_affinity(headers: Headers, body: Mapping[str, Any]) -> str | None:
+    """ConsistentHash's key: the ``x-session-id`` header, else the ``user`` field."""
+    sid = headers.get("x-session-id")
+    if sid:
+        return sid
+    user = body.get("user")
+    return user if isinstance(user, str) and user else None
 
 
 class PassThroughAnswers:

@@ -28,7 +28,6 @@ from typing import Any
 
 from bus.prefix_key import extract_prefix_key
 
-from ..cache.response import replay_sse
 from ..cache.service import CacheLookup, ResponseCacheService
 from ..config import RouterConfig
 from ..conversation import ConversationKeys
@@ -36,16 +35,18 @@ from ..errors import openai_error
 from ..forward_spec import ForwardSpec
 from ..forwarder import Forwarder
 from ..gemini import GeminiService, TranslationError
-from ..http.types import Headers, Request, Response, StreamResponse
+from ..http.types import Request, Response, StreamResponse
 from ..openai_api import bearer_headers, chat_path
 from ..pool import Backend, BackendPool
 from ..selection import SelectionContext
 from .base import (
     PassThroughAnswers,
+    cached_answer,
     forwarded_headers,
     no_candidates,
     openai_errors,
     parse_body,
+    session_affinity,
 )
 from .cache_salt import CacheSalter
 
@@ -137,20 +138,7 @@ class ChatCompletions(PassThroughAnswers):
     ) -> Response | StreamResponse:
         """A hit never reaches a backend: the stored JSON, or the stored stream replayed."""
         self._observe("chat", None, 200, time.perf_counter() - started)
-        if stream:
-            return StreamResponse(
-                200,
-                replay_sse(data),
-                [
-                    ("content-type", "text/event-stream"),
-                    ("cache-control", "no-cache"),
-                    ("x-cache", "HIT"),
-                ],
-            )
-        headers = [("content-type", "application/json"), ("x-cache", "HIT")]
-        if mode == "semantic":
-            headers.append(("x-cache-mode", "semantic"))
-        return Response(200, data, headers)
+        return cached_answer(data, stream, mode)
 
     async def _route(
         self,
@@ -169,7 +157,9 @@ class ChatCompletions(PassThroughAnswers):
         ctx = SelectionContext(
             model,
             extract_prefix_key(body, enabled=pr.enabled, max_prefix_length=pr.max_prefix_length),
-            _affinity(req.headers, body) if cfg.selection_strategy == "ConsistentHash" else None,
+            session_affinity(req.headers, body)
+            if cfg.selection_strategy == "ConsistentHash"
+            else None,
             # The client's body, before the salt step binds a backend: the chain's root
             # takes the caller's own cache_salt, which the listener recovers too.
             (
@@ -205,12 +195,3 @@ class ChatCompletions(PassThroughAnswers):
         if salter is None or key is None or not salter.applies(backend):
             return spec.body
         return salter.salted_body(backend, key, spec.parsed)
-
-
-def _affinity(headers: Headers, body: Mapping[str, Any]) -> str | None:
-    """ConsistentHash's key: the ``x-session-id`` header, else the ``user`` field."""
-    sid = headers.get("x-session-id")
-    if sid:
-        return sid
-    user = body.get("user")
-    return user if isinstance(user, str) and user else None

@@ -198,7 +198,7 @@ class EventBusServicer(pb_grpc.EventBusServicer):
     async def _read(
         self, session: BusSession, requests: AsyncIterator[pb.SessionRequest | Malformed]
     ) -> None:
-        """The listener's side of a session: Draining, then half-close."""
+        """The listener's side of a session: snapshot answers, Draining, then half-close."""
         end = SessionEnd(grpc.StatusCode.OK, "the listener closed the session")
         try:
             async for req in requests:
@@ -210,10 +210,12 @@ class EventBusServicer(pb_grpc.EventBusServicer):
                 if kind == "draining":
                     self.sessions.draining(session)
                     # Its streams end with CLOSE_REASON_DRAINING; consumers move elsewhere.
+                elif kind == "snapshot":
+                    self.sessions.snapshot_chunk(session, req.snapshot)
                 else:
                     end = SessionEnd(
                         grpc.StatusCode.INVALID_ARGUMENT,
-                        "only Draining may follow the Hello"
+                        "only Draining and SnapshotChunk may follow the Hello"
                         if kind == "hello"
                         else "empty SessionRequest",
                     )

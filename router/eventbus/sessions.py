@@ -33,6 +33,13 @@ instead of waiting for the draining listener to close the stream within its
 ``drain_deadline``. A stream nobody else can serve stays with the draining listener until
 it closes it.
 
+Snapshots (:meth:`SessionRegistry.snapshot`, for the anti-entropy check of a push-mode
+source, which cannot fetch the listener's ``GET /snapshot/{backend}``): a
+``SnapshotRequest`` goes down the session serving the source's stream (else the one a
+Subscribe would pick), and the listener's ``SnapshotChunk`` messages on that session are
+gathered, bounded by ``max_bytes``, until the last one; the request is forgotten when it
+times out or its session ends (a late chunk is ignored).
+
 If the consumer drops the stream itself (its SSE parser rejected the bytes, its apply
 failed, it was cancelled), the slot is closed with that reason: the Stream call is ended
 with a status naming it, and an ``Unsubscribe`` goes down the session.
@@ -58,6 +65,7 @@ from bus.stream_data import CLOSE_REASON_WORDS
 
 from ..config.models import BrokerConfig, EventBusConfig
 from ..ingest import ConsumerError, SourceUnavailable, StreamClosedByPeer, StreamOpener
+from ..ingest.snapshot import SnapshotError
 from .auth import Authenticator, AuthError, Principal
 
 __all__ = ["BusSession", "NoSession", "SessionRegistry", "StreamSlot", "close_label"]
@@ -156,6 +164,30 @@ class StreamSlot:
     bytes_received: int = 0
 
 
+@dataclass(eq=False)
+class _SnapshotWait:
+    """One SnapshotRequest's answer being gathered."""
+
+    max_bytes: int
+    future: asyncio.Future[bytes]
+    parts: list[bytes] = field(default_factory=list)
+    size: int = 0
+
+    def add(self, chunk: pb.SnapshotChunk) -> None:
+        if self.future.done():
+            return
+        if chunk.error:
+            self.future.set_exception(SnapshotError(f"the listener: {chunk.error[:200]}"))
+            return
+        self.size += len(chunk.data)
+        if self.size > self.max_bytes:
+            self.future.set_exception(SnapshotError(f"snapshot larger than {self.max_bytes} bytes"))
+            return
+        self.parts.append(chunk.data)
+        if chunk.last:
+            self.future.set_result(b"".join(self.parts))
+
+
 @dataclass(frozen=True, slots=True)
 class SessionEnd:
     """Put in a session's outbox to end it: optional Forbidden, then ``code``."""
@@ -177,6 +209,7 @@ class BusSession:
     accepted: tuple[str, ...]
     outbox: asyncio.Queue[pb.SessionResponse | SessionEnd] = field(default_factory=asyncio.Queue)
     slots: dict[str, StreamSlot] = field(default_factory=dict)
+    snapshots: dict[str, _SnapshotWait] = field(default_factory=dict)
     draining: bool = False
     ended: bool = False
 
@@ -226,6 +259,8 @@ class SessionRegistry:
             "no_session": 0,
             "calls_over_cap": 0,
             "drain_handovers": 0,
+            "snapshot_requests": 0,
+            "snapshot_failures": 0,
         }
         self.stream_closes: dict[str, int] = {}
         """Streams ended, by reason: a close reason word (``buffer_overflow``, ``draining``,
@@ -340,6 +375,7 @@ class SessionRegistry:
         for slot in list(session.slots.values()):
             slot.channel.end("session_ended", f"session {session.id} ended")
             slot.opened.set()
+        self._fail_snapshots(session, f"session {session.id} ended")
         log.info("event bus: session %s of %s ended", session.id, session.client_id)
 
     def _end(self, session: BusSession, end: SessionEnd) -> None:
@@ -347,6 +383,13 @@ class SessionRegistry:
         for slot in list(session.slots.values()):
             slot.channel.end("session_ended", end.detail)
             slot.opened.set()
+        self._fail_snapshots(session, end.detail)
+
+    @staticmethod
+    def _fail_snapshots(session: BusSession, why: str) -> None:
+        for wait in session.snapshots.values():
+            if not wait.future.done():
+                wait.future.set_exception(SnapshotError(f"no answer: {why}"))
 
     def update_brokers(self, brokers: Sequence[BrokerConfig]) -> None:
         """Hot reload: new credentials apply to new calls at once, and every session whose
@@ -502,6 +545,52 @@ class SessionRegistry:
                 session.send(
                     pb.SessionResponse(unsubscribe=pb.Unsubscribe(stream_id=stream_id, reason=why))
                 )
+
+    # -- snapshots -----------------------------------------------------------------------
+
+    async def snapshot(
+        self,
+        source: str,
+        within: float,
+        max_bytes: int = 256 << 20,
+    ) -> bytes:
+        """The JSON body of ``source``'s snapshot from the listener serving it (module
+        docstring).
+
+        Raises:
+            NoSession: no live session announces ``source``.
+            SnapshotError: the listener could not answer, the answer exceeded
+                ``max_bytes``, or the session ended first.
+            TimeoutError: no full answer within ``within`` seconds.
+        """
+        serving = [s.session for s in self.slots.values() if s.source == source and s.claimed]
+        session = serving[-1] if serving and not serving[-1].ended else self._pick(source)
+        if session is None:
+            raise NoSession(source)
+        request_id = secrets.token_urlsafe(9)
+        wait = _SnapshotWait(max_bytes, asyncio.get_running_loop().create_future())
+        session.snapshots[request_id] = wait
+        self.counters["snapshot_requests"] += 1
+        session.send(
+            pb.SessionResponse(
+                snapshot_request=pb.SnapshotRequest(request_id=request_id, source=source)
+            )
+        )
+        try:
+            async with asyncio.timeout(within):
+                return await wait.future
+        except BaseException:
+            self.counters["snapshot_failures"] += 1
+            raise
+        finally:
+            session.snapshots.pop(request_id, None)
+
+    def snapshot_chunk(self, session: BusSession, chunk: pb.SnapshotChunk) -> None:
+        """A piece of an answer, from ``session``'s listener (an unknown or forgotten
+        request id is ignored: a late answer)."""
+        wait = session.snapshots.get(chunk.request_id)
+        if wait is not None:
+            wait.add(chunk)
 
     # -- introspection -------------------------------------------------------------------
 

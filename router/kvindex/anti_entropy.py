@@ -2,10 +2,10 @@
 
 Events can be lost or misapplied in ways no stream position reveals (an entry removed
 behind the router's back, a Redis that dropped keys, a bug): every
-``kv_cache_index.anti_entropy.interval_seconds`` the router fetches each pull-mode
-backend's snapshot from its listener (``GET /snapshot/<backend>``: the entries a resync
-block would state, and the id of the last record they reflect) and compares it with what
-its indexes hold for that backend:
+``kv_cache_index.anti_entropy.interval_seconds`` the router fetches each backend's
+snapshot from its listener (the entries a resync block would state, and the id of the
+last record they reflect; how, below) and compares it with what its indexes hold for that
+backend:
 
 * **missing**: an entry the snapshot states that the index lacks (the key read back
   without this backend, ``peek_many``: no LRU or hit counts touched);
@@ -33,9 +33,13 @@ Presence per (key, backend) is compared, not tiers or token counts. ``backend_co
 the indexes' admin count: a scan of the whole index per backend checked, hence a long
 default interval.
 
-Push mode (``transport: event_bus``) is not checked: the router cannot reach the listener,
-which dials it. Predictions (``conversation.predict_ttl_seconds``) are entries no snapshot
-states: while they live they count as extra conversation entries.
+How the snapshot is had: a pull-mode backend's from ``GET /snapshot/<backend>``, a
+push-mode one's (``transport: event_bus``: the router cannot reach the listener, which
+dials it) by a ``SnapshotRequest`` on the listener's event bus session, answered with the
+same document; the check below is the same for both.
+
+Predictions (``conversation.predict_ttl_seconds``) are entries no snapshot states: while
+they live they count as extra conversation entries.
 """
 
 from __future__ import annotations
@@ -126,7 +130,7 @@ class AntiEntropy:
     """The periodic check of every given backend (module docstring).
 
     Args:
-        backends: the pull-mode backends to check.
+        backends: the backends to check.
         fetch: their listener's snapshot.
         position: where the router's consumer of a backend stands (None: no consumer).
         repair: resync one backend's stream (None: never repair).

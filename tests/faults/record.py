@@ -112,6 +112,8 @@ class RowResult:
     #: The index matched the oracle only after traffic stopped (not while it ran).
     recovered_after_traffic: bool = False
     p99_added_ms: float | None = None
+    #: Lost pairs the row expects (``Row.outage_loss``), not in ``events_lost``.
+    lost_expected: int = 0
     notes: list[str] = field(default_factory=list)
     error: str | None = None
 
@@ -134,6 +136,12 @@ class RowResult:
 
 def _n(v: int | None) -> str:
     return "-" if v is None else str(v)
+
+
+def _lost(r: RowResult) -> str:
+    if not r.lost_expected:
+        return _n(r.events_lost)
+    return f"{(r.events_lost or 0) + r.lost_expected} ({r.lost_expected} expected)"
 
 
 def _failed(r: RowResult) -> str:
@@ -173,7 +181,7 @@ def render_table(results: Sequence[RowResult]) -> str:
         (
             r.row,
             r.fault,
-            _n(r.events_lost),
+            _lost(r),
             _n(r.entries_stale),
             _n(r.duplicates),
             _failed(r),

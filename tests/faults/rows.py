@@ -7,6 +7,7 @@ from __future__ import annotations
 from .procedure import Row
 from .rows_abuse import ABUSE
 from .rows_checkpoint import CHECKPOINT
+from .rows_h2 import H2
 from .rows_multi import MULTI
 from .rows_net import NET
 from .stack import FaultStack, StackOptions
@@ -152,6 +153,6 @@ CORE: tuple[Row, ...] = (
 )
 
 #: Every group of rows, in the order the table shows them.
-GROUPS: tuple[tuple[Row, ...], ...] = (CORE, CHECKPOINT, NET, ABUSE, MULTI)
+GROUPS: tuple[tuple[Row, ...], ...] = (CORE, CHECKPOINT, NET, H2, ABUSE, MULTI)
 
 ROWS: dict[str, Row] = {row.name: row for group in GROUPS for row in group}

@@ -32,6 +32,7 @@ import grpc
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2 as pb
 from bus._gen.continuum.kvindex.v1 import kvindex_pb2_grpc as pb_grpc
 from certs import dev_bundle
+from harness.h2proxy import H2Proxy
 from harness.netproxy import BlackholeProxy
 from harness.procs import free_port
 from harness.sim.fleet import SimFleet
@@ -113,6 +114,10 @@ class StackOptions:
     #: and whether it repairs a divergent backend.
     anti_entropy_s: float = 0.0
     anti_entropy_repair: bool = False
+    #: Push: the listener's dial to the router's event bus goes through a loopback
+    #: ``H2Proxy`` (``FaultStack.h2``) that terminates TLS with the stack's server
+    #: certificate and injects HTTP/2 ``RST_STREAM`` / ``GOAWAY``.
+    h2_proxy: bool = False
 
 
 class FaultStack:
@@ -130,6 +135,7 @@ class FaultStack:
         self.replicas: list[RouterProc] = []
         self.net: BlackholeProxy | None = None
         self.engine_net: list[BlackholeProxy] = []
+        self.h2: H2Proxy | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -214,6 +220,11 @@ class FaultStack:
                 "127.0.0.1", bus_port, sock_buf=o.proxy_sock_buf
             ).start()
             config["event_bus"]["url"] = f"https://localhost:{self.net.port}"
+        if o.h2_proxy and push:
+            self.h2 = await H2Proxy(
+                bus_port, cert=pki["server"].cert, key=pki["server"].key, ca=pki["ca"].cert
+            ).start()
+            config["event_bus"]["url"] = f"https://localhost:{self.h2.port}"
         self.listener = Listener(config, self.tmp / "listener.yaml")
         self.listener.env[TOKEN_ENV] = TOKENS["kv-a"]
         await self.listener.start()
@@ -322,6 +333,8 @@ class FaultStack:
                 await self.net.close()
             for proxy in self.engine_net:
                 await proxy.close()
+            if self.h2 is not None:
+                await self.h2.close()
 
     # -- faults and heals ----------------------------------------------------------------
 

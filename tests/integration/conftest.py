@@ -16,6 +16,7 @@ subprocesses and servers can be shared by the tests of a module.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
@@ -418,6 +419,17 @@ async def sims() -> AsyncIterator[SimFleet]:
     overrides = {i: {"model": models} for i, models in enumerate(SIM_MODELS.values())}
     async with SimFleet(n=3, names=list(SIM_MODELS), overrides=overrides) as fleet:
         yield fleet
+
+
+SIM_ECHO = re.compile(r"^\[(sim-\d)\] echo: ")
+"""The simulator's answer text: ``[<engine name>] echo: ...``."""
+
+
+def served_by(text: str | None) -> str:
+    """The name of the simulated engine that wrote ``text``."""
+    m = SIM_ECHO.match(text or "")
+    assert m, f"not a sim answer: {text!r}"
+    return m.group(1)
 
 
 def backend(name: str, url: str, **extra: Any) -> dict[str, Any]:

@@ -11,7 +11,9 @@ traffic fills both kinds of keys; then:
   ``KvIndex.Clear``, which no event reports), the metric reads exactly the number
   removed, of both kinds, as missing, and the other backend still 0;
 * with ``repair: true`` the stream of that backend is resynced after two divergent
-  checks and its entries are back (the index matches the engines' truth again).
+  checks and its entries are back (the index matches the engines' truth again);
+* in push mode (the listener dials the router's event bus; the router cannot reach its
+  HTTP port) the same figures come from snapshots asked for on the bus session.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ CHECKS = "continuum_kv_anti_entropy_checks_total"
 REPAIRS = "continuum_kv_anti_entropy_repairs_total"
 
 
-async def _stack(tmp: Path, repair: bool) -> FaultStack:
-    stack = FaultStack(StackOptions(anti_entropy_s=0.2, anti_entropy_repair=repair), tmp)
+async def _stack(tmp: Path, repair: bool, transport: str = "pull") -> FaultStack:
+    opts = StackOptions(anti_entropy_s=0.2, anti_entropy_repair=repair, transport=transport)
+    stack = FaultStack(opts, tmp)
     await stack.start()
     assert stack.router is not None
     router = stack.router
@@ -62,9 +65,9 @@ async def _stack(tmp: Path, repair: bool) -> FaultStack:
     return stack
 
 
-@pytest_asyncio.fixture(loop_scope="session")
-async def stack(tmp_path: Path) -> AsyncIterator[FaultStack]:
-    s = await _stack(tmp_path, repair=False)
+@pytest_asyncio.fixture(loop_scope="session", params=["pull", "push"])
+async def stack(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[FaultStack]:
+    s = await _stack(tmp_path, repair=False, transport=request.param)
     try:
         yield s
     finally:
@@ -109,6 +112,9 @@ async def test_divergence_is_zero_then_the_count_removed_behind_the_routers_back
     div = doc["divergence"]
     assert div["missing"]["prefix"] == cleared.removed
     assert div["missing"]["conversation"] == cleared.chain_removed
+    if stack.opts.transport == "push":  # every snapshot was asked for on the bus session
+        bus = (await stack.kv_stats())["event_bus"]
+        assert bus["snapshot_requests"] >= 6 and bus["snapshot_failures"] == 0, bus
 
 
 async def test_repair_resyncs_a_backend_divergent_twice(tmp_path: Path) -> None:

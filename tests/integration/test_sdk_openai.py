@@ -7,7 +7,6 @@ which backend served them, and PrefixAwareHash keeps a system prompt on one back
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
@@ -26,9 +25,8 @@ from .conftest import (
     http,
     metric_samples,
     metric_value,
+    served_by,
 )
-
-ECHO = re.compile(r"^\[(sim-\d)\] echo: ")
 
 
 def discovery_config(sims: SimFleet, strategy: str = "PrefixAwareHash") -> dict[str, Any]:
@@ -53,12 +51,6 @@ def client(router: RouterProc) -> openai.AsyncOpenAI:
 async def oai(router: RouterProc) -> AsyncIterator[openai.AsyncOpenAI]:
     async with client(router) as c:
         yield c
-
-
-def served_by(text: str | None) -> str:
-    m = ECHO.match(text or "")
-    assert m, f"not a sim answer: {text!r}"
-    return m.group(1)
 
 
 async def test_chat_completion_non_streaming(oai: openai.AsyncOpenAI) -> None:

@@ -9,6 +9,7 @@ and a model of the router, fed only the emitted events, must equal ``snapshot()`
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -283,6 +284,29 @@ async def test_all_blocks_cleared_and_reset() -> None:
     tracker.reset()
     assert len(router.events) == n and tracker.snapshot() == []
     check(tracker, Router())
+
+
+async def test_cleared_blocks_are_freed_though_a_worker_attributed_them() -> None:
+    """An idle attribution worker must not keep the last root it worked on: through the
+    parent and children links that root holds its whole tree (with a shared system
+    prompt, every chain), which would then outlive a clear or a reset, up to
+    ``max_tracked_blocks`` of dead blocks beside the live ones."""
+
+    def blocks_in_memory() -> int:
+        gc.collect()
+        return sum(1 for o in gc.get_objects() if isinstance(o, TrackedBlock))
+
+    before = blocks_in_memory()  # other tests' (none, unless something else leaks)
+    tracker, router, _ = make()
+    first = stored(tokens_of(body("Shared rules.", "first question")))
+    tracker.apply(batch(first))
+    await tracker.idle()
+    assert router.kinds() == ["cache_created"]
+    assert blocks_in_memory() - before == tracker.stats()["tracked_blocks"] > 0
+    tracker.apply(batch(AllBlocksCleared()))
+    await tracker.idle()
+    assert blocks_in_memory() == before
+    await tracker.aclose()
 
 
 # -- salts ---------------------------------------------------------------------------------

@@ -58,6 +58,20 @@ def test_verdict_names_each_missed_target() -> None:
     assert RowResult("r", "f", error="boom").verdict == "error"
 
 
+def test_an_expected_loss_is_counted_apart_and_judged_separately() -> None:
+    """A row whose fault loses pairs by design (``Row.outage_loss``) shows them in *lost*
+    marked expected; only a loss beyond them is a defect."""
+    expected = RowResult("r", "f", 0, 0, None, 0, 10, recover_s=1.0, lost_expected=11)
+    assert expected.verdict == "ok"
+    beyond = RowResult("r", "f", 2, 0, None, 0, 10, recover_s=1.0, lost_expected=11)
+    assert beyond.verdict == "DEFECT: lost"
+    cells = render_table([expected, beyond]).splitlines()
+    assert [line.split("|")[3].strip() for line in cells[2:4]] == [
+        "11 (11 expected)",
+        "13 (11 expected)",
+    ]
+
+
 def test_table_has_one_line_per_row_and_the_notes() -> None:
     rows = [
         RowResult("a", "kill", 0, 0, 0, 0, 7, recover_s=0.5, p99_added_ms=12.4),

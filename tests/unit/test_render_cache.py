@@ -5,6 +5,7 @@ reuses earlier turns where the template renders message by message."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,28 @@ from .test_render_fast import _conversation
 
 MODEL = "m"
 
-qwen = pytest.fixture(scope="module")(qwen_template)
+
+def _qwen_jinja() -> ChatTemplate:
+    """Qwen's template without its segment renderer, so that plain chats (which that
+    serves instead of the cache) exercise the cache too."""
+    template = qwen_template()
+    compiled = {n: dataclasses.replace(c, segments=None) for n, c in template.templates.items()}
+    return dataclasses.replace(template, templates=compiled)
+
+
+qwen = pytest.fixture(scope="module")(_qwen_jinja)
 mistral = pytest.fixture(scope="module")(mistral_template)
+
+
+def test_plain_chats_the_segment_renderer_serves_skip_the_cache() -> None:
+    template = qwen_template()
+    full, cached = _pair(template)
+    messages = [{"role": "user", "content": "q " * 50}, {"role": "assistant", "content": "a"}]
+    for end in (1, 2):
+        body = {"model": MODEL, "messages": [*messages[:end], {"role": "user", "content": "x"}]}
+        assert cached.chain(body) == full.chain(body)
+    assert cached.stats()["render_cache"]["stores"] == 0
+    assert cached.stats()["segments"][MODEL]["hits"] >= 2
 
 
 def _pair(template: ChatTemplate, cache_bytes: int = 1 << 20) -> tuple[ConversationKeys, ...]:

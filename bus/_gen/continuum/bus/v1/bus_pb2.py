@@ -24,43 +24,47 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63ontinuum/bus/v1/bus.proto\x12\x10\x63ontinuum.bus.v1\"r\n\x0eSessionRequest\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.continuum.bus.v1.HelloH\x00\x12.\n\x08\x64raining\x18\x02 \x01(\x0b\x32\x1a.continuum.bus.v1.DrainingH\x00\x42\x06\n\x04kind\"\xe1\x01\n\x0fSessionResponse\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.continuum.bus.v1.WelcomeH\x00\x12\x30\n\tsubscribe\x18\x02 \x01(\x0b\x32\x1b.continuum.bus.v1.SubscribeH\x00\x12\x34\n\x0bunsubscribe\x18\x03 \x01(\x0b\x32\x1d.continuum.bus.v1.UnsubscribeH\x00\x12\x30\n\tforbidden\x18\x04 \x01(\x0b\x32\x1b.continuum.bus.v1.ForbiddenH\x00\x42\x06\n\x04kind\"Q\n\x05Hello\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.continuum.bus.v1.Role\x12\x0f\n\x07sources\x18\x03 \x03(\t\"\x1a\n\x08\x44raining\x12\x0e\n\x06reason\x18\x01 \x01(\t\"7\n\x07Welcome\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x61\x63\x63\x65pted_sources\x18\x02 \x03(\t\"E\n\tSubscribe\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x15\n\rlast_event_id\x18\x03 \x01(\t\"0\n\x0bUnsubscribe\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\tForbidden\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\t\"\xa3\x01\n\rStreamRequest\x12,\n\x04open\x18\x01 \x01(\x0b\x32\x1c.continuum.bus.v1.StreamOpenH\x00\x12,\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x1c.continuum.bus.v1.StreamDataH\x00\x12.\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1d.continuum.bus.v1.StreamCloseH\x00\x42\x06\n\x04kind\"\x1f\n\nStreamOpen\x12\x11\n\tstream_id\x18\x01 \x01(\t\"\x1a\n\nStreamData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"L\n\x0bStreamClose\x12-\n\x06reason\x18\x01 \x01(\x0e\x32\x1d.continuum.bus.v1.CloseReason\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"j\n\x0eStreamResponse\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x16\n\x0erecords_parsed\x18\x03 \x01(\x04\x12\x15\n\rlast_event_id\x18\x04 \x01(\t*C\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROLE_KV_LISTENER\x10\x01\x12\x0f\n\x0bROLE_BROKER\x10\x02*\x9f\x01\n\x0b\x43loseReason\x12\x1c\n\x18\x43LOSE_REASON_UNSPECIFIED\x10\x00\x12 \n\x1c\x43LOSE_REASON_BUFFER_OVERFLOW\x10\x01\x12\x19\n\x15\x43LOSE_REASON_DRAINING\x10\x02\x12\x1d\n\x19\x43LOSE_REASON_UNSUBSCRIBED\x10\x03\x12\x16\n\x12\x43LOSE_REASON_ERROR\x10\x04\x32\xad\x01\n\x08\x45ventBus\x12R\n\x07Session\x12 .continuum.bus.v1.SessionRequest\x1a!.continuum.bus.v1.SessionResponse(\x01\x30\x01\x12M\n\x06Stream\x12\x1f.continuum.bus.v1.StreamRequest\x1a .continuum.bus.v1.StreamResponse(\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x63ontinuum/bus/v1/bus.proto\x12\x10\x63ontinuum.bus.v1\"\xa7\x01\n\x0eSessionRequest\x12(\n\x05hello\x18\x01 \x01(\x0b\x32\x17.continuum.bus.v1.HelloH\x00\x12.\n\x08\x64raining\x18\x02 \x01(\x0b\x32\x1a.continuum.bus.v1.DrainingH\x00\x12\x33\n\x08snapshot\x18\x03 \x01(\x0b\x32\x1f.continuum.bus.v1.SnapshotChunkH\x00\x42\x06\n\x04kind\"\xa0\x02\n\x0fSessionResponse\x12,\n\x07welcome\x18\x01 \x01(\x0b\x32\x19.continuum.bus.v1.WelcomeH\x00\x12\x30\n\tsubscribe\x18\x02 \x01(\x0b\x32\x1b.continuum.bus.v1.SubscribeH\x00\x12\x34\n\x0bunsubscribe\x18\x03 \x01(\x0b\x32\x1d.continuum.bus.v1.UnsubscribeH\x00\x12\x30\n\tforbidden\x18\x04 \x01(\x0b\x32\x1b.continuum.bus.v1.ForbiddenH\x00\x12=\n\x10snapshot_request\x18\x05 \x01(\x0b\x32!.continuum.bus.v1.SnapshotRequestH\x00\x42\x06\n\x04kind\"Q\n\x05Hello\x12\x11\n\tclient_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.continuum.bus.v1.Role\x12\x0f\n\x07sources\x18\x03 \x03(\t\"\x1a\n\x08\x44raining\x12\x0e\n\x06reason\x18\x01 \x01(\t\"7\n\x07Welcome\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x18\n\x10\x61\x63\x63\x65pted_sources\x18\x02 \x03(\t\"E\n\tSubscribe\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\x12\x15\n\rlast_event_id\x18\x03 \x01(\t\"0\n\x0bUnsubscribe\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\",\n\tForbidden\x12\x0e\n\x06reason\x18\x01 \x01(\t\x12\x0f\n\x07sources\x18\x02 \x03(\t\"5\n\x0fSnapshotRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06source\x18\x02 \x01(\t\"N\n\rSnapshotChunk\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04last\x18\x03 \x01(\x08\x12\r\n\x05\x65rror\x18\x04 \x01(\t\"\xa3\x01\n\rStreamRequest\x12,\n\x04open\x18\x01 \x01(\x0b\x32\x1c.continuum.bus.v1.StreamOpenH\x00\x12,\n\x04\x64\x61ta\x18\x02 \x01(\x0b\x32\x1c.continuum.bus.v1.StreamDataH\x00\x12.\n\x05\x63lose\x18\x03 \x01(\x0b\x32\x1d.continuum.bus.v1.StreamCloseH\x00\x42\x06\n\x04kind\"\x1f\n\nStreamOpen\x12\x11\n\tstream_id\x18\x01 \x01(\t\"\x1a\n\nStreamData\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\"L\n\x0bStreamClose\x12-\n\x06reason\x18\x01 \x01(\x0e\x32\x1d.continuum.bus.v1.CloseReason\x12\x0e\n\x06\x64\x65tail\x18\x02 \x01(\t\"j\n\x0eStreamResponse\x12\x11\n\tstream_id\x18\x01 \x01(\t\x12\x16\n\x0e\x62ytes_received\x18\x02 \x01(\x04\x12\x16\n\x0erecords_parsed\x18\x03 \x01(\x04\x12\x15\n\rlast_event_id\x18\x04 \x01(\t*C\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x14\n\x10ROLE_KV_LISTENER\x10\x01\x12\x0f\n\x0bROLE_BROKER\x10\x02*\x9f\x01\n\x0b\x43loseReason\x12\x1c\n\x18\x43LOSE_REASON_UNSPECIFIED\x10\x00\x12 \n\x1c\x43LOSE_REASON_BUFFER_OVERFLOW\x10\x01\x12\x19\n\x15\x43LOSE_REASON_DRAINING\x10\x02\x12\x1d\n\x19\x43LOSE_REASON_UNSUBSCRIBED\x10\x03\x12\x16\n\x12\x43LOSE_REASON_ERROR\x10\x04\x32\xad\x01\n\x08\x45ventBus\x12R\n\x07Session\x12 .continuum.bus.v1.SessionRequest\x1a!.continuum.bus.v1.SessionResponse(\x01\x30\x01\x12M\n\x06Stream\x12\x1f.continuum.bus.v1.StreamRequest\x1a .continuum.bus.v1.StreamResponse(\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bus._gen.continuum.bus.v1.bus_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=1140
-  _globals['_ROLE']._serialized_end=1207
-  _globals['_CLOSEREASON']._serialized_start=1210
-  _globals['_CLOSEREASON']._serialized_end=1369
-  _globals['_SESSIONREQUEST']._serialized_start=48
-  _globals['_SESSIONREQUEST']._serialized_end=162
-  _globals['_SESSIONRESPONSE']._serialized_start=165
-  _globals['_SESSIONRESPONSE']._serialized_end=390
-  _globals['_HELLO']._serialized_start=392
-  _globals['_HELLO']._serialized_end=473
-  _globals['_DRAINING']._serialized_start=475
-  _globals['_DRAINING']._serialized_end=501
-  _globals['_WELCOME']._serialized_start=503
-  _globals['_WELCOME']._serialized_end=558
-  _globals['_SUBSCRIBE']._serialized_start=560
-  _globals['_SUBSCRIBE']._serialized_end=629
-  _globals['_UNSUBSCRIBE']._serialized_start=631
-  _globals['_UNSUBSCRIBE']._serialized_end=679
-  _globals['_FORBIDDEN']._serialized_start=681
-  _globals['_FORBIDDEN']._serialized_end=725
-  _globals['_STREAMREQUEST']._serialized_start=728
-  _globals['_STREAMREQUEST']._serialized_end=891
-  _globals['_STREAMOPEN']._serialized_start=893
-  _globals['_STREAMOPEN']._serialized_end=924
-  _globals['_STREAMDATA']._serialized_start=926
-  _globals['_STREAMDATA']._serialized_end=952
-  _globals['_STREAMCLOSE']._serialized_start=954
-  _globals['_STREAMCLOSE']._serialized_end=1030
-  _globals['_STREAMRESPONSE']._serialized_start=1032
-  _globals['_STREAMRESPONSE']._serialized_end=1138
-  _globals['_EVENTBUS']._serialized_start=1372
-  _globals['_EVENTBUS']._serialized_end=1545
+  _globals['_ROLE']._serialized_start=1392
+  _globals['_ROLE']._serialized_end=1459
+  _globals['_CLOSEREASON']._serialized_start=1462
+  _globals['_CLOSEREASON']._serialized_end=1621
+  _globals['_SESSIONREQUEST']._serialized_start=49
+  _globals['_SESSIONREQUEST']._serialized_end=216
+  _globals['_SESSIONRESPONSE']._serialized_start=219
+  _globals['_SESSIONRESPONSE']._serialized_end=507
+  _globals['_HELLO']._serialized_start=509
+  _globals['_HELLO']._serialized_end=590
+  _globals['_DRAINING']._serialized_start=592
+  _globals['_DRAINING']._serialized_end=618
+  _globals['_WELCOME']._serialized_start=620
+  _globals['_WELCOME']._serialized_end=675
+  _globals['_SUBSCRIBE']._serialized_start=677
+  _globals['_SUBSCRIBE']._serialized_end=746
+  _globals['_UNSUBSCRIBE']._serialized_start=748
+  _globals['_UNSUBSCRIBE']._serialized_end=796
+  _globals['_FORBIDDEN']._serialized_start=798
+  _globals['_FORBIDDEN']._serialized_end=842
+  _globals['_SNAPSHOTREQUEST']._serialized_start=844
+  _globals['_SNAPSHOTREQUEST']._serialized_end=897
+  _globals['_SNAPSHOTCHUNK']._serialized_start=899
+  _globals['_SNAPSHOTCHUNK']._serialized_end=977
+  _globals['_STREAMREQUEST']._serialized_start=980
+  _globals['_STREAMREQUEST']._serialized_end=1143
+  _globals['_STREAMOPEN']._serialized_start=1145
+  _globals['_STREAMOPEN']._serialized_end=1176
+  _globals['_STREAMDATA']._serialized_start=1178
+  _globals['_STREAMDATA']._serialized_end=1204
+  _globals['_STREAMCLOSE']._serialized_start=1206
+  _globals['_STREAMCLOSE']._serialized_end=1282
+  _globals['_STREAMRESPONSE']._serialized_start=1284
+  _globals['_STREAMRESPONSE']._serialized_end=1390
+  _globals['_EVENTBUS']._serialized_start=1624
+  _globals['_EVENTBUS']._serialized_end=1797
 # @@protoc_insertion_point(module_scope)

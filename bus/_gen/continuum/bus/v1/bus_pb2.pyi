@@ -30,24 +30,28 @@ CLOSE_REASON_UNSUBSCRIBED: CloseReason
 CLOSE_REASON_ERROR: CloseReason
 
 class SessionRequest(_message.Message):
-    __slots__ = ("hello", "draining")
+    __slots__ = ("hello", "draining", "snapshot")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
     hello: Hello
     draining: Draining
-    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ...) -> None: ...
+    snapshot: SnapshotChunk
+    def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., draining: _Optional[_Union[Draining, _Mapping]] = ..., snapshot: _Optional[_Union[SnapshotChunk, _Mapping]] = ...) -> None: ...
 
 class SessionResponse(_message.Message):
-    __slots__ = ("welcome", "subscribe", "unsubscribe", "forbidden")
+    __slots__ = ("welcome", "subscribe", "unsubscribe", "forbidden", "snapshot_request")
     WELCOME_FIELD_NUMBER: _ClassVar[int]
     SUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
     UNSUBSCRIBE_FIELD_NUMBER: _ClassVar[int]
     FORBIDDEN_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_REQUEST_FIELD_NUMBER: _ClassVar[int]
     welcome: Welcome
     subscribe: Subscribe
     unsubscribe: Unsubscribe
     forbidden: Forbidden
-    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., subscribe: _Optional[_Union[Subscribe, _Mapping]] = ..., unsubscribe: _Optional[_Union[Unsubscribe, _Mapping]] = ..., forbidden: _Optional[_Union[Forbidden, _Mapping]] = ...) -> None: ...
+    snapshot_request: SnapshotRequest
+    def __init__(self, welcome: _Optional[_Union[Welcome, _Mapping]] = ..., subscribe: _Optional[_Union[Subscribe, _Mapping]] = ..., unsubscribe: _Optional[_Union[Unsubscribe, _Mapping]] = ..., forbidden: _Optional[_Union[Forbidden, _Mapping]] = ..., snapshot_request: _Optional[_Union[SnapshotRequest, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
     __slots__ = ("client_id", "role", "sources")
@@ -98,6 +102,26 @@ class Forbidden(_message.Message):
     reason: str
     sources: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, reason: _Optional[str] = ..., sources: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SnapshotRequest(_message.Message):
+    __slots__ = ("request_id", "source")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    source: str
+    def __init__(self, request_id: _Optional[str] = ..., source: _Optional[str] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("request_id", "data", "last", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    LAST_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    data: bytes
+    last: bool
+    error: str
+    def __init__(self, request_id: _Optional[str] = ..., data: _Optional[bytes] = ..., last: _Optional[bool] = ..., error: _Optional[str] = ...) -> None: ...
 
 class StreamRequest(_message.Message):
     __slots__ = ("open", "data", "close")

@@ -1,0 +1,631 @@
+"""A template's output for plain chats learned once per conversation shape, then produced
+by concatenation: no jinja on the request path for the common request.
+
+Rendering a chat runs the template's jinja code for every message (a few microseconds a
+message even with :mod:`.environment`'s shortcuts): at 8k tokens that is most of what
+the conversation path costs the router. But for the common request, where every message
+the template sees is exactly ``{"role": str, "content": str}``, a chat template's output
+is the messages' contents placed between strings that depend on the *shape* only: the
+sequence of roles and the other template variables (``add_generation_prompt``, the
+special tokens, ``chat_template_kwargs``). The template may still look at the contents
+(Qwen's asks whether an assistant message holds ``</think>`` and whether the last user
+message starts with ``<tool_response>``): those questions are recorded with their answers.
+
+So for each new shape, the template is rendered with *probe* contents, ``str`` subclasses
+that record every operation the template performs on them:
+
+* ``startswith``, ``endswith``, ``in``, ``==``, truth, ``split``/``rsplit`` on a separator
+  (which leaves the probe whole when the separator is absent) and ``strip``/``lstrip``/
+  ``rstrip`` (the probe itself when they remove nothing) become *predicates*: (message,
+  question, answer);
+* ``+`` and ``str()`` (which filters such as ``replace`` call first) give a derived
+  string on which any operation but ``+`` and output makes the shape opaque, and so does
+  any other operation on a probe (``len``, indexing, iteration, hashing, ``replace``,
+  ...): an opaque shape is always rendered by jinja.
+
+The output is then cut at the probes' texts into a *program*: literal strings and
+message indexes. Each shape is rendered twice, with two probe sets that differ in every
+way a hidden transformation would show: set A's texts have inner quotes, backslashes,
+newlines, ``<&>`` and non-ASCII characters (any escaping, ``tojson``, splitting or
+truncation breaks them), set B's the same with whitespace at both ends and another
+length (any trimming or slicing of a string built from a content breaks them). Both
+answer the predicates' questions about set A's text (so ``content | trim`` is the
+predicate "trimming leaves it as it is" in both, and B's padding stays), and both must
+give the same predicates and the same program, with every probe text intact, or the
+shape is opaque.
+
+A request of that shape whose contents answer every predicate as the probes did runs the
+same template code with the same results, so its prompt is the program with its
+contents: ``"".join``. Anything else (a message with other keys, content parts, tools,
+``continue_final_message``, a predicate answered otherwise, an opaque shape) renders
+with jinja as before. Templates that name ``strftime_now`` (the date in the prompt) or
+``lipsum`` (random text) get no segment renderer at all.
+Nor do templates that test or cut a string they build with ``~``, ``%``, ``join``,
+``format`` or the escaping filters (which read a probe's text without its methods)
+instead of outputting it, nor those naming ``int``, ``float``, ``wordcount``, ``urlize``,
+``wordwrap``, ``title`` (their results depend on the text in ways no probe shows) or
+``random``.
+``tests/unit/test_render_fast.py`` holds this path equal to jinja's plain sandbox for
+random conversations of both template families, and the golden test to ``transformers``.
+
+A shape's first concatenation is checked against jinja's render of that request too (a
+safety net under the probes: a difference makes the shape opaque, counted as
+``mismatched`` and logged once), so a new shape costs three renders, once.
+
+Memory: shapes are kept first in, first out, up to :data:`MAX_SHAPES` shapes and
+:data:`MAX_ITEMS` program items and predicates in all (a few MiB).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import repeat
+from typing import Any
+
+import jinja2
+import jinja2.nodes as n
+
+log = logging.getLogger("continuum.conversation")
+
+__all__ = ["MAX_ITEMS", "MAX_SHAPES", "SegmentRenderer", "segment_renderer"]
+
+MAX_SHAPES = 4096
+"""Shapes kept (each a sequence of roles with the other variables)."""
+MAX_ITEMS = 1 << 18
+"""Program items and predicates kept over all shapes (each a pointer and, for a literal,
+a short string: some 20 MiB at most)."""
+
+_UNSTABLE_GLOBALS = frozenset(("strftime_now", "lipsum"))
+"""Globals whose value changes between renders of the same input."""
+
+_OPEN, _MID, _CLOSE = "\ue000", "\ue002", "\ue001"
+_INNER_A = "\"\\\n\t<&>'\u00e9\u2028\u4e2d"
+_INNER_B = _INNER_A + "xyz"
+_PAD = " \n\t"
+_FIND_A = re.compile(re.escape(_OPEN) + r"(\d+)" + re.escape(_MID + _INNER_A + _CLOSE))
+_FIND_B = re.compile(
+    re.escape(_PAD + _OPEN) + r"(\d+)" + re.escape(_MID + _INNER_B + _CLOSE + _PAD[::-1])
+)
+_SENTINEL_CHARS = re.compile("[" + _OPEN + _MID + _CLOSE + "]")
+
+
+def _strip_same(s: str, chars: Any) -> bool:
+    return s.strip(chars) == s
+
+
+def _lstrip_same(s: str, chars: Any) -> bool:
+    return s.lstrip(chars) == s
+
+
+def _rstrip_same(s: str, chars: Any) -> bool:
+    return s.rstrip(chars) == s
+
+
+def _rare(sub: str) -> str:
+    """The character of ``sub`` to look for first: punctuation before letters (it is
+    rarer in prose, and a one-character search is a ``memchr``, some 50 times faster
+    than searching for a tag like ``</think>`` in text full of its letters)."""
+    for ch in sub:
+        if not ch.isalnum() and not ch.isspace():
+            return ch
+    return sub[:1]
+
+
+def _truth(s: str, _: Any) -> bool:
+    return bool(s)
+
+
+Question = Callable[[str, Any], bool]
+_Predicate = tuple[int, Question, Any, bool]
+
+
+class _Trace:
+    """What one probe render recorded."""
+
+    __slots__ = ("opaque", "predicates")
+
+    def __init__(self) -> None:
+        self.predicates: list[_Predicate] = []
+        self.opaque = False
+
+    def ask(self, probe: _Probe, question: Question, arg: Any) -> bool:
+        answer = bool(question(probe.core, arg))
+        self.predicates.append((probe.position, question, arg, answer))
+        return answer
+
+
+def _is_text(arg: Any) -> bool:
+    return type(arg) is str or (type(arg) is tuple and all(type(a) is str for a in arg))
+
+
+class _Traced(str):
+    """A string of a probe render: ``+`` with a plain string, and ``str()`` (which
+    filters such as ``replace`` call before working on the text), give a
+    :class:`_Derived`."""
+
+    trace: _Trace
+
+    def __str__(self) -> str:
+        return _derived(str.__str__(self), self.trace)
+
+    def __add__(self, other: Any) -> Any:
+        return _derived(str.__add__(str.__str__(self), other), self.trace)
+
+    def __radd__(self, other: Any) -> Any:
+        if type(other) is not str:
+            self.trace.opaque = True
+            return NotImplemented
+        return _derived(other + str.__str__(self), self.trace)
+
+
+class _Derived(_Traced):
+    """A string built from a probe with ``+``: anything but ``+`` or output is opaque."""
+
+
+def _derived(text: str, trace: _Trace) -> _Derived:
+    out = _Derived(text)
+    out.trace = trace
+    return out
+
+
+class _Probe(_Traced):
+    """One message's content during a probe render (see the module header)."""
+
+    position: int
+    core: str
+    """The text questions are answered about: set A's text in both sets, so both take
+    the same branches and set B's padding shows only to what the probe cannot see."""
+
+    def startswith(self, prefix: Any, *rest: Any) -> bool:
+        if rest or not _is_text(prefix):
+            self.trace.opaque = True
+            return str.startswith(self, prefix, *rest)
+        return self.trace.ask(self, str.startswith, prefix)
+
+    def endswith(self, suffix: Any, *rest: Any) -> bool:
+        if rest or not _is_text(suffix):
+            self.trace.opaque = True
+            return str.endswith(self, suffix, *rest)
+        return self.trace.ask(self, str.endswith, suffix)
+
+    def __contains__(self, sub: Any) -> bool:
+        if type(sub) is not str:
+            self.trace.opaque = True
+            return str.__contains__(self, sub)
+        return self.trace.ask(self, operator.contains, sub)
+
+    def __eq__(self, other: object) -> bool:
+        if type(other) is not str:
+            self.trace.opaque = True
+            return str.__eq__(self, other)
+        return self.trace.ask(self, operator.eq, other)
+
+    def __ne__(self, other: object) -> bool:
+        return not self.__eq__(other)
+
+    __hash__ = str.__hash__  # replaced below (opaque), like every other operation
+
+    def __bool__(self) -> bool:
+        return self.trace.ask(self, _truth, None)
+
+    def _stripped(self, question: Question, method: Any, chars: Any) -> Any:
+        if chars is not None and type(chars) is not str:
+            self.trace.opaque = True
+            return method(self, chars)
+        if self.trace.ask(self, question, chars):
+            return self
+        return method(str.__str__(self), chars)
+
+    def strip(self, chars: Any = None) -> Any:
+        return self._stripped(_strip_same, str.strip, chars)
+
+    def lstrip(self, chars: Any = None) -> Any:
+        return self._stripped(_lstrip_same, str.lstrip, chars)
+
+    def rstrip(self, chars: Any = None) -> Any:
+        return self._stripped(_rstrip_same, str.rstrip, chars)
+
+    def _split(self, method: Any, sep: Any, maxsplit: Any) -> Any:
+        if type(sep) is not str or not sep or type(maxsplit) is not int:
+            self.trace.opaque = True
+            return method(str.__str__(self), sep, maxsplit)
+        if maxsplit == 0 or not self.trace.ask(self, operator.contains, sep):
+            return [self]
+        return method(str.__str__(self), sep, maxsplit)
+
+    def split(self, sep: Any = None, maxsplit: Any = -1) -> Any:
+        return self._split(str.split, sep, maxsplit)
+
+    def rsplit(self, sep: Any = None, maxsplit: Any = -1) -> Any:
+        return self._split(str.rsplit, sep, maxsplit)
+
+
+_TRACED = frozenset(
+    (
+        "startswith",
+        "endswith",
+        "__contains__",
+        "__eq__",
+        "__ne__",
+        "__bool__",
+        "strip",
+        "lstrip",
+        "rstrip",
+        "split",
+        "rsplit",
+        "__add__",
+        "__radd__",
+    )
+)
+# what any string does without looking at its text, or only to show it
+_NEUTRAL = frozenset(
+    (
+        "__str__",
+        "__class__",
+        "__new__",
+        "__init__",
+        "__init_subclass__",
+        "__subclasshook__",
+        "__getattribute__",
+        "__setattr__",
+        "__delattr__",
+        "__dir__",
+        "__doc__",
+        "__reduce__",
+        "__reduce_ex__",
+        "__sizeof__",
+        "__getnewargs__",
+        "__class_getitem__",
+    )
+)
+
+
+def _opaque(cls: type, name: str) -> None:
+    original = getattr(str, name)
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.trace.opaque = True
+        return original(str.__str__(self), *args, **kwargs)
+
+    method.__name__ = name
+    setattr(cls, name, method)
+
+
+for _name in dir(str):
+    if _name in _NEUTRAL or not callable(getattr(str, _name)):
+        continue
+    if _name not in _TRACED:
+        _opaque(_Probe, _name)
+    if _name not in ("__add__", "__radd__"):
+        _opaque(_Derived, _name)
+
+
+def _probe(text: str, core: str, index: int, trace: _Trace) -> _Probe:
+    p = _Probe(text)
+    p.position = index
+    p.trace = trace
+    p.core = core
+    return p
+
+
+def _text_a(i: int) -> str:
+    return f"{_OPEN}{i}{_MID}{_INNER_A}{_CLOSE}"
+
+
+def _text_b(i: int) -> str:
+    return f"{_PAD}{_OPEN}{i}{_MID}{_INNER_B}{_CLOSE}{_PAD[::-1]}"
+
+
+@dataclass(frozen=True, slots=True)
+class _Check:
+    """One question asked of several messages with the same answer."""
+
+    pick: Callable[[Sequence[str]], tuple[str, ...]]
+    """The messages' contents (``itemgetter``: a tuple, always)."""
+    question: Question
+    arg: Any
+    answer: bool
+    rare: str | None
+    """For "does not contain ``arg``": a character of it most contents lack (one
+    ``memchr`` per content settles the check when none holds it)."""
+
+    def holds(self, contents: Sequence[str]) -> bool:
+        texts = self.pick(contents)
+        if self.answer:
+            return all(map(self.question, texts, repeat(self.arg)))
+        rare = self.rare
+        if rare is not None and not any(map(operator.contains, texts, repeat(rare))):
+            return True
+        return not any(map(self.question, texts, repeat(self.arg)))
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    pick: Callable[[Sequence[str]], tuple[str, ...]]
+    """The output's pieces, from the contents followed by ``literals`` (C-level)."""
+    literals: list[str]
+    checks: tuple[_Check, ...]
+    size: int
+    """Program items and predicates (the memory bound's unit)."""
+
+    @classmethod
+    def of(cls, program: tuple[Any, ...], predicates: Sequence[_Predicate], count: int) -> _Shape:
+        """``program`` (literals and message indexes) over ``count`` messages, and the
+        ``predicates`` that must hold, compiled for the request path."""
+        literals = [p for p in program if type(p) is str]
+        at = iter(range(count, count + len(literals)))
+        pool = [p if type(p) is int else next(at) for p in program]
+        literals.append("")
+        pool += [count + len(literals) - 1] * 2  # itemgetter of 2+ items: a tuple
+        grouped: dict[tuple[Any, ...], list[int]] = {}
+        for i, question, arg, answer in predicates:
+            grouped.setdefault((question, arg, answer), []).append(i)
+        checks = tuple(
+            _Check(
+                operator.itemgetter(*indexes, indexes[0]),
+                question,
+                arg,
+                answer,
+                _rare(arg) if question is operator.contains and not answer and arg else None,
+            )
+            for (question, arg, answer), indexes in grouped.items()
+        )
+        return cls(operator.itemgetter(*pool), literals, checks, len(program) + len(predicates))
+
+    def text(self, contents: list[str]) -> str:
+        return "".join(self.pick(contents + self.literals))
+
+
+_OPAQUE = _Shape(operator.itemgetter(0, 0), [], (), 0)
+
+
+class SegmentRenderer:
+    """One compiled template's shapes (one event loop: no locking)."""
+
+    __slots__ = (
+        "_items",
+        "_shapes",
+        "_template",
+        "_unchecked",
+        "hits",
+        "learned",
+        "mismatched",
+        "opaque",
+        "refused",
+    )
+
+    def __init__(self, template: jinja2.Template) -> None:
+        self._template = template
+        self._shapes: dict[tuple[Any, ...], _Shape] = {}
+        self._items = 0
+        self.hits = 0
+        """Requests produced by concatenation."""
+        self.learned = 0
+        """Shapes learned (each two probe renders)."""
+        self.opaque = 0
+        """Shapes found opaque (their requests render with jinja)."""
+        self.refused = 0
+        """Requests of a known shape whose contents answered a predicate otherwise."""
+        self.mismatched = 0
+        """Shapes whose first request's concatenation differed from jinja's render of it
+        (made opaque, logged): a template this module's checks missed."""
+        self._unchecked: set[tuple[Any, ...]] = set()
+        """Shapes learned whose first concatenation is still to be checked."""
+
+    def render(
+        self, roles: tuple[str, ...], contents: list[str], variables: Mapping[str, Any]
+    ) -> str | None:
+        """The prompt for a plain chat (:func:`.messages.plain_chat`: its messages' roles
+        and contents, as the template sees them) with the template's other ``variables``
+        (as ``render_inputs`` gives them), or None: render this request with jinja."""
+        fingerprint = []
+        for name, value in variables.items():
+            if value is not None and type(value) not in (str, bool, int):
+                return None
+            fingerprint.append((name, type(value), value))
+        key = (roles, tuple(fingerprint))
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._learn(key, roles, variables)
+        if shape is _OPAQUE:
+            return None
+        for check in shape.checks:
+            if not check.holds(contents):
+                self.refused += 1
+                return None
+        text = shape.text(contents)
+        if key in self._unchecked and not self._agrees(key, text, roles, contents, variables):
+            return None
+        self.hits += 1
+        return text
+
+    def _agrees(
+        self,
+        key: tuple[Any, ...],
+        text: str,
+        roles: tuple[str, ...],
+        contents: list[str],
+        variables: Mapping[str, Any],
+    ) -> bool:
+        """A shape's first concatenation, checked against jinja's render of the same
+        request (one more render per shape, once): a safety net under the probes."""
+        self._unchecked.discard(key)
+        chat = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
+        try:
+            same = str(self._template.render(messages=chat, **variables)) == text
+        except Exception:
+            same = False
+        if not same:
+            self.mismatched += 1
+            self.opaque += 1
+            self._shapes[key] = _OPAQUE
+            if self.mismatched == 1:
+                log.warning(
+                    "conversation keys: a chat template's output for plain chats differs "
+                    "from its learned pieces (roles %s); such shapes render with jinja "
+                    "(logged once)",
+                    list(roles),
+                )
+        return same
+
+    def stats(self) -> dict[str, int]:
+        return {
+            "shapes": len(self._shapes),
+            "items": self._items,
+            "hits": self.hits,
+            "learned": self.learned,
+            "opaque": self.opaque,
+            "refused": self.refused,
+            "mismatched": self.mismatched,
+        }
+
+    def _learn(
+        self, key: tuple[Any, ...], roles: tuple[str, ...], variables: Mapping[str, Any]
+    ) -> _Shape:
+        a = self._probe_render(roles, variables, _text_a)
+        b = self._probe_render(roles, variables, _text_b)
+        shape = _OPAQUE
+        if a is not None and b is not None:
+            program_a = _program(a[0], _FIND_A, len(roles))
+            if (
+                program_a is not None
+                and program_a == _program(b[0], _FIND_B, len(roles))
+                and a[1] == b[1]
+            ):
+                shape = _Shape.of(program_a, a[1], len(roles))
+        self.learned += 1
+        if shape is _OPAQUE:
+            self.opaque += 1
+        self._keep(key, shape)
+        return shape
+
+    def _probe_render(
+        self, roles: tuple[str, ...], variables: Mapping[str, Any], text: Callable[[int], str]
+    ) -> tuple[str, list[_Predicate]] | None:
+        trace = _Trace()
+        chat = [
+            {"role": r, "content": _probe(text(i), _text_a(i), i, trace)}
+            for i, r in enumerate(roles)
+        ]
+        try:
+            out = str(self._template.render(messages=chat, **variables))
+        except Exception:  # a template that raises for this shape renders with jinja
+            return None
+        if trace.opaque:
+            return None
+        return out, trace.predicates
+
+    def _keep(self, key: tuple[Any, ...], shape: _Shape) -> None:
+        size = shape.size + 1
+        if size > MAX_ITEMS:
+            return
+        shapes = self._shapes
+        while shapes and (len(shapes) >= MAX_SHAPES or self._items + size > MAX_ITEMS):
+            oldest = next(iter(shapes))
+            self._unchecked.discard(oldest)
+            old = shapes.pop(oldest)
+            self._items -= old.size + 1
+        shapes[key] = shape
+        self._items += size
+        if shape is not _OPAQUE:
+            self._unchecked.add(key)
+
+
+def _program(out: str, find: re.Pattern[str], count: int) -> tuple[Any, ...] | None:
+    """``out`` cut at the probe texts ``find`` matches, or None when a probe's text was
+    changed (a sentinel character left outside an intact probe text)."""
+    program: list[Any] = []
+    at = 0
+    for match in find.finditer(out):
+        literal = out[at : match.start()]
+        if literal:
+            program.append(literal)
+        index = int(match.group(1))
+        if index >= count:
+            return None
+        program.append(index)
+        at = match.end()
+    if at < len(out):
+        program.append(out[at:])
+    if any(type(p) is str and _SENTINEL_CHARS.search(p) for p in program):
+        return None
+    return tuple(program)
+
+
+_JOINERS = frozenset(("join", "format", "format_map"))
+_MARKUP_FILTERS = frozenset(("safe", "e", "escape", "forceescape", "striptags", "urlencode"))
+"""Filters that build a new string from their value's text in C code, without its
+methods: harmless when output as they are (the probes show any change to the text)."""
+_READING_FILTERS = frozenset(
+    (
+        "int",
+        "float",
+        "round",
+        "wordcount",
+        "filesizeformat",
+        "urlize",
+        "wordwrap",
+        "title",
+        "random",
+    )
+)
+"""Filters whose result depends on the text in ways no probe can show (a number parsed
+from it, URLs or long lines or words found in it by regular expressions) or on nothing
+(``random``): a template naming one gets no segment renderer."""
+
+
+def _untraced(node: n.Node) -> bool:
+    """Whether ``node`` builds a string from its operands without their methods (``~``,
+    ``'...' % x``, ``join``, ``format``): a probe inside it is no longer traced."""
+    if isinstance(node, n.Concat):
+        return True
+    if isinstance(node, n.Mod):
+        return isinstance(node.left, n.Const) and isinstance(node.left.value, str)
+    if isinstance(node, n.Filter):
+        return node.name in _JOINERS or node.name in _MARKUP_FILTERS
+    if isinstance(node, n.Call):
+        return isinstance(node.node, n.Getattr) and node.node.attr in _JOINERS
+    return False
+
+
+def _built_for_output(ast: n.Template) -> bool:
+    """Whether every untraced string building is output as it is (through ``+``, ``~``
+    and conditional expressions only), so nothing can test or cut what it built."""
+    shown: set[int] = set()
+
+    def walk(expr: n.Node) -> None:
+        shown.add(id(expr))
+        if isinstance(expr, n.Concat):
+            for sub in expr.nodes:
+                walk(sub)
+        elif isinstance(expr, n.Add):
+            walk(expr.left)
+            walk(expr.right)
+        elif isinstance(expr, n.CondExpr):
+            walk(expr.expr1)
+            if expr.expr2 is not None:
+                walk(expr.expr2)
+
+    for output in ast.find_all(n.Output):
+        for expr in output.nodes:
+            walk(expr)
+    return all(id(node) in shown for node in ast.find_all(n.Node) if _untraced(node))
+
+
+def segment_renderer(ast: n.Template, template: jinja2.Template) -> SegmentRenderer | None:
+    """A segment renderer for ``template`` (compiled from ``ast``), or None when its
+    output may change between renders of the same request (the date, random text) or
+    it tests or cuts a string built without the probes' methods (see the header)."""
+    for name in ast.find_all(n.Name):
+        if name.name in _UNSTABLE_GLOBALS:
+            return None
+    for node in ast.find_all(n.Filter):
+        if node.name in _READING_FILTERS:
+            return None
+    if not _built_for_output(ast):
+        return None
+    return SegmentRenderer(template)

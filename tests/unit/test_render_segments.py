@@ -1,0 +1,259 @@
+"""The segment renderer (plain chats by concatenation, per learned shape) gives exactly
+what jinja's plain sandbox renders: for random plain chats on Qwen's template (whose
+content questions, ``</think>`` and ``<tool_response>``, become predicates), and for
+templates that look at contents in ways it must not reproduce (those shapes render with
+jinja); bounded; off for templates whose output changes between renders."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from router.conversation import ChatTemplate, load_chat_template, render_prompt
+from router.conversation import segments as seg_mod
+from router.conversation.messages import plain_chat, prepare_chat
+
+from .conversation_support import qwen_dir
+
+QWEN = qwen_dir()
+
+
+def _qwen() -> ChatTemplate:
+    return load_chat_template(
+        str(QWEN / "tokenizer_config.json"), None, str(QWEN / "tokenizer.json")
+    )
+
+
+def _jinja(tmp_path: Path, source: str, name: str = "t.jinja") -> ChatTemplate:
+    path = tmp_path / name
+    path.write_text(source)
+    return load_chat_template(None, str(path), None)
+
+
+def _stats(template: ChatTemplate) -> dict[str, int]:
+    segments = template.templates["default"].segments
+    assert segments is not None
+    return segments.stats()
+
+
+def _body(messages: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    return {"model": "m", "messages": messages, **extra}
+
+
+def _same(template: ChatTemplate, body: dict[str, Any]) -> str:
+    fast = render_prompt(template, body)
+    assert fast == render_prompt(template, body, plain=True)
+    return fast
+
+
+# --- Qwen, random plain chats -------------------------------------------------------------
+
+_piece = st.sampled_from(
+    [
+        *("", " ", "\n", "\t", "<", "</think>", "<think>", "<tool_response>", "</tool_response>"),
+        *("<|im_end|>", "é", "e\u0301", '"', "\\", "x", "hello world", "\ue000", "\ue001"),
+    ]
+)
+_content = st.lists(_piece, max_size=5).map("".join)
+_roles = st.sampled_from(["system", "user", "assistant", "tool"])
+_chat = st.lists(st.tuples(_roles, _content), min_size=1, max_size=8)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(_chat, st.booleans(), st.sampled_from([None, True, False]))
+def test_plain_chats_render_as_jinja_does(
+    chat: list[tuple[str, str]], generation_prompt: bool, thinking: bool | None
+) -> None:
+    template = _qwen()
+    extra: dict[str, Any] = {"add_generation_prompt": generation_prompt}
+    if thinking is not None:
+        extra["chat_template_kwargs"] = {"enable_thinking": thinking}
+    messages = [{"role": r, "content": c} for r, c in chat]
+    before = _stats(template)["hits"]
+    _same(template, _body(messages, **extra))
+    # a second conversation of the same shape, other contents: the learned shape serves it
+    _same(template, _body([{"role": r, "content": c + " more"} for r, c in chat], **extra))
+    assert _stats(template)["hits"] >= before
+
+
+def test_a_common_chat_is_served_by_concatenation() -> None:
+    template = _qwen()
+    shape = ["system", "user", "assistant", "user"]
+    before = _stats(template)
+    for n in range(5):
+        _same(template, _body([{"role": r, "content": f"{r} {n}\n"} for r in shape]))
+    after = _stats(template)
+    assert after["hits"] - before["hits"] == 5
+    assert after["learned"] - before["learned"] <= 1
+
+
+def test_a_content_answering_a_question_otherwise_renders_with_jinja() -> None:
+    template = _qwen()
+    plain = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    plain.append({"role": "user", "content": "q2"})
+    _same(template, _body(plain))
+    before = _stats(template)["refused"]
+    thought = [dict(m) for m in plain]
+    thought[1]["content"] = "<think>\nr\n</think>\n\na"
+    text = _same(template, _body(thought))
+    assert "<think>" not in text  # the template cut the reasoning out: jinja rendered it
+    assert _stats(template)["refused"] == before + 1
+
+
+def test_messages_other_than_plain_text_render_with_jinja() -> None:
+    template = _qwen()
+    before = _stats(template)["hits"]
+    cases: list[list[dict[str, Any]]] = [
+        [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+        [{"role": "user", "content": "x", "name": "bob"}],
+        [{"content": "x", "role": "user"}],
+        [{"role": "assistant", "content": None}, {"role": "user", "content": "x"}],
+    ]
+    for messages in cases:
+        _same(template, _body(messages))
+    assert _stats(template)["hits"] == before
+
+
+def test_plain_chat_takes_exactly_role_then_content() -> None:
+    assert plain_chat([{"role": "user", "content": "x"}]) == (("user",), ["x"])
+    assert plain_chat([]) is None
+    assert plain_chat([{"content": "x", "role": "user"}]) is None
+    assert plain_chat([{"role": "user", "content": None}]) is None
+    assert plain_chat([{"role": 1, "content": "x"}]) is None
+    assert plain_chat([{"role": "user", "text": "x"}]) is None
+    assert plain_chat(["user"]) is None
+
+
+# --- templates that look at contents --------------------------------------------------
+
+_CONTENTS = ["a", "  padded  ", "", "line\nbreak", 'quote " and \\', "<b>&</b>", "ü" * 5]
+
+
+@pytest.mark.parametrize(
+    ("source", "served"),
+    [
+        ("{% for m in messages %}[{{ m.role }}]{{ m.content }}\n{% endfor %}", True),
+        ("{% for m in messages %}{{ m.content | trim }}|{% endfor %}", True),
+        ("{% for m in messages %}{% if m.content %}{{ m.content }}{% endif %};{% endfor %}", True),
+        ("{% for m in messages %}{{ m.content | length }}{% endfor %}", False),
+        ("{% for m in messages %}{{ m.content | tojson }}{% endfor %}", False),
+        ("{% for m in messages %}{{ m.content[:3] }}{% endfor %}", False),
+        ("{% for m in messages %}{{ m.content.upper() }}{% endfor %}", False),
+        ("{% for m in messages %}{{ m.content | e }}{% endfor %}", False),
+        ("{% for m in messages %}{{ m.content.split() | join(',') }}{% endfor %}", False),
+        ("{% for m in messages %}{{ ('x' + m.content).strip() }}{% endfor %}", False),
+        ("{% for m in messages %}{{ m.content ~ '!' }}{% endfor %}", True),
+        ("{{ messages | map(attribute='content') | join('\\n') }}", True),
+        ("{% for m in messages %}{{ m.content | safe }}{% endfor %}", True),
+    ],
+)
+def test_contents_looked_at_render_as_jinja_does(tmp_path: Path, source: str, served: bool) -> None:
+    template = _jinja(tmp_path, source)
+    for content in _CONTENTS:
+        _same(
+            template,
+            _body([{"role": "user", "content": content}, {"role": "user", "content": "b"}]),
+        )
+    hits = _stats(template)["hits"]
+    assert (hits > 0) is served
+
+
+@pytest.mark.parametrize(
+    "source",
+    [
+        "{{ strftime_now('%Y-%m-%d') }}{% for m in messages %}{{ m.content }}{% endfor %}",
+        "{% for m in messages %}{% if (m.content ~ '').endswith('x') %}X{% endif %}{% endfor %}",
+        "{% for m in messages %}{% set s = '%s' % m.content %}{{ s.strip() }}{% endfor %}",
+        "{% for m in messages %}{% if m.content | int > 2 %}big{% endif %}{% endfor %}",
+        "{% for m in messages %}{{ m.content | urlize }}{% endfor %}",
+        "{% for m in messages %}{{ m.content | wordwrap(20) }}{% endfor %}",
+        "{% for m in messages %}{% if (m.content | safe).endswith('x') %}X{% endif %}{% endfor %}",
+    ],
+)
+def test_no_segment_renderer_for_unstable_or_untraced_templates(
+    tmp_path: Path, source: str
+) -> None:
+    template = _jinja(tmp_path, source)
+    assert template.templates["default"].segments is None
+    _same(template, _body([{"role": "user", "content": "ax"}]))
+
+
+def test_a_raising_shape_still_raises(tmp_path: Path) -> None:
+    template = _jinja(
+        tmp_path,
+        "{% for m in messages %}{% if m.role == 'tool' %}{{ raise_exception('no tools') }}"
+        "{% endif %}{{ m.content }}{% endfor %}",
+    )
+    from router.conversation import RenderError
+
+    with pytest.raises(RenderError):
+        render_prompt(template, _body([{"role": "tool", "content": "x"}]))
+    assert render_prompt(template, _body([{"role": "user", "content": "x"}])) == "x"
+
+
+def test_shapes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(seg_mod, "MAX_SHAPES", 4)
+    template = _jinja(tmp_path, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    for n in range(1, 12):
+        body = _body([{"role": "user", "content": "x"}] * n)
+        assert render_prompt(template, body) == "<user>x" * n
+    stats = _stats(template)
+    assert stats["shapes"] == 4
+    assert stats["learned"] == 11
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": "x"}],
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "x"}],
+        [{"role": "developer", "content": "d"}, {"role": "user", "content": "x"}],
+        [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
+    ],
+)
+def test_a_body_without_template_fields_prepares_as_the_general_path(
+    messages: list[dict[str, Any]],
+) -> None:
+    """``tools: null`` takes the general path and means the same as no ``tools``."""
+    template = _qwen()
+    body = _body(messages, max_tokens=5)
+    assert prepare_chat(body, template) == prepare_chat({**body, "tools": None}, template)
+
+
+def test_a_filter_working_on_str_of_a_content_makes_the_shape_opaque(tmp_path: Path) -> None:
+    """``replace`` works on ``str(value)``: that string is traced too."""
+    template = _jinja(
+        tmp_path, "{% for m in messages %}{{ m.content | replace('<|x|>', '') }};{% endfor %}"
+    )
+    assert _same(template, _body([{"role": "user", "content": "a<|x|>b"}])) == "ab;"
+    assert _same(template, _body([{"role": "user", "content": "c"}])) == "c;"
+    assert _stats(template)["hits"] == 0
+
+
+def test_a_first_concatenation_unlike_jinja_makes_the_shape_opaque(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The safety net: a shape's first concatenation is checked against jinja's render
+    (here the learned pieces are replaced by wrong ones, before that check)."""
+    template = _jinja(tmp_path, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    renderer = template.templates["default"].segments
+    assert renderer is not None
+    learn = seg_mod.SegmentRenderer._learn
+
+    def tampered(self: seg_mod.SegmentRenderer, key: Any, *args: Any) -> Any:
+        learn(self, key, *args)
+        wrong = seg_mod._Shape.of(("<user>!", 0), (), 1)
+        self._shapes[key] = wrong
+        return wrong
+
+    body = _body([{"role": "user", "content": "x"}])
+    with monkeypatch.context() as patch:
+        patch.setattr(seg_mod.SegmentRenderer, "_learn", tampered)
+        assert render_prompt(template, body) == "<user>x"
+    assert render_prompt(template, body) == "<user>x"
+    stats = renderer.stats()
+    assert stats["mismatched"] == 1 and stats["hits"] == 0 and stats["opaque"] == 1
