@@ -27,8 +27,11 @@ The rule (:func:`classify`), first match wins, each step one sentence of evidenc
 5. nothing known -> ``UNKNOWN`` (the policy's default routing).
 
 The two thresholds are the classifier's only parameters; ``RuleConfig()``'s values were
-fitted on the tuning traces (``python -m bench.saecache.classes --fit``, the ``base``
-generator, seeds 1 and 2) and never on the evaluation grid.
+fitted on the tuning traces (``python -m bench.saecache.classes --variants base --seeds
+1,2 --fit``) and never on the evaluation grid. Those traces' sampling parameters are the
+trace generator's assumption of what each kind of client sends, so the thresholds (and
+the accuracy in ``bench/RESULTS.md``) hold for clients like those; rules 1 and 2 do not
+depend on it.
 
 Malformed values (a non-finite or negative temperature, a count that is not a
 non-negative integer, a string where a number belongs) are dropped field by field, as if
