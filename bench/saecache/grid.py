@@ -1,8 +1,9 @@
 """Robustness grid: SAECache and its safeguard on trace variants nobody tuned on.
 
 ``python -m bench.saecache.grid`` replays every (generator variant, seed, mixture,
-capacity) cell under LRU, LFU, Belady's MIN, SAECache (``sae``) and the safeguarded
-SAECache (``guard``, :mod:`listener.saecache.guard`), then reports per mixture and
+capacity) cell under LRU, LFU, Belady's MIN, SAECache (``sae``; ``sae-none``,
+``sae-derived`` and ``sae-true`` with the session hints of ``sim.SaePolicy``) and the
+safeguarded SAECache (``guard``, :mod:`listener.saecache.guard`), then reports per mixture and
 capacity the *worst* cell of each SAECache policy minus the better of LRU and LFU (token
 hit rate, percentage points), next to the cell's distance from MIN.
 
@@ -41,7 +42,8 @@ from .trace import MIXES, OUT_DIR, VARIANTS, build_trace, load_conversations
 
 __all__ = ["POLICIES", "main"]
 
-POLICIES = ("lru", "lfu", "min", "sae", "guard")
+POLICIES = ("lru", "lfu", "min", "sae", "sae-none", "sae-derived", "sae-true", "guard")
+DEFAULT_POLICIES = "lru,lfu,min,sae,guard"
 EVAL_VARIANTS = "heavy-tail,bimodal,tenants"
 EVAL_SEEDS = "11,12,13,14,15"
 
@@ -57,6 +59,8 @@ def _policy(
         return MinPolicy(uses)
     if name in guards:
         return SaePolicy(guard=guards[name])
+    if name.startswith("sae-"):
+        return SaePolicy(hint=name[4:])
     return SaePolicy()
 
 
@@ -92,7 +96,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--records", type=int, default=1000, help="ShareGPT records to draw from")
     ap.add_argument("--skip", type=int, default=6000, help="first ShareGPT record to use")
     ap.add_argument("--rate", type=float, default=0.5, help="session arrivals per second")
-    ap.add_argument("--policies", default=",".join(POLICIES))
+    ap.add_argument(
+        "--policies",
+        default=DEFAULT_POLICIES,
+        help=f"of {', '.join(POLICIES)} (sae-none, sae-derived, sae-true: SAECache told "
+        "nothing, the class derived from the engine-visible features, the true class)",
+    )
     ap.add_argument(
         "--guard",
         action="append",
@@ -182,7 +191,7 @@ def _report(
     cost: dict[str, list[float]],
     args: argparse.Namespace,
 ) -> str:
-    sae_like = [p for p in policies if p == "sae" or p.startswith("guard")]
+    sae_like = [p for p in policies if p.startswith(("sae", "guard"))]
     head = [
         f"grid: variants {args.variants}; seeds {args.seeds}; {args.sessions} sessions per "
         f"trace; ShareGPT records {args.skip}-{args.skip + args.records - 1}",

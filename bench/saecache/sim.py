@@ -34,11 +34,14 @@ from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
 from listener.saecache import SaeCache, SaeConfig, SessionClass
+from listener.saecache.classify import classify
 from listener.saecache.guard import GuardConfig, GuardedSaeCache
 
 from .trace import BLOCK, Request
 
 __all__ = [
+    "HINTS",
+    "TRUE_CLASS",
     "TTFT_BASE_S",
     "TTFT_CACHED_S",
     "TTFT_PER_TOKEN_S",
@@ -241,7 +244,26 @@ class MinPolicy(_LeafHeap):
         return (rec[5], rec[6])
 
 
+TRUE_CLASS: dict[str, SessionClass] = {
+    "chat": SessionClass.CHAT,
+    "reasoning": SessionClass.CHAT,
+    "agent": SessionClass.AGENT,
+    "single": SessionClass.SINGLE,
+}
+"""The session class each trace kind really is."""
+HINTS = ("tools", "true", "derived", "none")
+
+
 class SaePolicy(_Policy):
+    """SAECache in the simulator.
+
+    ``hint`` is what the cache is told at a request's start: ``tools`` (the default) the
+    agent class when the request declares tools, else nothing; ``true`` the session's
+    real class (``TRUE_CLASS``); ``derived`` the class
+    ``listener.saecache.classify.classify`` derives from the request's engine-visible
+    features; ``none`` nothing. ``predictor`` (first requests told nothing) still applies.
+    """
+
     name = "sae"
 
     def __init__(
@@ -251,7 +273,11 @@ class SaePolicy(_Policy):
         *,
         guarded: bool = False,
         guard: GuardConfig | None = None,
+        hint: str = "tools",
     ) -> None:
+        if hint not in HINTS:
+            raise ValueError(f"hint must be one of {', '.join(HINTS)}")
+        self._hint = hint
         self.cache = (
             GuardedSaeCache(config, guard) if guarded or guard is not None else SaeCache(config)
         )
@@ -268,7 +294,15 @@ class SaePolicy(_Policy):
 
     def begin(self, req: Request, i: int) -> None:
         self._t = req.t
-        hint = SessionClass.AGENT if req.tools else SessionClass.UNKNOWN
+        mode = self._hint
+        if mode == "tools":
+            hint = SessionClass.AGENT if req.tools else SessionClass.UNKNOWN
+        elif mode == "true":
+            hint = TRUE_CLASS[req.kind]
+        elif mode == "derived":
+            hint = classify(req.engine)
+        else:
+            hint = SessionClass.UNKNOWN
         if req.first and hint == SessionClass.UNKNOWN and self._predict is not None:
             hint = self._predict(req)
         self.cache.begin_request(req.session, req.t, hint)

@@ -23,6 +23,12 @@ results, single-turn answers) is random ordinary-token ids from a seeded generat
 is unique like real content. Prompts are capped at ``max_context`` tokens (a session ends
 at the turn that would exceed it).
 
+**What the engine sees.** Every request carries ``engine``
+(``listener.saecache.classify.RequestFeatures``): the tools it declares, the turns, tool
+calls and tool results in its prompt, whether the template renders reasoning, and the
+client's sampling parameters (drawn per session from ``_TEMPERATURE`` and
+``_MAX_TOKENS``, from a generator of their own so every other draw is unchanged).
+
 **Blocks.** Each request is turned into vLLM-style hash-chained full blocks of 16 tokens
 (``harness.sim.prefix_cache.chain_hash``) for the prompt and, continuing the same chain,
 the full blocks its output completes (vLLM caches decode blocks too). A block's token type
@@ -44,6 +50,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from harness.sim.prefix_cache import chain_hash
+from listener.saecache.classify import RequestFeatures
 from listener.saecache.predictor import text_features
 from listener.saecache.types import TokenType
 
@@ -175,6 +182,9 @@ VARIANTS: dict[str, Variant] = {
 }
 
 
+_NOTHING_SEEN = RequestFeatures()
+
+
 @dataclass(slots=True)
 class Request:
     """One request: its prompt blocks, then the blocks its output completes."""
@@ -189,6 +199,8 @@ class Request:
     types: bytes  # token type per block
     n_prompt: int  # how many of ``blocks`` are prompt blocks
     text_features: tuple[float, ...] = ()
+    engine: RequestFeatures = _NOTHING_SEEN
+    """What the engine sees of the request (``listener.saecache.classify``)."""
 
 
 # -- ShareGPT ---------------------------------------------------------------------------
@@ -328,7 +340,9 @@ class _Vocab:
         self.lo, self.hi = 1000, 150_000
         self.systems = [self.enc(s) for s in _SYSTEM_PROMPTS]
         self.system_texts = list(_SYSTEM_PROMPTS)
-        self.toolsets = [self.enc(_toolset(rng, k)) for k in range(6)]
+        texts = [_toolset(rng, k) for k in range(6)]
+        self.toolsets = [self.enc(t) for t in texts]
+        self.tool_counts = [t.count('{"type": "function"') for t in texts]
 
 
 _SYSTEM_PROMPTS = [
@@ -510,6 +524,7 @@ def build_trace(
         conv_i += 1
         first_text = first_texts[ci] if first_texts is not None else None
         n_before = len(reqs)
+        temp, max_tok = _sampling(random.Random(seed * 1_000_003 + sid), kind)
         s = _Session()
         t = t0
         if kind in ("chat", "reasoning"):
@@ -532,12 +547,22 @@ def build_trace(
                     out.append((_rand_ids(rng, v, int(_lognormal(rng, 400, 0.6))), RSN))
                 out.append((list(answer) + v.im_end, AST))
                 reqs.append(s.request(t, sid, kind, first, False, out))
+                reqs[-1].engine = RequestFeatures(
+                    tools=0,
+                    turns=i + 1,
+                    tool_calls=0,
+                    tool_results=0,
+                    reasoning=kind == "reasoning",
+                    temperature=temp,
+                    max_tokens=max_tok,
+                )
                 first = False
                 s.add(list(answer) + v.im_end, AST)
                 s.add(v.nl, USR)
                 t += variant.chat_gap.draw(rng)
         elif kind == "agent":
-            tools = v.toolsets[rng.randrange(len(v.toolsets))]
+            tool_i = rng.randrange(len(v.toolsets))
+            tools = v.toolsets[tool_i]
             s.add(v.im_start + v.role["system"] + tools + v.im_end + v.nl, TDEF)
             task = list(conv[0][1])[:1024]
             s.add(v.im_start + v.role["user"] + task + v.im_end + v.nl, USR)
@@ -552,6 +577,15 @@ def build_trace(
                 call = _rand_ids(rng, v, n_out) + v.im_end
                 ttype = AST if last else TIO
                 reqs.append(s.request(t, sid, kind, first, True, [(call, ttype)]))
+                reqs[-1].engine = RequestFeatures(
+                    tools=v.tool_counts[tool_i],
+                    turns=1 + 2 * step,
+                    tool_calls=step,
+                    tool_results=step,
+                    reasoning=False,
+                    temperature=temp,
+                    max_tokens=max_tok,
+                )
                 first = False
                 if last:
                     break
@@ -574,6 +608,15 @@ def build_trace(
             s.add(v.im_end + v.nl + v.im_start + v.role["assistant"], USR)
             ans = _rand_ids(rng, v, int(_lognormal(rng, 150, 0.7))) + v.im_end
             reqs.append(s.request(t, sid, kind, True, False, [(ans, AST)]))
+            reqs[-1].engine = RequestFeatures(
+                tools=0,
+                turns=1,
+                tool_calls=0,
+                tool_results=0,
+                reasoning=False,
+                temperature=temp,
+                max_tokens=max_tok,
+            )
         if first_text is not None and len(reqs) > n_before:
             first_req = reqs[n_before]
             if kind == "single":
@@ -589,6 +632,36 @@ def build_trace(
             )
     reqs.sort(key=lambda r: r.t)
     return reqs
+
+
+# Sampling parameters per session kind, as (value, weight): what a client of that kind
+# typically sends (None: not sent). Chat UIs keep a default temperature and a long or no
+# output cap (a few pin temperature 0); thinking-mode chat follows the model card's 0.6;
+# agent frameworks run cold with a moderate cap; templated batch requests (extraction,
+# classification, summaries) mostly run greedy or cold with a short cap, but some go
+# through a client's defaults. The overlap is deliberate: no threshold separates the
+# first request of a chat from a templated request perfectly.
+_TEMPERATURE: dict[str, tuple[tuple[float | None, float], ...]] = {
+    "chat": ((0.7, 0.5), (1.0, 0.2), (None, 0.2), (0.0, 0.1)),
+    "reasoning": ((0.6, 0.8), (None, 0.2)),
+    "agent": ((0.0, 0.4), (0.2, 0.3), (0.7, 0.3)),
+    "single": ((0.0, 0.45), (0.2, 0.15), (0.7, 0.25), (None, 0.15)),
+}
+_MAX_TOKENS: dict[str, tuple[tuple[int | None, float], ...]] = {
+    "chat": ((None, 0.5), (2048, 0.3), (4096, 0.15), (512, 0.05)),
+    "reasoning": ((None, 0.4), (8192, 0.3), (32768, 0.3)),
+    "agent": ((1024, 0.5), (None, 0.3), (4096, 0.2)),
+    "single": ((256, 0.3), (512, 0.3), (1024, 0.2), (None, 0.2)),
+}
+
+
+def _sampling(rng: random.Random, kind: str) -> tuple[float | None, int | None]:
+    """A session's (temperature, max_tokens), from its own generator (so drawing them
+    leaves the trace's other draws, and every trace built before, unchanged)."""
+    temps, caps = _TEMPERATURE[kind], _MAX_TOKENS[kind]
+    temp = rng.choices([x for x, _ in temps], [w for _, w in temps])[0]
+    cap = rng.choices([x for x, _ in caps], [w for _, w in caps])[0]
+    return temp, cap
 
 
 @functools.cache

@@ -14,8 +14,13 @@ for a network round trip per eviction either, so the advice is applied *ahead* o
 
 So the next evictions take the advisor's victims; if the advisor is slow or down the
 engine simply evicts in LRU order (errors are logged once and retried on the next wake).
-Token types: the engine does not parse roles here, so every block is sent as ``USER``;
-the session is the request's ``x-session-id`` header or ``user`` field.
+Token types: a chat request's blocks are typed from its chat template
+(``harness.sim.block_types``: system, user, assistant, tool definitions, tool calls and
+results; a block takes the type of its first token), and its ``REQUEST_STARTED`` carries
+the request's engine-visible features (tools, turns, tool calls and results, reasoning,
+temperature, max_tokens) for the advisor's session class; other requests (Anthropic
+messages, completions) are sent as ``USER`` without features. The session is the
+request's ``x-session-id`` header or ``user`` field.
 """
 
 from __future__ import annotations
@@ -30,8 +35,20 @@ import grpc
 
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2 as pb
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2_grpc as pb_grpc
+from listener.saecache.classify import RequestFeatures
+from listener.saecache.types import TokenType
 
 __all__ = ["AdvisedEviction"]
+
+_USER = pb.TOKEN_TYPE_USER
+_PB_TYPES = {
+    TokenType.SYSTEM: pb.TOKEN_TYPE_SYSTEM,
+    TokenType.USER: pb.TOKEN_TYPE_USER,
+    TokenType.ASSISTANT: pb.TOKEN_TYPE_ASSISTANT,
+    TokenType.REASONING: pb.TOKEN_TYPE_REASONING,
+    TokenType.TOOL_DEF: pb.TOKEN_TYPE_TOOL_DEFINITION,
+    TokenType.TOOL_IO: pb.TOKEN_TYPE_TOOL_IO,
+}
 
 log = logging.getLogger("harness.sim.advisor")
 
@@ -60,12 +77,17 @@ class AdvisedEviction:
         self._channel: grpc.aio.Channel | None = None
         self._failed = False
         self.ranked = self.moved = 0
+        self._described: tuple[list[int], RequestFeatures] | None = None
 
     def attach(self, cache: Any) -> None:
         """The engine's ``PrefixCache`` (its LRU order is ``cache._blocks``)."""
         self._cache = cache
 
     # -- engine side (synchronous, on the request path) ------------------------------------
+
+    def describe(self, types: list[int], features: RequestFeatures) -> None:
+        """The next ``prefilled`` request's token types (per prompt token) and features."""
+        self._described = (types, features)
 
     def prefilled(
         self, tokens: Sequence[int], salt: str | None, cached: int, session: str | None
@@ -76,9 +98,17 @@ class AdvisedEviction:
         hashes = cache.block_hashes(tokens, salt)
         hit_blocks = cached // cache.block_size
         evs = self._events
-        evs.append(
-            pb.BlockEvent(kind=pb.BLOCK_EVENT_KIND_REQUEST_STARTED, session_id=sid, timestamp=now)
+        described, self._described = self._described, None
+        types: list[int] = []
+        start = pb.BlockEvent(
+            kind=pb.BLOCK_EVENT_KIND_REQUEST_STARTED, session_id=sid, timestamp=now
         )
+        if described is not None:
+            types, feats = described
+            known = {k: v for k in feats.__slots__ if (v := getattr(feats, k)) is not None}
+            start.request.CopyFrom(pb.RequestFeatures(**known))
+        evs.append(start)
+        bs = cache.block_size
         held = []
         parent = b""
         for i, h in enumerate(hashes):
@@ -92,7 +122,7 @@ class AdvisedEviction:
                     block_hash=hb,
                     parent_hash=parent,
                     session_id=sid,
-                    token_type=pb.TOKEN_TYPE_USER,
+                    token_type=_PB_TYPES[types[i * bs]] if i * bs < len(types) else _USER,
                     offset=i,
                     timestamp=now,
                 )

@@ -62,6 +62,7 @@ from bus.prompt_chain import DEFAULT_CHUNK_BYTES
 
 from . import completions as text_api
 from . import responses as responses_api
+from .block_types import request_features, token_types
 from .chat_template import ChatTemplateError, anthropic_to_openai
 from .held import HeldConversation, HeldPrefixes
 from .httpserver import (
@@ -646,6 +647,23 @@ class SimEngine:
             )
         return reply
 
+    def _typed(
+        self,
+        messages: list[dict[str, Any]],
+        tools: Any,
+        kwargs: dict[str, Any] | None,
+        prompt: str,
+    ) -> list[int]:
+        """The token type of each prompt token, from the chat template (``block_types``)."""
+        tok = self.tokenizer
+        return token_types(
+            lambda msgs: tok.render_chat(msgs, tools, kwargs),
+            tok.encode,
+            messages,
+            tok.encode(prompt),
+            bool(tools),
+        )
+
     def _prefill(
         self,
         prompt: str,
@@ -750,6 +768,11 @@ class SimEngine:
         session = req.headers.get("x-session-id") or body.get("user")
         session = session if isinstance(session, str) else None
         key = self.held.key_of(body)
+        if self.advisor is not None:
+            self.advisor.describe(
+                self._typed(messages, tools, kwargs, prompt),
+                request_features(body, messages, max_tokens),
+            )
         cached, total, _, decoder = self._prefill(prompt, salt, session, reply, key, model)
         await self._model_latency(total - cached)
         answer = reply.answer

@@ -1,8 +1,10 @@
 """gRPC ``continuum.listener.v1.EvictionAdvisor``: SAECache advice for engines.
 
 One :class:`~listener.saecache.policy.SaeCache` per backend, fed by ``Observe`` and
-queried by ``RankVictims``; the wire contract (kinds, limits, status codes) is in
-``proto/continuum/listener/v1/eviction_advisor.proto``.
+queried by ``RankVictims``. A request's session class is the engine's hint when it sends
+one, else the class ``classify`` derives from the request's engine-visible features
+(``BlockEvent.request``), else the session predictor's. The wire contract (kinds, limits,
+status codes) is in ``proto/continuum/listener/v1/eviction_advisor.proto``.
 
 Memory per backend is bounded: at most ``max_blocks`` blocks (beyond it the lowest-ranked
 evictable blocks are forgotten, as if the engine had evicted them; when none is evictable
@@ -32,6 +34,7 @@ import grpc
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2 as pb
 from bus._gen.continuum.listener.v1 import eviction_advisor_pb2_grpc as pb_grpc
 
+from .classify import RequestFeatures, classify, parse_features
 from .guard import GuardConfig, GuardedSaeCache
 from .policy import SaeCache, SaeConfig
 from .predictor import Predictor
@@ -44,6 +47,7 @@ __all__ = [
     "SERVICE_NAME",
     "EvictionAdvisor",
     "add_to_server",
+    "request_features",
 ]
 
 log = logging.getLogger("continuum.listener.saecache.advisor")
@@ -122,6 +126,8 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         self._clock = clock
         self.predictor = predictor
         self.predictions = 0
+        self.derived = 0
+        """Requests whose class came from their ``request`` features."""
         self._cfg = config if config is not None else SaeConfig()
         self._guard = guard
         self._names = tuple(backends)
@@ -231,8 +237,14 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
             b.forgotten += 1
 
     def _session_class(self, c: SaeCache, ev: pb.BlockEvent) -> SessionClass:
-        """The engine's guess, else the predictor's for a new session with features."""
+        """The engine's guess; else the class its ``request`` features point to; else the
+        predictor's for a new session with ``features``."""
         guess = _CLASSES.get(ev.session_class, SessionClass.UNKNOWN)
+        if guess == SessionClass.UNKNOWN and ev.HasField("request"):
+            guess = classify(request_features(ev.request))
+            if guess != SessionClass.UNKNOWN:
+                self.derived += 1
+                return guess
         if (
             guess == SessionClass.UNKNOWN
             and self.predictor is not None
@@ -271,6 +283,11 @@ class EvictionAdvisor(pb_grpc.EvictionAdvisorServicer):
         now = self._time(b, request.timestamp, self._clock())
         order = b.cache.rank(cands, request.n, now)
         return pb.RankVictimsResponse(block_hashes=order)  # type: ignore[arg-type]
+
+
+def request_features(msg: pb.RequestFeatures) -> RequestFeatures:
+    """The set fields of a ``RequestFeatures`` message, implausible values dropped."""
+    return parse_features({d.name: v for d, v in msg.ListFields()})
 
 
 def _validate(events: Iterable[pb.BlockEvent], predictor: Predictor | None = None) -> None:

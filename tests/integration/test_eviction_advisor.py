@@ -167,6 +167,24 @@ async def test_bad_input_gets_clear_status_codes(advisor) -> None:
     assert [s.backend_name for s in sources.sources] == ["engine-1"]
 
 
+async def test_request_features_cross_the_wire_and_bad_ones_are_ignored(advisor) -> None:
+    """REQUEST_STARTED ``request`` (the engine-visible features the advisor derives the
+    session class from) is accepted over gRPC; implausible values are ignored, not an
+    error, and the advice still comes."""
+    stub, _, _ = advisor
+    good = _request("tmpl", [b"T1", b"T2"], 10.0, pb.TOKEN_TYPE_USER)
+    good[0].request.CopyFrom(pb.RequestFeatures(turns=1, temperature=0.0, max_tokens=256))
+    bad = _request("odd", [b"O1"], 10.0, pb.TOKEN_TYPE_USER)
+    bad[0].request.CopyFrom(pb.RequestFeatures(temperature=float("nan"), tools=1 << 31))
+    reply = await _observe(stub, good, bad)
+    assert reply.events_applied == len(good) + len(bad)
+    ranked = await stub.RankVictims(
+        pb.RankVictimsRequest(backend="engine-1", candidate_hashes=[b"T2", b"O1"], n=2),
+        timeout=10,
+    )
+    assert sorted(ranked.block_hashes) == [b"O1", b"T2"]
+
+
 async def test_a_listener_with_a_session_predictor_classifies_over_grpc(tmp_path: Path) -> None:
     """``session_predictor`` in the config: the listener process loads the model file at
     start and its advisor takes REQUEST_STARTED ``features``; a vector of the wrong size is

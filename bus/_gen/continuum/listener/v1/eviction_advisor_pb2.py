@@ -24,29 +24,31 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,continuum/listener/v1/eviction_advisor.proto\x12\x15\x63ontinuum.listener.v1\"\xb4\x02\n\nBlockEvent\x12\x33\n\x04kind\x18\x01 \x01(\x0e\x32%.continuum.listener.v1.BlockEventKind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x34\n\ntoken_type\x18\x05 \x01(\x0e\x32 .continuum.listener.v1.TokenType\x12\x0e\n\x06offset\x18\x06 \x01(\r\x12\x11\n\ttimestamp\x18\x07 \x01(\x01\x12:\n\rsession_class\x18\x08 \x01(\x0e\x32#.continuum.listener.v1.SessionClass\x12\x10\n\x08\x66\x65\x61tures\x18\t \x03(\x02\x12\r\n\x05tools\x18\n \x01(\x08\"T\n\x0eObserveRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x31\n\x06\x65vents\x18\x02 \x03(\x0b\x32!.continuum.listener.v1.BlockEvent\"C\n\x0fObserveResponse\x12\x16\n\x0e\x65vents_applied\x18\x01 \x01(\x04\x12\x18\n\x10\x62locks_forgotten\x18\x02 \x01(\x04\"]\n\x12RankVictimsRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x18\n\x10\x63\x61ndidate_hashes\x18\x02 \x03(\x0c\x12\t\n\x01n\x18\x03 \x01(\r\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\"+\n\x13RankVictimsResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c*\xbf\x01\n\tTokenType\x12\x1a\n\x16TOKEN_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11TOKEN_TYPE_SYSTEM\x10\x01\x12\x13\n\x0fTOKEN_TYPE_USER\x10\x02\x12\x18\n\x14TOKEN_TYPE_ASSISTANT\x10\x03\x12\x18\n\x14TOKEN_TYPE_REASONING\x10\x04\x12\x1e\n\x1aTOKEN_TYPE_TOOL_DEFINITION\x10\x05\x12\x16\n\x12TOKEN_TYPE_TOOL_IO\x10\x06*x\n\x0cSessionClass\x12\x1d\n\x19SESSION_CLASS_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_CLASS_CHAT\x10\x01\x12\x17\n\x13SESSION_CLASS_AGENT\x10\x02\x12\x18\n\x14SESSION_CLASS_SINGLE\x10\x03*\xce\x01\n\x0e\x42lockEventKind\x12 \n\x1c\x42LOCK_EVENT_KIND_UNSPECIFIED\x10\x00\x12$\n BLOCK_EVENT_KIND_REQUEST_STARTED\x10\x01\x12\x1d\n\x19\x42LOCK_EVENT_KIND_INSERTED\x10\x02\x12\x18\n\x14\x42LOCK_EVENT_KIND_HIT\x10\x03\x12\x1d\n\x19\x42LOCK_EVENT_KIND_RELEASED\x10\x04\x12\x1c\n\x18\x42LOCK_EVENT_KIND_REMOVED\x10\x05\x32\xd3\x01\n\x0f\x45victionAdvisor\x12Z\n\x07Observe\x12%.continuum.listener.v1.ObserveRequest\x1a&.continuum.listener.v1.ObserveResponse(\x01\x12\x64\n\x0bRankVictims\x12).continuum.listener.v1.RankVictimsRequest\x1a*.continuum.listener.v1.RankVictimsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n,continuum/listener/v1/eviction_advisor.proto\x12\x15\x63ontinuum.listener.v1\"\xed\x02\n\nBlockEvent\x12\x33\n\x04kind\x18\x01 \x01(\x0e\x32%.continuum.listener.v1.BlockEventKind\x12\x12\n\nblock_hash\x18\x02 \x01(\x0c\x12\x13\n\x0bparent_hash\x18\x03 \x01(\x0c\x12\x12\n\nsession_id\x18\x04 \x01(\t\x12\x34\n\ntoken_type\x18\x05 \x01(\x0e\x32 .continuum.listener.v1.TokenType\x12\x0e\n\x06offset\x18\x06 \x01(\r\x12\x11\n\ttimestamp\x18\x07 \x01(\x01\x12:\n\rsession_class\x18\x08 \x01(\x0e\x32#.continuum.listener.v1.SessionClass\x12\x10\n\x08\x66\x65\x61tures\x18\t \x03(\x02\x12\r\n\x05tools\x18\n \x01(\x08\x12\x37\n\x07request\x18\x0b \x01(\x0b\x32&.continuum.listener.v1.RequestFeatures\"\x99\x02\n\x0fRequestFeatures\x12\x12\n\x05tools\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x12\n\x05turns\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x17\n\ntool_calls\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x19\n\x0ctool_results\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x16\n\treasoning\x18\x05 \x01(\x08H\x04\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x05\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x42\x08\n\x06_toolsB\x08\n\x06_turnsB\r\n\x0b_tool_callsB\x0f\n\r_tool_resultsB\x0c\n\n_reasoningB\x0e\n\x0c_temperatureB\r\n\x0b_max_tokens\"T\n\x0eObserveRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x31\n\x06\x65vents\x18\x02 \x03(\x0b\x32!.continuum.listener.v1.BlockEvent\"C\n\x0fObserveResponse\x12\x16\n\x0e\x65vents_applied\x18\x01 \x01(\x04\x12\x18\n\x10\x62locks_forgotten\x18\x02 \x01(\x04\"]\n\x12RankVictimsRequest\x12\x0f\n\x07\x62\x61\x63kend\x18\x01 \x01(\t\x12\x18\n\x10\x63\x61ndidate_hashes\x18\x02 \x03(\x0c\x12\t\n\x01n\x18\x03 \x01(\r\x12\x11\n\ttimestamp\x18\x04 \x01(\x01\"+\n\x13RankVictimsResponse\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x0c*\xbf\x01\n\tTokenType\x12\x1a\n\x16TOKEN_TYPE_UNSPECIFIED\x10\x00\x12\x15\n\x11TOKEN_TYPE_SYSTEM\x10\x01\x12\x13\n\x0fTOKEN_TYPE_USER\x10\x02\x12\x18\n\x14TOKEN_TYPE_ASSISTANT\x10\x03\x12\x18\n\x14TOKEN_TYPE_REASONING\x10\x04\x12\x1e\n\x1aTOKEN_TYPE_TOOL_DEFINITION\x10\x05\x12\x16\n\x12TOKEN_TYPE_TOOL_IO\x10\x06*x\n\x0cSessionClass\x12\x1d\n\x19SESSION_CLASS_UNSPECIFIED\x10\x00\x12\x16\n\x12SESSION_CLASS_CHAT\x10\x01\x12\x17\n\x13SESSION_CLASS_AGENT\x10\x02\x12\x18\n\x14SESSION_CLASS_SINGLE\x10\x03*\xce\x01\n\x0e\x42lockEventKind\x12 \n\x1c\x42LOCK_EVENT_KIND_UNSPECIFIED\x10\x00\x12$\n BLOCK_EVENT_KIND_REQUEST_STARTED\x10\x01\x12\x1d\n\x19\x42LOCK_EVENT_KIND_INSERTED\x10\x02\x12\x18\n\x14\x42LOCK_EVENT_KIND_HIT\x10\x03\x12\x1d\n\x19\x42LOCK_EVENT_KIND_RELEASED\x10\x04\x12\x1c\n\x18\x42LOCK_EVENT_KIND_REMOVED\x10\x05\x32\xd3\x01\n\x0f\x45victionAdvisor\x12Z\n\x07Observe\x12%.continuum.listener.v1.ObserveRequest\x1a&.continuum.listener.v1.ObserveResponse(\x01\x12\x64\n\x0bRankVictims\x12).continuum.listener.v1.RankVictimsRequest\x1a*.continuum.listener.v1.RankVictimsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'bus._gen.continuum.listener.v1.eviction_advisor_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOKENTYPE']._serialized_start=678
-  _globals['_TOKENTYPE']._serialized_end=869
-  _globals['_SESSIONCLASS']._serialized_start=871
-  _globals['_SESSIONCLASS']._serialized_end=991
-  _globals['_BLOCKEVENTKIND']._serialized_start=994
-  _globals['_BLOCKEVENTKIND']._serialized_end=1200
+  _globals['_TOKENTYPE']._serialized_start=1019
+  _globals['_TOKENTYPE']._serialized_end=1210
+  _globals['_SESSIONCLASS']._serialized_start=1212
+  _globals['_SESSIONCLASS']._serialized_end=1332
+  _globals['_BLOCKEVENTKIND']._serialized_start=1335
+  _globals['_BLOCKEVENTKIND']._serialized_end=1541
   _globals['_BLOCKEVENT']._serialized_start=72
-  _globals['_BLOCKEVENT']._serialized_end=380
-  _globals['_OBSERVEREQUEST']._serialized_start=382
-  _globals['_OBSERVEREQUEST']._serialized_end=466
-  _globals['_OBSERVERESPONSE']._serialized_start=468
-  _globals['_OBSERVERESPONSE']._serialized_end=535
-  _globals['_RANKVICTIMSREQUEST']._serialized_start=537
-  _globals['_RANKVICTIMSREQUEST']._serialized_end=630
-  _globals['_RANKVICTIMSRESPONSE']._serialized_start=632
-  _globals['_RANKVICTIMSRESPONSE']._serialized_end=675
-  _globals['_EVICTIONADVISOR']._serialized_start=1203
-  _globals['_EVICTIONADVISOR']._serialized_end=1414
+  _globals['_BLOCKEVENT']._serialized_end=437
+  _globals['_REQUESTFEATURES']._serialized_start=440
+  _globals['_REQUESTFEATURES']._serialized_end=721
+  _globals['_OBSERVEREQUEST']._serialized_start=723
+  _globals['_OBSERVEREQUEST']._serialized_end=807
+  _globals['_OBSERVERESPONSE']._serialized_start=809
+  _globals['_OBSERVERESPONSE']._serialized_end=876
+  _globals['_RANKVICTIMSREQUEST']._serialized_start=878
+  _globals['_RANKVICTIMSREQUEST']._serialized_end=971
+  _globals['_RANKVICTIMSRESPONSE']._serialized_start=973
+  _globals['_RANKVICTIMSRESPONSE']._serialized_end=1016
+  _globals['_EVICTIONADVISOR']._serialized_start=1544
+  _globals['_EVICTIONADVISOR']._serialized_end=1755
 # @@protoc_insertion_point(module_scope)

@@ -51,7 +51,7 @@ BLOCK_EVENT_KIND_RELEASED: BlockEventKind
 BLOCK_EVENT_KIND_REMOVED: BlockEventKind
 
 class BlockEvent(_message.Message):
-    __slots__ = ("kind", "block_hash", "parent_hash", "session_id", "token_type", "offset", "timestamp", "session_class", "features", "tools")
+    __slots__ = ("kind", "block_hash", "parent_hash", "session_id", "token_type", "offset", "timestamp", "session_class", "features", "tools", "request")
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,7 @@ class BlockEvent(_message.Message):
     SESSION_CLASS_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     TOOLS_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     kind: BlockEventKind
     block_hash: bytes
     parent_hash: bytes
@@ -72,7 +73,26 @@ class BlockEvent(_message.Message):
     session_class: SessionClass
     features: _containers.RepeatedScalarFieldContainer[float]
     tools: bool
-    def __init__(self, kind: _Optional[_Union[BlockEventKind, str]] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., session_id: _Optional[str] = ..., token_type: _Optional[_Union[TokenType, str]] = ..., offset: _Optional[int] = ..., timestamp: _Optional[float] = ..., session_class: _Optional[_Union[SessionClass, str]] = ..., features: _Optional[_Iterable[float]] = ..., tools: _Optional[bool] = ...) -> None: ...
+    request: RequestFeatures
+    def __init__(self, kind: _Optional[_Union[BlockEventKind, str]] = ..., block_hash: _Optional[bytes] = ..., parent_hash: _Optional[bytes] = ..., session_id: _Optional[str] = ..., token_type: _Optional[_Union[TokenType, str]] = ..., offset: _Optional[int] = ..., timestamp: _Optional[float] = ..., session_class: _Optional[_Union[SessionClass, str]] = ..., features: _Optional[_Iterable[float]] = ..., tools: _Optional[bool] = ..., request: _Optional[_Union[RequestFeatures, _Mapping]] = ...) -> None: ...
+
+class RequestFeatures(_message.Message):
+    __slots__ = ("tools", "turns", "tool_calls", "tool_results", "reasoning", "temperature", "max_tokens")
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
+    TURNS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_RESULTS_FIELD_NUMBER: _ClassVar[int]
+    REASONING_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    tools: int
+    turns: int
+    tool_calls: int
+    tool_results: int
+    reasoning: bool
+    temperature: float
+    max_tokens: int
+    def __init__(self, tools: _Optional[int] = ..., turns: _Optional[int] = ..., tool_calls: _Optional[int] = ..., tool_results: _Optional[int] = ..., reasoning: _Optional[bool] = ..., temperature: _Optional[float] = ..., max_tokens: _Optional[int] = ...) -> None: ...
 
 class ObserveRequest(_message.Message):
     __slots__ = ("backend", "events")
