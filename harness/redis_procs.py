@@ -419,15 +419,32 @@ class ClusterSet:
             if "fail" not in flags and "noaddr" not in flags
         )
 
-    def wait_ready(self, timeout: float = 30.0) -> None:
+    def wait_ready(self, timeout: float = 90.0) -> None:
         """Until every running node says ``cluster_state:ok`` and knows all nodes, and
-        every replica's link to its primary is up."""
+        every replica's link to its primary is up.
+
+        The bound is generous: on two loaded cores (the whole suite beside a session-wide
+        cluster) gossip and the replicas' first sync took over 30 s once. The error says
+        which node was not ready and what it reported, so a failure explains itself.
+        """
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if all(self._ok(n.port, len(self.nodes)) for n in self.nodes if n.running):
                 return
             time.sleep(0.1)
-        raise RuntimeError("the cluster did not reach cluster_state:ok on every node")
+        report = []
+        for n in self.nodes:
+            if n.running and not self._ok(n.port, len(self.nodes)):
+                info = self.cli(n.port, "cluster", "info").splitlines()[:1]
+                link = [
+                    line
+                    for line in self.cli(n.port, "info", "replication").splitlines()
+                    if line.startswith(("role:", "master_link_status:"))
+                ]
+                report.append(f"{n.port}: {info + link} view={self._view(n.port)}")
+        raise RuntimeError(
+            "the cluster did not reach cluster_state:ok on every node: " + "; ".join(report)
+        )
 
     def kill(self, port: int) -> None:
         """SIGKILL one node (its slots stay unserved until its replica takes over)."""

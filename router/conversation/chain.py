@@ -204,15 +204,17 @@ class ConversationKeys:
         self, prompt: str, model: str, cache_salt: str | None = None
     ) -> RequestChain | None:
         """The chain of a prompt the engine tokenizes as it is (``/v1/completions``: no
-        chat template), or None for a model without a template entry (its normalizer,
+        chat template, but the tokenizer's own leading special tokens such as a BOS:
+        :mod:`.raw_prompt`), or None for a model without a template entry (its normalizer,
         base model and LoRA adapters are configured there) or a prompt that is not UTF-8.
         """
         route = self._routes.get(model)
         if route is None:
             self._no_template += 1
             return None
+        template = route.template
         try:
-            data = route.template.normalizer(prompt).encode()
+            data = (template.raw_prompt_prefix + template.normalizer(prompt)).encode()
         except UnicodeEncodeError:
             self._failed(model, RenderError("invalid", "the prompt holds a lone surrogate"))
             return None

@@ -37,6 +37,7 @@ from .environment import chat_environment, compile_template
 from .errors import TemplateLoadError
 from .incremental import IncrementalPlan, plan_for
 from .normalizer import Normalizer, UnsupportedNormalizer
+from .raw_prompt import raw_prompt_prefix
 from .segments import SegmentRenderer, segment_renderer
 
 __all__ = ["SPECIAL_TOKEN_NAMES", "ChatTemplate", "CompiledTemplate", "load_chat_template"]
@@ -81,6 +82,9 @@ class ChatTemplate:
     """By name: ``default`` for a single template; a config's named list as named."""
     special_tokens: Mapping[str, str]
     normalizer: Normalizer
+    raw_prompt_prefix: str = ""
+    """What the tokenizer puts before a raw (``/v1/completions``) prompt: its BOS for
+    Llama-style tokenizers, nothing for Qwen2 (:mod:`.raw_prompt`)."""
 
     def select(self, has_tools: bool) -> CompiledTemplate:
         """The template ``transformers`` picks: ``tool_use`` for a request with tools (when
@@ -198,6 +202,7 @@ def _load(
         )
     special: dict[str, str] = {}
     sources: dict[str, str] = {}
+    config: Any = None
     if tokenizer_config is not None:
         path = tokenizer_config[0]
         config = _json(path, "tokenizer_config")
@@ -222,10 +227,13 @@ def _load(
         path = tokenizer_config[0]
         compiled = {n: _compile(n, s, "tokenizer_config", path) for n, s in sources.items()}
     normalizer = Normalizer(None)
+    tokenizer_json: Any = None
     if tokenizer is not None:
         path = tokenizer[0]
+        tokenizer_json = _json(path, "tokenizer")
         try:
-            normalizer = Normalizer.from_tokenizer_json(_json(path, "tokenizer"))
+            normalizer = Normalizer.from_tokenizer_json(tokenizer_json)
         except UnsupportedNormalizer as exc:
             raise TemplateLoadError("tokenizer", f"{path!r}: {exc}") from None
-    return ChatTemplate(compiled, special, normalizer)
+    prefix = raw_prompt_prefix(tokenizer_json, config, special.get("bos_token"))
+    return ChatTemplate(compiled, special, normalizer, prefix)
