@@ -157,7 +157,9 @@ class ConsumerStats:
     lost upstream and the snapshot restated the state. The first stream's resync is not
     counted."""
     reconnects: int = 0
-    """Connection attempts after the first one."""
+    """Connection attempts after the first one. A wait for a source that is not there
+    yet (push mode: no listener session for the backend) is not an attempt: it polls
+    every ``reconnect_interval_ms`` and would count a long partition by the thousand."""
     last_event_at: datetime | None = None
     """Wall-clock time (UTC) of the latest applied event."""
     connected: bool = False
@@ -256,6 +258,8 @@ class KvEventConsumer:
         )
         self._applied_now = 0
         """Events applied by the current connection."""
+        self._waiting = False
+        """The last attempt found the source unavailable (``RETRY_FLAT``)."""
         self._drop_logged = False
         self.applying = False
         """A chunk's records are being applied: the index may be ahead of
@@ -282,7 +286,7 @@ class KvEventConsumer:
         await self._supervisor.run()
 
     async def _connection(self) -> None:
-        if self._supervisor.attempts > 1:
+        if self._supervisor.attempts > 1 and not self._waiting:
             self.stats.reconnects += 1
         self._drop_logged = False
         self._applied_now = 0
@@ -321,7 +325,8 @@ class KvEventConsumer:
         return Verdict.RETRY
 
     def _on_retry(self, attempt: Attempt) -> None:
-        if attempt.verdict is Verdict.RETRY_FLAT:
+        self._waiting = attempt.verdict is Verdict.RETRY_FLAT
+        if self._waiting:
             # No doubling and no warning per attempt (module docstring).
             self.stats.last_error = str(attempt.error)
             log.debug("event source %s: %s", self.backend, attempt.error)

@@ -29,6 +29,7 @@ from router.ingest import (
     ConsumerStats,
     KvEventConsumer,
     KvEventConsumerManager,
+    SourceUnavailable,
     default_backoff,
 )
 from tests import waiting
@@ -826,3 +827,28 @@ async def test_end_resync_runs_right_after_the_last_snapshot_record(h: Harness) 
         "cache_created:10",
     ]
     assert c.stats.resyncs == 3 and c.stats.last_event_id == "e1-5"
+
+
+async def test_waiting_for_a_session_is_not_counted_as_reconnects(h: Harness) -> None:
+    """Push mode: while no listener session offers the backend (a partition), the opener
+    is polled every ``reconnect_interval_ms``; those polls are not connection attempts, so
+    a five-minute partition is one reconnect, not thousands."""
+    calls = 0
+
+    async def opener(last_id: str | None) -> AsyncIterator[bytes]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            yield record("x-1", created_json(1))
+            return  # the session ends: the partition begins
+        if calls < 42:
+            raise SourceUnavailable("no session")
+        yield record("x-2", created_json(2))
+        await asyncio.Event().wait()
+
+    rec = Recorder()
+    c = h.consumer("http://unused.invalid/events", rec, stream_opener=opener)
+    h.run(c)
+    await wait_until(lambda: len(rec.events) == 2, "the event after the session is back")
+    assert calls == 42
+    assert c.stats.reconnects == 1
