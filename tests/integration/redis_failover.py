@@ -208,7 +208,7 @@ async def kv_failover_under_traffic(
     assert router.grpc_target is not None
     async with grpc.aio.insecure_channel(router.grpc_target) as channel:
         st = Stack(fleet, listener, router, pb_grpc.KvIndexStub(channel))
-        await quiesce(st, within=30)
+        await quiesce(st, within=60)
     want = await listener_state(listener)
     assert len(want) > 20, "the engines held too little to compare"
     assert {b for _, b in want} == set(NAMES)

@@ -305,6 +305,7 @@ async def quiesce(st: Stack, within: float = 15.0) -> None:
     work queued, and the router applied every record the listener published; the same
     positions on two polls in a row."""
     last: list[Any] = []
+    seen: dict[str, Any] = {}
 
     async def settled() -> bool:
         sims = await st.fleet.stats()
@@ -312,19 +313,32 @@ async def quiesce(st: Stack, within: float = 15.0) -> None:
         reply = await st.kvindex.Backends(pb.BackendsRequest(), timeout=5)
         router_ids = {b.name: b.last_event_id for b in reply.backends}
         pos: list[Any] = []
+        done = True
         for name, sim in zip(NAMES, sims, strict=True):
             src = lst["sources"][name]
             hub_id = lst["hub"]["backends"][name]["last_event_id"]
+            seen[name] = {
+                "engine_next_seq": sim["kv_events"]["next_seq"],
+                "listener": {k: src.get(k) for k in ("last_seq", "queued_roots", "gaps",
+                                                      "restarts", "forged_frames", "resyncs")},
+                "hub": hub_id,
+                "router": router_ids.get(name),
+            }  # fmt: skip
             if src["last_seq"] != sim["kv_events"]["next_seq"] - 1 or src["queued_roots"]:
-                return False
+                done = False
             if router_ids.get(name) != hub_id:
-                return False
+                done = False
             pos.append(hub_id)
+        if not done:
+            return False
         settled_now = pos == last
         last[:] = pos
         return settled_now
 
-    await wait_until(settled, within=within, interval=0.1, what="engines, listener, router")
+    try:
+        await wait_until(settled, within=within, interval=0.1, what="engines, listener, router")
+    except AssertionError as exc:  # say which position did not meet which
+        raise AssertionError(f"{exc}; positions: {seen}") from None
 
 
 # -- (a) a warmed prefix is routed to the engine that holds it ---------------------------
