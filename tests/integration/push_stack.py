@@ -392,6 +392,26 @@ class BusPeer:
         first = await asyncio.wait_for(call.read(), 10)
         return call, first
 
+    @staticmethod
+    async def finish(call: Any, within: float = 10) -> grpc.StatusCode:
+        """The Session's status once every message still in flight has been read.
+
+        gRPC hands a call's status over only after its messages: the router's consumers
+        may Subscribe on a fresh session at any moment, and a test that awaits
+        ``call.code()`` without reading them waits forever.
+        """
+
+        async def drain() -> grpc.StatusCode:
+            try:
+                while await call.read() is not grpc.aio.EOF:
+                    pass
+            except grpc.aio.AioRpcError as exc:  # read() raises a status other than OK
+                return exc.code()
+            code: grpc.StatusCode = await call.code()
+            return code
+
+        return await asyncio.wait_for(drain(), within)
+
     async def refusal(
         self, client_id: str, sources: list[str], role: bpb.Role = bpb.ROLE_KV_LISTENER
     ) -> tuple[grpc.StatusCode, str]:

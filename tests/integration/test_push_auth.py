@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
@@ -21,7 +22,7 @@ import pytest_asyncio
 from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
 from harness.procs import free_port
 
-from .conftest import RouterLauncher, RouterProc, StartRouter
+from .conftest import RouterLauncher, RouterProc, StartRouter, wait_until
 from .push_stack import TOKENS, BusPeer, Pki, broker, make_pki, router_config
 
 pytestmark = pytest.mark.slow
@@ -62,15 +63,32 @@ async def refused(
         await peer.close()
 
 
+async def _subscribes(router: RouterProc) -> float:
+    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
+        text = await r.text()
+    for line in text.splitlines():
+        if line.startswith("continuum_event_bus_subscribes"):
+            return float(line.split()[-1])
+    return 0.0
+
+
 async def test_a_valid_token_is_welcomed(token_router: tuple[RouterProc, int], pki: Pki) -> None:
-    _, port = token_router
+    router, port = token_router
     peer = BusPeer(pki, port, token=TOKENS["kv-a"])
     try:
+        before = await _subscribes(router)
         call, first = await peer.hello("kv-a", [B, C, B])
         assert first.WhichOneof("kind") == "welcome"
         assert list(first.welcome.accepted_sources) == [B, C]
+
+        async def subscribed() -> bool:
+            return await _subscribes(router) > before
+
+        # The router's consumers ask for their streams at once; the listener half-closes
+        # with those requests unread, and still gets its status (the call does not hang).
+        await wait_until(subscribed, 15, interval=0.05, what="a Subscribe on the session")
         await call.done_writing()
-        assert await call.code() == grpc.StatusCode.OK
+        assert await peer.finish(call) == grpc.StatusCode.OK
     finally:
         await peer.close()
 
@@ -161,7 +179,7 @@ async def test_hot_reload_shrinking_backends_ends_the_session_with_forbidden(
         assert msg.WhichOneof("kind") == "forbidden"
         assert list(msg.forbidden.sources) == [C]
         assert "no longer include 'vllm-2'" in msg.forbidden.reason
-        assert await call.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert await peer.finish(call) == grpc.StatusCode.PERMISSION_DENIED
         # The shrunk entry may still announce what it keeps; not what it lost.
         again, first = await peer.hello("kv-a", [B])
         assert first.WhichOneof("kind") == "welcome"
