@@ -20,8 +20,10 @@ system prompt, enough concurrent sessions that no engine can take all of a promp
 tokens; (c) every session with its own system prompt. Engines are reset between runs and
 the listener is waited on until it tracks nothing, so every run starts cold.
 
-Figures per row and workload: the engines' own token hit rate (cached / prompt tokens
-from ``/sim/stats``), modelled prefill seconds (and against RoundRobin), load spread
+Figures per row and workload, each the median over ``--repeat`` rounds of every row
+(default 3; one run of a row moves by several points with the engines' timing): the
+engines' own token hit rate (cached / prompt tokens from ``/sim/stats``), modelled
+prefill seconds (and against RoundRobin), load spread
 (time-averaged in-flight requests per engine, sampled every ``--sample-ms``: max/mean),
 turn-to-turn stickiness (share of turns on the engine of the session's previous turn)
 and the router's predicted-vs-delivered cached-token error (from its
@@ -43,11 +45,12 @@ import argparse
 import asyncio
 import contextlib
 import json
+import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -118,6 +121,9 @@ class Result:
     stickiness: float = float("nan")
     pred_error: float | None = None
     seconds: float = 0.0
+    runs: list[float] = field(default_factory=list)
+    """Each run's hit rate when the row ran more than once (``--repeat``): the figures
+    above are the medians."""
 
 
 @dataclass(frozen=True)
@@ -339,6 +345,13 @@ def judge(
     return out
 
 
+def _spread(runs: Sequence[float]) -> str:
+    """The range of a row's hit rates over its runs: how far one run can be trusted."""
+    if len(runs) < 2:
+        return "-"
+    return f"{100 * min(runs):.1f}-{100 * max(runs):.1f}"
+
+
 def report(
     results: Sequence[Result], names: dict[str, str], ideals: dict[str, float]
 ) -> list[tuple[str, str, str, bool | None]]:
@@ -349,12 +362,13 @@ def report(
         table = []
         for r in rows:
             if r.available is not None:
-                table.append([r.row, "not available", "", "", "", "", "", ""])
+                table.append([r.row, "not available", "", "", "", "", "", "", ""])
                 continue
             table.append(
                 [
                     r.row,
                     _pct(r.hit_rate),
+                    _spread(r.runs),
                     f"{r.prefill_s:.2f}s",
                     "-" if base != base else f"{r.prefill_s / base:.2f}x",
                     "-" if r.load_spread != r.load_spread else f"{r.load_spread:.2f}",
@@ -364,7 +378,7 @@ def report(
                 ]
             )
         print(f"\n({key}) {wl}; one unbounded cache: {_pct(ideals.get(wl, float('nan')))}")
-        headers = ["row", "token hit", "prefill", "vs RR", "load max/mean", "sticky",
+        headers = ["row", "token hit", "runs", "prefill", "vs RR", "load max/mean", "sticky",
                    "pred err", "requests"]  # fmt: skip
         print(render_table(headers, table))
     verdicts = judge(results, names)
@@ -379,7 +393,8 @@ def report(
         "\n  token hit = the engines' cached / prompt tokens; prefill = their modelled prefill "
         "time; load = time-averaged\n  in-flight requests per engine, max/mean; sticky = turns "
         "on the engine of the session's previous turn;\n  pred err = |predicted - delivered| / "
-        "delivered cached tokens as the router reports them ('-': not reported)."
+        "delivered cached tokens as the router reports them ('-': not reported);\n  "
+        "each figure is the median of the row's runs (--repeat), runs = their hit rates' range."
     )
     return verdicts
 
@@ -465,23 +480,58 @@ async def measure_workload(
         await listener_connected(listener, fleet)
         mode = "conversation mode" if why_not is None else "prefix keys only"
         print(f"    listener: {mode}")
-        for row in ROWS:
-            if args.rows and row.label not in args.rows:
-                continue
-            results.append(
-                await run_row(
-                    row,
-                    setup,
-                    fleet=fleet,
-                    listener=listener,
-                    base=base,
-                    tmp=tmp,
-                    why_not=why_not,
-                    sample_every=args.sample_ms / 1000,
-                    scoring=args.scoring,
+        runs: dict[str, list[Result]] = {}
+        # Rounds of every row, not each row N times in a row: whatever slows the shared
+        # machine for a minute then costs every row alike.
+        for rnd in range(args.repeat):
+            if args.repeat > 1:
+                print(f"    round {rnd + 1}/{args.repeat}")
+            for row in ROWS:
+                if args.rows and row.label not in args.rows:
+                    continue
+                runs.setdefault(row.label, []).append(
+                    await run_row(
+                        row,
+                        setup,
+                        fleet=fleet,
+                        listener=listener,
+                        base=base,
+                        tmp=tmp,
+                        why_not=why_not,
+                        sample_every=args.sample_ms / 1000,
+                        scoring=args.scoring,
+                    )
                 )
-            )
+        results = [median_result(rs) for rs in runs.values()]
     return results
+
+
+def median_result(runs: Sequence[Result]) -> Result:
+    """The per-field median of a row's runs (the runs that did not start count for
+    nothing; a row none of whose runs started keeps the first one's reason)."""
+    ran = [r for r in runs if r.available is None]
+    if not ran:
+        return runs[0]
+    if len(ran) == 1:
+        return ran[0]
+
+    def med(name: str) -> float:
+        return float(statistics.median(getattr(r, name) for r in ran))
+
+    preds = [r.pred_error for r in ran if r.pred_error is not None]
+    return Result(
+        workload=ran[0].workload,
+        row=ran[0].row,
+        requests=ran[0].requests,
+        errors=sum(r.errors for r in ran),
+        hit_rate=med("hit_rate"),
+        prefill_s=med("prefill_s"),
+        load_spread=med("load_spread"),
+        stickiness=med("stickiness"),
+        pred_error=float(statistics.median(preds)) if preds else None,
+        seconds=sum(r.seconds for r in ran),
+        runs=[r.hit_rate for r in ran],
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -540,6 +590,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         + ", ".join(r.label for r in ROWS),
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="rounds of every row; each figure is the median of its runs (default 3)",
+    )
     p.add_argument("--quick", action="store_true", help="shorter sessions (~2 min)")
     p.add_argument("--json", metavar="FILE", help="write every figure and verdict as JSON")
     args = p.parse_args(argv)
