@@ -17,6 +17,7 @@ probe says no, and runs the rest.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import subprocess
 import sys
@@ -49,9 +50,26 @@ __all__ = [
     "router_config",
     "router_conversation",
     "routes_conversation",
+    "scoring_arg",
 ]
 
 MODEL = "demo-model"
+
+
+def scoring_arg(value: str) -> dict[str, float]:
+    """``--scoring k=v,k=v``: the conversation row's ``kv_cache_index.conversation.scoring``
+    overrides (the cost model's weights and the bounded-load cap), to measure a setting
+    against the defaults in the same run."""
+    out: dict[str, float] = {}
+    for kv in filter(None, value.split(",")):
+        name, sep, num = kv.partition("=")
+        if not sep:
+            raise argparse.ArgumentTypeError(f"{kv!r} is not name=value")
+        try:
+            out[name.strip()] = float(num)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{kv!r}: {num!r} is not a number") from None
+    return out
 
 
 def qwen_files() -> tuple[Path, Path]:

@@ -43,6 +43,7 @@ from bench._fleet import (
     router_config,
     router_conversation,
     routes_conversation,
+    scoring_arg,
 )
 from bench._table import render_table, verdict
 from harness.procs import ROOT, ChildExited, ChildTimeout
@@ -125,6 +126,8 @@ async def measure(args: argparse.Namespace) -> list[Result]:
                 router_config(base, fleet, args.strategy, 0, conversation=True),
             ),
         )
+        if args.scoring:
+            rows[1][1]["kv_cache_index"]["conversation"]["scoring"] = dict(args.scoring)
         for label, cfg in rows:
             print(f"  {label:<16} ", end="", flush=True)
             conv = label == "Conversation"
@@ -197,6 +200,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="the conversation row's selection_strategy (what places a prompt nobody holds)",
     )
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--scoring",
+        type=scoring_arg,
+        default={},
+        help="the conversation row's kv_cache_index.conversation.scoring, as k=v,k=v "
+        "(e.g. load_factor_epsilon=0.1)",
+    )
     return p.parse_args(argv)
 
 

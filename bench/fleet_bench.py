@@ -71,6 +71,7 @@ from bench._fleet import (
     router_config,
     router_conversation,
     routes_conversation,
+    scoring_arg,
 )
 from bench._plot import bar_chart_svg
 from bench._table import render_table, verdict
@@ -577,7 +578,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--scoring",
-        type=lambda v: {k: float(x) for k, x in (kv.split("=") for kv in v.split(",") if kv)},
+        type=scoring_arg,
         default={},
         help="the conversation row's kv_cache_index.conversation.scoring, as k=v,k=v "
         "(e.g. prefill_load_weight=0.1,active_request_weight=32)",
