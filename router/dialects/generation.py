@@ -1,8 +1,9 @@
-"""What ``/v1/completions`` and ``/v1/responses`` share: one request flow over a parsed body.
+"""What ``/v1/chat/completions``, ``/v1/completions`` and ``/v1/responses`` share: one
+request flow over a parsed body.
 
-Each of the two dialects turns its client's body into a :class:`Prepared` (validation,
+Each of the three dialects turns its client's body into a :class:`Prepared` (validation,
 the prefix anchor, the prompt chain, the response cache's view of the request, a pinned
-backend); :class:`GenerationDialect` does the rest, in the order of the chat dialect:
+backend); :class:`GenerationDialect` does the rest:
 
 1. the response cache when enabled and the request is deterministic (``Prepared.cache_view``
    is not None): a hit is answered without a backend; every answer carries
@@ -13,15 +14,17 @@ backend); :class:`GenerationDialect` does the rest, in the order of the chat dia
 3. the selection context: the prefix key from the anchor (``bus.prefix_key``, with
    ``prefix_routing.max_prefix_length``), for ``ConsistentHash`` the session affinity,
    and with conversation-depth routing the prompt chain;
-4. forward, with the cache write-back of a miss.
+4. forward, with the cache write-back of a miss, once the dialect's
+   :meth:`GenerationDialect.adapt` has had its say (the chat dialect's Gemini adapter).
 
 Upstream the body goes as sent, or with its ``cache_salt`` bound to the chosen backend
 (:mod:`.cache_salt`) when the dialect allows it (:meth:`GenerationDialect.saltable`).
 
-The cache's view is a chat-shaped body whose ``messages`` is an object naming the
-endpoint and its input (``{"completions": prompt}``, ``{"responses": {...}}``): the key
-function (:mod:`router.cache.response`) is the chat one, and an object can never equal a
-chat request's message array, so the three APIs never share an entry.
+The cache's view of a chat request is its body; for the other two it is a chat-shaped body
+whose ``messages`` is an object naming the endpoint and its input (``{"completions":
+prompt}``, ``{"responses": {...}}``): the key function (:mod:`router.cache.response`) is
+the chat one, and an object can never equal a chat request's message array, so the three
+APIs never share an entry (nor take the semantic path, which needs a message array).
 """
 
 from __future__ import annotations
@@ -152,7 +155,7 @@ class GenerationDialect(PassThroughAnswers):
             lookup = await cache.lookup(prepared.cache_view, req.headers, prepared.stream)
             if lookup.result == "hit":
                 self._observe(self.endpoint, None, 200, time.perf_counter() - started)
-                return cached_answer(lookup.body or b"", prepared.stream)
+                return cached_answer(lookup.body or b"", prepared.stream, lookup.mode)
         resp = await self._route(req, cfg, body, prepared, lookup, started)
         if lookup is not None and lookup.result == "miss":
             resp.headers.append(("x-cache", "MISS"))
@@ -199,7 +202,15 @@ class GenerationDialect(PassThroughAnswers):
         if lookup is not None and lookup.result == "miss" and self.cache is not None:
             spec.store = self.cache.writer_for(lookup)
             spec.store_limit = self.cache.limit(prepared.stream)
+        refused = self.adapt(spec, candidates)
+        if refused is not None:
+            return refused
         return await self._forwarder.forward(spec, candidates, mask, started)
+
+    def adapt(self, spec: ForwardSpec, candidates: tuple[Backend, ...]) -> Response | None:
+        """Attach what some candidates need beyond the upstream format, or the 400 to
+        answer with when the request cannot be given to them."""
+        return None
 
     # -- upstream format ---------------------------------------------------------------
 
