@@ -14,7 +14,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import grpc
 import pytest
 import pytest_asyncio
@@ -22,7 +21,7 @@ import pytest_asyncio
 from bus._gen.continuum.bus.v1 import bus_pb2 as bpb
 from harness.procs import free_port
 
-from .conftest import RouterLauncher, RouterProc, StartRouter, wait_until
+from .conftest import RouterLauncher, RouterProc, StartRouter, metric_value, wait_until
 from .push_stack import TOKENS, BusPeer, Pki, broker, make_pki, router_config
 
 pytestmark = pytest.mark.slow
@@ -64,12 +63,7 @@ async def refused(
 
 
 async def _subscribes(router: RouterProc) -> float:
-    async with aiohttp.ClientSession() as s, s.get(router.url + "/metrics") as r:
-        text = await r.text()
-    for line in text.splitlines():
-        if line.startswith("continuum_event_bus_subscribes"):
-            return float(line.split()[-1])
-    return 0.0
+    return metric_value(await router.metrics(), "continuum_event_bus_subscribes_total")
 
 
 async def test_a_valid_token_is_welcomed(token_router: tuple[RouterProc, int], pki: Pki) -> None:
