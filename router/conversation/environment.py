@@ -116,6 +116,14 @@ def _tojson_plain(
 _JSON = json.JSONEncoder(ensure_ascii=False)
 _c_make_encoder = getattr(json.encoder, "c_make_encoder", None)
 _c_encode_basestring = getattr(json.encoder, "c_encode_basestring", None)
+# One encoder for every call, without json.dumps's cycle check (the only per-call state
+# it keeps): a template in the immutable sandbox cannot build a cycle, and a request's
+# JSON has none; a structure too deep is a RecursionError either way.
+_encode = (
+    _c_make_encoder(None, _JSON.default, _c_encode_basestring, None, ": ", ", ", False, False, True)
+    if _c_make_encoder is not None and _c_encode_basestring is not None
+    else None
+)
 
 
 def _tojson(
@@ -125,12 +133,15 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
+    probe = getattr(type(value), "probe_json", None)
+    if probe is not None:  # a tool call's arguments while a shape is learned (.segments)
+        return str(probe(value, ensure_ascii, indent, separators, sort_keys))
     if (
         ensure_ascii
         or indent is not None
         or separators is not None
         or sort_keys
-        or _c_make_encoder is None
+        or _encode is None
         or _c_encode_basestring is None
     ):
         return _tojson_plain(value, ensure_ascii, indent, separators, sort_keys)
@@ -138,10 +149,7 @@ def _tojson(
     # object and its closures per call
     if isinstance(value, str):
         return str(_c_encode_basestring(value))
-    encode = _c_make_encoder(
-        {}, _JSON.default, _c_encode_basestring, None, ": ", ", ", False, False, True
-    )
-    return "".join(encode(value, 0))
+    return "".join(_encode(value, 0))
 
 
 def _strftime_now(fmt: str) -> str:

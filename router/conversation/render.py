@@ -203,9 +203,15 @@ def render_inputs(
 def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
     inputs = render_inputs(chat_template, body)
     template = inputs.prepared.template
-    if not plain and inputs.plain is not None and template.segments is not None:
-        # the common chat, by concatenation (the template's output learned per shape)
-        text = template.segments.render(*inputs.plain, inputs.variables)
+    segments = template.segments
+    if not plain and segments is not None and inputs.final is None:
+        # by concatenation (the template's output learned per shape): the common chat
+        # from its roles and contents, anything else with strings and tool calls (an
+        # agent loop, tools declared) from its messages' slots
+        if inputs.plain is not None and inputs.prepared.tools is None:
+            text = segments.render(*inputs.plain, inputs.variables)
+        else:
+            text = segments.render_chat(inputs.chat, inputs.variables)
         if text is not None:
             return text
     compiled = template.plain if plain else template.template

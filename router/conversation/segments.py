@@ -36,9 +36,18 @@ shape is opaque.
 
 A request of that shape whose contents answer every predicate as the probes did runs the
 same template code with the same results, so its prompt is the program with its
-contents: ``"".join``. Anything else (a message with other keys, content parts, tools,
-``continue_final_message``, a predicate answered otherwise, an opaque shape) renders
-with jinja as before. Templates that name ``strftime_now`` (the date in the prompt) or
+contents: ``"".join``.
+
+Agent loops go the same way (:meth:`SegmentRenderer.render_chat`): every string of a
+prepared message is a *slot* probed like a content (a tool message's ``tool_call_id``, a
+tool call's ``id`` and ``name``), a tool call's ``arguments`` object the slot of its
+``tojson`` text (a ``dict`` whose every method makes the shape opaque, and whose
+``tojson`` with the default arguments is a probe). Their shape is the messages' keys in
+order with the roles, which strings are empty, and the declared tools by their JSON (the
+tools are rendered as they are while learning: a tool suite's text is a literal). Content
+parts (``openai`` content format), numbers or other objects in a message,
+``continue_final_message``, ``documents``, a predicate answered otherwise or an opaque
+shape render with jinja as before. Templates that name ``strftime_now`` (the date in the prompt) or
 ``lipsum`` (random text) get no segment renderer at all.
 Nor do templates that test or cut a string they build with ``~``, ``%``, ``join``,
 ``format`` or the escaping filters (which read a probe's text without its methods)
@@ -68,6 +77,8 @@ from typing import Any
 
 import jinja2
 import jinja2.nodes as n
+import orjson
+import xxhash
 
 log = logging.getLogger("continuum.conversation")
 
@@ -312,6 +323,42 @@ def _probe(text: str, core: str, index: int, trace: _Trace) -> _Probe:
     return p
 
 
+class _JsonProbe(dict[str, Any]):
+    """A tool call's ``arguments`` (an object) during a probe render: the environment's
+    ``tojson`` with its default arguments gives the slot's probe text (traced like a
+    content); any other use of the object (its items, its length, other ``tojson``
+    arguments) makes the shape opaque."""
+
+    probe: _Probe
+
+    def probe_json(self, ensure_ascii: Any, indent: Any, separators: Any, sort_keys: Any) -> str:
+        if ensure_ascii or indent is not None or separators is not None or sort_keys:
+            self.probe.trace.opaque = True
+        return self.probe
+
+
+def _opaque_dict(name: str) -> None:
+    original = getattr(dict, name)
+
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self.probe.trace.opaque = True
+        return original(self, *args, **kwargs)
+
+    method.__name__ = name
+    setattr(_JsonProbe, name, method)
+
+
+for _name in dir(dict):
+    if _name not in _NEUTRAL and callable(getattr(dict, _name)):
+        _opaque_dict(_name)
+
+
+def _json_probe(probe: _Probe) -> _JsonProbe:
+    out = _JsonProbe()
+    out.probe = probe
+    return out
+
+
 def _text_a(i: int) -> str:
     return f"{_OPEN}{i}{_MID}{_INNER_A}{_CLOSE}"
 
@@ -374,13 +421,181 @@ class _Shape:
             )
             for (question, arg, answer), indexes in grouped.items()
         )
-        return cls(operator.itemgetter(*pool), literals, checks, len(program) + len(predicates))
+        # long literals (a tool suite's JSON) count by their length too
+        size = len(program) + len(predicates) + sum(map(len, literals)) // _CHARS_PER_ITEM
+        return cls(operator.itemgetter(*pool), literals, checks, size)
 
     def text(self, contents: list[str]) -> str:
         return "".join(self.pick(contents + self.literals))
 
 
 _OPAQUE = _Shape(operator.itemgetter(0, 0), [], (), 0)
+_CHARS_PER_ITEM = 64
+_CHAT = "chat"
+"""The first item of :meth:`SegmentRenderer.render_chat`'s keys (the plain path's keys
+start with the tuple of roles)."""
+
+_ProbeChat = Callable[[Callable[[int], str]], list[dict[str, Any]]]
+"""Builds one probe render's messages, given the probe text of each slot."""
+
+
+def _plain_probes(roles: tuple[str, ...]) -> _ProbeChat:
+    return lambda probe: [{"role": r, "content": probe(i)} for i, r in enumerate(roles)]
+
+
+_SLOT, _EMPTY, _ARGUMENTS = 1, 0, 2
+
+
+_ROLE_CONTENT = ("role", "content")
+_CALL = ("id", "function", "type")
+_FUNCTION = ("arguments", "name")
+"""The key orders of vLLM's prepared tool calls (``.messages``): a fast path."""
+
+
+def _signature(
+    chat: Sequence[Any], values: list[str], tojson: Callable[[Any], str]
+) -> tuple[Any, ...] | None:
+    """The shape of a prepared conversation, its strings appended to ``values`` in slot
+    order, or None when a message holds anything else (content parts, numbers, ...).
+    A message ``{"role": r, "content": text}`` is ``(r, _SLOT or _EMPTY)``, any other a
+    tuple of ``(key, literal, slot marker or nested fields)`` pairs."""
+    out: list[tuple[Any, ...]] = []
+    add = out.append
+    push = values.append
+    for m in chat:
+        if type(m) is not dict:
+            return None
+        if tuple(m) == _ROLE_CONTENT:
+            role, content = m.values()
+            if type(role) is str and type(content) is str:
+                if content:
+                    push(content)
+                    add((role, _SLOT))
+                else:
+                    add((role, _EMPTY))
+                continue
+        fields = _fields(m, values, tojson)
+        if fields is None:
+            return None
+        add(fields)
+    return tuple(out)
+
+
+def _fields(
+    m: dict[str, Any], values: list[str], tojson: Callable[[Any], str]
+) -> tuple[Any, ...] | None:
+    fields: list[tuple[str, Any]] = []
+    for k, v in m.items():
+        t = type(v)
+        if k == "role":
+            if t is not str:
+                return None
+            fields.append((k, v))  # a literal of the shape: templates branch on it
+        elif t is str:
+            if v:
+                values.append(v)
+                fields.append((k, _SLOT))
+            else:
+                fields.append((k, _EMPTY))
+        elif k == "tool_calls" and t is list:
+            calls = []
+            for call in v:
+                one = _call(call, values, tojson)
+                if one is None:
+                    return None
+                calls.append(one)
+            fields.append((k, tuple(calls)))
+        else:
+            return None
+    return tuple(fields)
+
+
+def _call(call: Any, values: list[str], tojson: Callable[[Any], str]) -> Any:
+    """One tool call's fields (as :func:`_fields`), or None."""
+    if type(call) is not dict:
+        return None
+    if tuple(call) == _CALL:
+        cid, function, kind = call.values()
+        if (
+            kind == "function"
+            and type(cid) is str
+            and cid
+            and type(function) is dict
+            and tuple(function) == _FUNCTION
+        ):
+            arguments, name = function.values()
+            if type(arguments) is dict and type(name) is str and name:
+                values += (cid, tojson(arguments), name)
+                return _COMMON_CALL
+    fields: list[tuple[str, Any]] = []
+    for k, v in call.items():
+        t = type(v)
+        if k == "type" and v == "function":
+            fields.append((k, v))
+        elif t is str:
+            if v:
+                values.append(v)
+                fields.append((k, _SLOT))
+            else:
+                fields.append((k, _EMPTY))
+        elif k == "function" and t is dict:
+            function_fields: list[tuple[str, Any]] = []
+            for fk, fv in v.items():
+                ft = type(fv)
+                if fk == "arguments" and ft is dict:
+                    values.append(tojson(fv))
+                    function_fields.append((fk, _ARGUMENTS))
+                elif ft is str:
+                    if fv:
+                        values.append(fv)
+                        function_fields.append((fk, _SLOT))
+                    else:
+                        function_fields.append((fk, _EMPTY))
+                else:
+                    return None
+            fields.append((k, tuple(function_fields)))
+        else:
+            return None
+    return tuple(fields)
+
+
+_COMMON_CALL = (
+    ("id", _SLOT),
+    ("function", (("arguments", _ARGUMENTS), ("name", _SLOT))),
+    ("type", "function"),
+)
+
+
+def _chat_probes(signature: tuple[Any, ...]) -> _ProbeChat:
+    """The probe messages of a :func:`_signature`: its literals as they are, its slots
+    numbered in the same order as the request's values."""
+
+    def build(probe: Callable[[int], str]) -> list[dict[str, Any]]:
+        slot = iter(range(1 << 30))
+
+        def fill(fields: tuple[Any, ...]) -> dict[str, Any]:
+            if type(fields[0]) is str:  # {"role": r, "content": text}
+                role, content = fields
+                return {"role": role, "content": probe(next(slot)) if content else ""}
+            out: dict[str, Any] = {}
+            for k, v in fields:
+                if v == _SLOT and type(v) is int:
+                    out[k] = probe(next(slot))
+                elif v == _EMPTY and type(v) is int:
+                    out[k] = ""
+                elif v == _ARGUMENTS and type(v) is int:
+                    out[k] = _json_probe(probe(next(slot)))  # type: ignore[arg-type]
+                elif type(v) is str:
+                    out[k] = v
+                elif k == "tool_calls":
+                    out[k] = [fill(call) for call in v]
+                else:  # a tool call's function
+                    out[k] = fill(v)
+            return out
+
+        return [fill(m) for m in signature]
+
+    return build
 
 
 class SegmentRenderer:
@@ -390,6 +605,7 @@ class SegmentRenderer:
         "_items",
         "_shapes",
         "_template",
+        "_tojson",
         "_unchecked",
         "hits",
         "learned",
@@ -400,6 +616,9 @@ class SegmentRenderer:
 
     def __init__(self, template: jinja2.Template) -> None:
         self._template = template
+        self._tojson = template.environment.filters["tojson"]
+        """The filter a tool call's arguments are rendered with (the same function, so a
+        slot's value is the text the template would output)."""
         self._shapes: dict[tuple[Any, ...], _Shape] = {}
         self._items = 0
         self.hits = 0
@@ -430,7 +649,7 @@ class SegmentRenderer:
         key = (roles, tuple(fingerprint))
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._learn(key, roles, variables)
+            shape = self._learn(key, _plain_probes(roles), len(roles), variables)
         if shape is _OPAQUE:
             return None
         for check in shape.checks:
@@ -438,7 +657,52 @@ class SegmentRenderer:
                 self.refused += 1
                 return None
         text = shape.text(contents)
-        if key in self._unchecked and not self._agrees(key, text, roles, contents, variables):
+        if key in self._unchecked and not self._agrees(
+            key,
+            text,
+            [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)],
+            variables,
+        ):
+            return None
+        self.hits += 1
+        return text
+
+    def render_chat(self, chat: Sequence[Any], variables: Mapping[str, Any]) -> str | None:
+        """The prompt for any conversation whose messages hold only strings, ``None`` and
+        tool calls (``{id, type, function: {name, arguments: object}}``) as vLLM prepares
+        them, with ``tools`` declared or not: an agent loop's request. Every string is a
+        slot (a probe while learning), a tool call's ``arguments`` the slot of its
+        ``tojson`` text; the shape is the messages' keys in order with the roles, which
+        strings are empty, the tools' JSON (their digest) and the other ``variables``.
+        None: render this request with jinja."""
+        values: list[str] = []
+        signature = _signature(chat, values, self._tojson)
+        if signature is None:
+            return None
+        fingerprint: list[Any] = []
+        tools_key = None
+        for name, value in variables.items():
+            if name == "tools" and value is not None:
+                try:
+                    tools_key = xxhash.xxh3_128_digest(orjson.dumps(value))
+                except (TypeError, orjson.JSONEncodeError):
+                    return None
+            elif value is not None and type(value) not in (str, bool, int):
+                return None
+            else:
+                fingerprint.append((name, type(value), value))
+        key = (_CHAT, signature, tuple(fingerprint), tools_key)
+        shape = self._shapes.get(key)
+        if shape is None:
+            shape = self._learn(key, _chat_probes(signature), len(values), variables)
+        if shape is _OPAQUE:
+            return None
+        for check in shape.checks:
+            if not check.holds(values):
+                self.refused += 1
+                return None
+        text = shape.text(values)
+        if key in self._unchecked and not self._agrees(key, text, chat, variables):
             return None
         self.hits += 1
         return text
@@ -447,14 +711,12 @@ class SegmentRenderer:
         self,
         key: tuple[Any, ...],
         text: str,
-        roles: tuple[str, ...],
-        contents: list[str],
+        chat: Sequence[Any],
         variables: Mapping[str, Any],
     ) -> bool:
         """A shape's first concatenation, checked against jinja's render of the same
         request (one more render per shape, once): a safety net under the probes."""
         self._unchecked.discard(key)
-        chat = [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)]
         try:
             same = str(self._template.render(messages=chat, **variables)) == text
         except Exception:
@@ -465,10 +727,10 @@ class SegmentRenderer:
             self._shapes[key] = _OPAQUE
             if self.mismatched == 1:
                 log.warning(
-                    "conversation keys: a chat template's output for plain chats differs "
-                    "from its learned pieces (roles %s); such shapes render with jinja "
-                    "(logged once)",
-                    list(roles),
+                    "conversation keys: a chat template's output differs from the "
+                    "pieces learned for its conversation shape (roles %s); such shapes "
+                    "render with jinja (logged once)",
+                    [m.get("role") if isinstance(m, dict) else None for m in chat],
                 )
         return same
 
@@ -484,19 +746,25 @@ class SegmentRenderer:
         }
 
     def _learn(
-        self, key: tuple[Any, ...], roles: tuple[str, ...], variables: Mapping[str, Any]
+        self,
+        key: tuple[Any, ...],
+        probes: _ProbeChat,
+        count: int,
+        variables: Mapping[str, Any],
     ) -> _Shape:
-        a = self._probe_render(roles, variables, _text_a)
-        b = self._probe_render(roles, variables, _text_b)
+        """Render the shape with both probe sets (``probes`` builds the messages, slots
+        ``0..count-1``) and compile what they agree on, or make the shape opaque."""
+        a = self._probe_render(probes, variables, _text_a)
+        b = self._probe_render(probes, variables, _text_b)
         shape = _OPAQUE
         if a is not None and b is not None:
-            program_a = _program(a[0], _FIND_A, len(roles))
+            program_a = _program(a[0], _FIND_A, count)
             if (
                 program_a is not None
-                and program_a == _program(b[0], _FIND_B, len(roles))
+                and program_a == _program(b[0], _FIND_B, count)
                 and a[1] == b[1]
             ):
-                shape = _Shape.of(program_a, a[1], len(roles))
+                shape = _Shape.of(program_a, a[1], count)
         self.learned += 1
         if shape is _OPAQUE:
             self.opaque += 1
@@ -504,13 +772,10 @@ class SegmentRenderer:
         return shape
 
     def _probe_render(
-        self, roles: tuple[str, ...], variables: Mapping[str, Any], text: Callable[[int], str]
+        self, probes: _ProbeChat, variables: Mapping[str, Any], text: Callable[[int], str]
     ) -> tuple[str, list[_Predicate]] | None:
         trace = _Trace()
-        chat = [
-            {"role": r, "content": _probe(text(i), _text_a(i), i, trace)}
-            for i, r in enumerate(roles)
-        ]
+        chat = probes(lambda i: _probe(text(i), _text_a(i), i, trace))
         try:
             out = str(self._template.render(messages=chat, **variables))
         except Exception:  # a template that raises for this shape renders with jinja

@@ -6,6 +6,7 @@ jinja); bounded; off for templates whose output changes between renders."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -104,9 +105,10 @@ def test_a_content_answering_a_question_otherwise_renders_with_jinja() -> None:
     assert _stats(template)["refused"] == before + 1
 
 
-def test_messages_other_than_plain_text_render_with_jinja() -> None:
+def test_messages_beyond_plain_text_are_served_by_their_slots() -> None:
+    """Other keys, another key order, text parts, a null content: as vLLM prepares them,
+    every message still holds only strings, so each shape is learned and served."""
     template = _qwen()
-    before = _stats(template)["hits"]
     cases: list[list[dict[str, Any]]] = [
         [{"role": "user", "content": [{"type": "text", "text": "x"}]}],
         [{"role": "user", "content": "x", "name": "bob"}],
@@ -114,8 +116,149 @@ def test_messages_other_than_plain_text_render_with_jinja() -> None:
         [{"role": "assistant", "content": None}, {"role": "user", "content": "x"}],
     ]
     for messages in cases:
+        before = _stats(template)["hits"]
         _same(template, _body(messages))
-    assert _stats(template)["hits"] == before
+        assert _stats(template)["hits"] == before + 1
+
+
+def test_media_parts_are_still_refused() -> None:
+    from router.conversation import RenderError
+
+    body = _body([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}])
+    with pytest.raises(RenderError) as err:
+        render_prompt(_qwen(), body)
+    assert err.value.reason == "non_text"
+
+
+# --- agent loops: tools, tool calls, tool results -----------------------------------------
+
+_TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "run_shell",
+            "description": "Run a command",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}},
+        },
+    }
+]
+
+
+def _agent(step: str, turns: int, args: str = '{"cmd": "ls"}') -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [
+        {"role": "system", "content": "You are an agent."},
+        {"role": "user", "content": f"task {step}"},
+    ]
+    for t in range(turns):
+        cid = f"call_{step}{t:04d}"
+        msgs += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {
+                        "id": cid,
+                        "type": "function",
+                        "function": {"name": "run_shell", "arguments": args},
+                    }
+                ],
+            },
+            {"role": "tool", "tool_call_id": cid, "content": f"out {step} {t}"},
+        ]
+    return msgs
+
+
+def test_an_agent_loop_is_served_by_concatenation() -> None:
+    template = _qwen()
+    before = _stats(template)
+    for n in range(5):
+        _same(template, _body(_agent(str(n), 3, f'{{"cmd": "ls {n}", "n": {n}}}'), tools=_TOOLS))
+    after = _stats(template)
+    assert after["hits"] - before["hits"] == 5
+    assert after["learned"] - before["learned"] <= 1
+
+
+def test_the_tools_are_part_of_the_shape() -> None:
+    """Equal tools (by their JSON) share a shape; other tools are another shape, whose
+    prompt carries them."""
+    template = _qwen()
+    other = [{**_TOOLS[0], "function": {**_TOOLS[0]["function"], "description": "Other"}}]
+    before = _stats(template)["learned"]
+    first = _same(template, _body(_agent("a", 1), tools=_TOOLS))
+    _same(template, _body(_agent("b", 1), tools=json.loads(json.dumps(_TOOLS))))
+    assert _stats(template)["learned"] - before <= 1
+    second = _same(template, _body(_agent("a", 1), tools=other))
+    assert "Other" in second and "Other" not in first
+
+
+_call_args = st.dictionaries(
+    st.sampled_from(["cmd", "n", "é", 'q"']),
+    st.one_of(_content, st.integers(-2, 2), st.booleans(), st.none()),
+    max_size=3,
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(
+        st.one_of(
+            st.tuples(st.sampled_from(["user", "assistant", "system"]), _content),
+            st.tuples(st.just("call"), _call_args),
+            st.tuples(st.just("tool"), _content),
+        ),
+        min_size=1,
+        max_size=7,
+    ),
+    st.booleans(),
+)
+def test_agent_loops_render_as_jinja_does(steps: list[tuple[str, Any]], tools: bool) -> None:
+    """Random tool calls (arguments of every JSON kind), results and turns, twice with
+    other texts of the same shape: what jinja's plain sandbox renders."""
+    template = _qwen()
+
+    def messages(tag: str) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for i, (kind, value) in enumerate(steps):
+            if kind == "call":
+                fn = {"name": f"f{tag}", "arguments": json.dumps(value)}
+                call = {"id": f"c{tag}{i}", "type": "function", "function": fn}
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            elif kind == "tool":
+                out.append({"role": "tool", "tool_call_id": f"c{tag}{i}", "content": value + tag})
+            else:
+                out.append({"role": kind, "content": value + tag})
+        return out
+
+    extra: dict[str, Any] = {"tools": _TOOLS} if tools else {}
+    _same(template, _body(messages(""), **extra))
+    _same(template, _body(messages("x"), **extra))
+
+
+@pytest.mark.parametrize(
+    ("arguments", "served"),
+    [
+        ("{{ c.function.arguments | tojson }}", True),
+        ("{{ c.function.arguments | tojson(indent=2) }}", False),
+        ("{{ c.function.arguments | length }}", False),
+        ("{% for k, v in c.function.arguments.items() %}{{ k }}={{ v }};{% endfor %}", False),
+        ("{{ c.function.arguments['cmd'] }}", False),
+        ("{% if c.function.arguments %}A{% endif %}", False),
+        ("{{ (c.function.arguments | tojson)[1:] }}", False),
+        # a question about the JSON text: the probe answers otherwise, so refused
+        ("{% if (c.function.arguments | tojson).startswith('{') %}J{% endif %}", False),
+    ],
+)
+def test_arguments_looked_at_render_as_jinja_does(
+    tmp_path: Path, arguments: str, served: bool
+) -> None:
+    template = _jinja(
+        tmp_path,
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "<{{ c.id }}:{{ c.function.name }}:" + arguments + ">{% endfor %}{% endfor %}",
+    )
+    for args in ('{"cmd": "a b"}', '{"cmd": "x", "n": 1}', "{}", '{"cmd": "\u00e9""}'):
+        _same(template, _body(_agent("s", 2, args)))
+    assert (_stats(template)["hits"] > 0) is served
 
 
 def test_plain_chat_takes_exactly_role_then_content() -> None:
