@@ -56,9 +56,17 @@ from typing import Any
 
 from .content_format import ContentFormat
 from .errors import RenderError
+from .segments import COMMON_CALL, EMPTY, SLOT
 from .template import ChatTemplate, CompiledTemplate
 
-__all__ = ["PreparedChat", "plain_chat", "prepare_chat", "prepare_tools"]
+__all__ = [
+    "AgentSlots",
+    "PreparedChat",
+    "agent_slots",
+    "plain_chat",
+    "prepare_chat",
+    "prepare_tools",
+]
 
 _TEXT_FIELD = {
     "text": "text",
@@ -394,3 +402,133 @@ def _prepared(
     agp = merged.pop("add_generation_prompt")
     cfm = merged.pop("continue_final_message")
     return PreparedChat(template, conversation, tools, docs, bool(agp), bool(cfm), merged, plain)
+
+
+# --- agent loops, straight to the segment renderer's slots -----------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class AgentSlots:
+    """An agent-loop request as :meth:`.segments.SegmentRenderer.render_slots` takes it."""
+
+    template: CompiledTemplate
+    tools: list[dict[str, Any]] | None
+    """As :func:`prepare_tools` gives them."""
+    signature: tuple[Any, ...]
+    values: list[str]
+
+
+_TOOL_KEYS = frozenset(("role", "content", "tool_call_id"))
+_CALLING_KEYS = frozenset(("role", "content", "tool_calls"))
+_ARGUMENTS_KEPT = 1 << 14
+_ARGUMENTS_MAX = 1 << 12
+_arguments_json: dict[str, str | None] = {}
+"""A tool call's ``arguments`` as sent -> its ``tojson`` text after vLLM's parse (None:
+not an object). An agent loop resends every earlier call each step, so all but the
+newest are found here (first in, first out; short strings only)."""
+
+
+def _arguments_text(raw: str, tojson: Any) -> str | None:
+    text = _arguments_json.get(raw, _UNSET)
+    if text is not _UNSET:
+        return text  # type: ignore[return-value]
+    parsed = _arguments(raw)
+    text = tojson(parsed) if type(parsed) is dict else None
+    if len(raw) <= _ARGUMENTS_MAX:
+        if len(_arguments_json) >= _ARGUMENTS_KEPT:
+            del _arguments_json[next(iter(_arguments_json))]
+        _arguments_json[raw] = text
+    return text
+
+
+def agent_slots(body: Mapping[str, Any], chat_template: ChatTemplate) -> AgentSlots | None:
+    """The segment renderer's signature and slot values for a request whose only template
+    field is ``tools`` and whose messages are all plain (``{"role", "content": text}``),
+    tool results (``{"role": "tool", "content": text, "tool_call_id": text}``) or
+    assistant tool calls (``{"role": "assistant", "content": text or null,
+    "tool_calls": [...]}``, each call well formed with an object for ``arguments``),
+    read in one pass from the request: what :func:`prepare_chat`, then the renderer's
+    ``_signature`` of its messages, give for it (``tests/unit/test_render_segments.py``
+    holds them equal), without building vLLM's messages. None for anything else (the
+    general path decides, errors included)."""
+    if not _KNOBS.isdisjoint(body.keys() - {"tools"}):
+        return None
+    messages = body.get("messages")
+    if type(messages) is not list or not messages:
+        return None
+    try:
+        tools = prepare_tools(body.get("tools"))
+    except RenderError:
+        return None
+    template = chat_template.select(tools is not None)
+    segments = template.segments
+    if segments is None or template.content_format != "string":
+        return None
+    tojson = segments.tojson
+    signature: list[Any] = []
+    add = signature.append
+    values: list[str] = []
+    push = values.append
+    for m in messages:
+        if type(m) is not dict:
+            return None
+        role = m.get("role")
+        content = m.get("content")
+        if type(role) is not str or role == "developer":
+            return None
+        n = len(m)
+        if n == 2 and type(content) is str and "content" in m:
+            if content:
+                push(content)
+                add((role, SLOT))
+            else:
+                add((role, EMPTY))
+        elif n == 3 and role == "tool" and type(content) is str and m.keys() == _TOOL_KEYS:
+            tid = m["tool_call_id"]
+            if type(tid) is not str:
+                return None
+            if content:
+                push(content)
+            if tid:
+                push(tid)
+            add(
+                (
+                    ("role", "tool"),
+                    ("content", SLOT if content else EMPTY),
+                    ("tool_call_id", SLOT if tid else EMPTY),
+                )
+            )
+        elif (
+            n == 3
+            and role == "assistant"
+            and (content is None or type(content) is str)
+            and m.keys() == _CALLING_KEYS
+        ):
+            calls = m["tool_calls"]
+            if type(calls) is not list or not calls:
+                return None
+            if content:
+                push(content)
+            for call in calls:
+                fn = call.get("function") if type(call) is dict else None
+                if type(fn) is not dict or call.get("type") != "function":
+                    return None
+                cid, name, raw = call.get("id"), fn.get("name"), fn.get("arguments")
+                if type(cid) is not str or type(name) is not str or type(raw) is not str:
+                    return None
+                if not cid or not name:
+                    return None
+                text = _arguments_text(raw, tojson)
+                if text is None:
+                    return None
+                values += (cid, text, name)
+            add(
+                (
+                    ("role", "assistant"),
+                    ("content", SLOT if content else EMPTY),
+                    ("tool_calls", (COMMON_CALL,) * len(calls)),
+                )
+            )
+        else:
+            return None
+    return AgentSlots(template, tools, tuple(signature), values)

@@ -34,7 +34,7 @@ from typing import Any
 import jinja2
 
 from .errors import RenderError
-from .messages import PreparedChat, prepare_chat
+from .messages import PreparedChat, agent_slots, prepare_chat
 from .template import ChatTemplate
 
 __all__ = ["RenderInputs", "render_inputs", "render_prompt"]
@@ -168,8 +168,7 @@ def render_inputs(
     for name in _REFUSED:
         if kwargs.get(name):
             raise RenderError("invalid", f"chat_template_kwargs.{name} needs tokenization")
-    variables: dict[str, Any] = dict(chat_template.special_tokens)
-    variables.update((k, v) for k, v in kwargs.items() if k not in _CONSUMED and k not in _REFUSED)
+    variables = _variables(chat_template, kwargs)
     tools = prepared.tools
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise RenderError("invalid", "a tool is not an object")
@@ -200,7 +199,40 @@ def render_inputs(
     return RenderInputs(prepared, chat, variables, final, plain)
 
 
+def _variables(chat_template: ChatTemplate, kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The template variables before ``tools``, ``documents`` and
+    ``add_generation_prompt`` (set last, in that order)."""
+    variables: dict[str, Any] = dict(chat_template.special_tokens)
+    variables.update((k, v) for k, v in kwargs.items() if k not in _CONSUMED and k not in _REFUSED)
+    return variables
+
+
+def _by_slots(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str | None:
+    """An agent loop's prompt by concatenation, read from the request in one pass
+    (:func:`.messages.agent_slots`), or None."""
+    slots = agent_slots(body, chat_template)
+    if slots is None:
+        return None
+    segments = slots.template.segments
+    assert segments is not None
+    # what render_inputs gives such a request: no template arguments but the defaults
+    variables = _variables(chat_template, {})
+    variables["tools"] = slots.tools
+    variables["documents"] = None
+    variables["add_generation_prompt"] = True
+    return segments.render_slots(
+        slots.signature,
+        slots.values,
+        variables,
+        lambda: render_inputs(chat_template, body).chat,
+    )
+
+
 def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
+    if not plain and body.get("tools") is not None:
+        text = _by_slots(chat_template, body)
+        if text is not None:
+            return text
     inputs = render_inputs(chat_template, body)
     template = inputs.prepared.template
     segments = template.segments

@@ -82,7 +82,15 @@ import xxhash
 
 log = logging.getLogger("continuum.conversation")
 
-__all__ = ["MAX_ITEMS", "MAX_SHAPES", "SegmentRenderer", "segment_renderer"]
+__all__ = [
+    "COMMON_CALL",
+    "EMPTY",
+    "MAX_ITEMS",
+    "MAX_SHAPES",
+    "SLOT",
+    "SegmentRenderer",
+    "segment_renderer",
+]
 
 MAX_SHAPES = 4096
 """Shapes kept (each a sequence of roles with the other variables)."""
@@ -443,7 +451,14 @@ def _plain_probes(roles: tuple[str, ...]) -> _ProbeChat:
     return lambda probe: [{"role": r, "content": probe(i)} for i, r in enumerate(roles)]
 
 
-_SLOT, _EMPTY, _ARGUMENTS = 1, 0, 2
+SLOT, EMPTY, ARGUMENTS = 1, 0, 2
+"""A signature's markers: a string slot, an empty string, a tool call's arguments."""
+COMMON_CALL = (
+    ("id", SLOT),
+    ("function", (("arguments", ARGUMENTS), ("name", SLOT))),
+    ("type", "function"),
+)
+"""vLLM's prepared tool call with an id, a name and an object for arguments."""
 
 
 _ROLE_CONTENT = ("role", "content")
@@ -457,7 +472,7 @@ def _signature(
 ) -> tuple[Any, ...] | None:
     """The shape of a prepared conversation, its strings appended to ``values`` in slot
     order, or None when a message holds anything else (content parts, numbers, ...).
-    A message ``{"role": r, "content": text}`` is ``(r, _SLOT or _EMPTY)``, any other a
+    A message ``{"role": r, "content": text}`` is ``(r, SLOT or EMPTY)``, any other a
     tuple of ``(key, literal, slot marker or nested fields)`` pairs."""
     out: list[tuple[Any, ...]] = []
     add = out.append
@@ -470,9 +485,9 @@ def _signature(
             if type(role) is str and type(content) is str:
                 if content:
                     push(content)
-                    add((role, _SLOT))
+                    add((role, SLOT))
                 else:
-                    add((role, _EMPTY))
+                    add((role, EMPTY))
                 continue
         fields = _fields(m, values, tojson)
         if fields is None:
@@ -494,9 +509,9 @@ def _fields(
         elif t is str:
             if v:
                 values.append(v)
-                fields.append((k, _SLOT))
+                fields.append((k, SLOT))
             else:
-                fields.append((k, _EMPTY))
+                fields.append((k, EMPTY))
         elif k == "tool_calls" and t is list:
             calls = []
             for call in v:
@@ -526,7 +541,7 @@ def _call(call: Any, values: list[str], tojson: Callable[[Any], str]) -> Any:
             arguments, name = function.values()
             if type(arguments) is dict and type(name) is str and name:
                 values += (cid, tojson(arguments), name)
-                return _COMMON_CALL
+                return COMMON_CALL
     fields: list[tuple[str, Any]] = []
     for k, v in call.items():
         t = type(v)
@@ -535,35 +550,28 @@ def _call(call: Any, values: list[str], tojson: Callable[[Any], str]) -> Any:
         elif t is str:
             if v:
                 values.append(v)
-                fields.append((k, _SLOT))
+                fields.append((k, SLOT))
             else:
-                fields.append((k, _EMPTY))
+                fields.append((k, EMPTY))
         elif k == "function" and t is dict:
             function_fields: list[tuple[str, Any]] = []
             for fk, fv in v.items():
                 ft = type(fv)
                 if fk == "arguments" and ft is dict:
                     values.append(tojson(fv))
-                    function_fields.append((fk, _ARGUMENTS))
+                    function_fields.append((fk, ARGUMENTS))
                 elif ft is str:
                     if fv:
                         values.append(fv)
-                        function_fields.append((fk, _SLOT))
+                        function_fields.append((fk, SLOT))
                     else:
-                        function_fields.append((fk, _EMPTY))
+                        function_fields.append((fk, EMPTY))
                 else:
                     return None
             fields.append((k, tuple(function_fields)))
         else:
             return None
     return tuple(fields)
-
-
-_COMMON_CALL = (
-    ("id", _SLOT),
-    ("function", (("arguments", _ARGUMENTS), ("name", _SLOT))),
-    ("type", "function"),
-)
 
 
 def _chat_probes(signature: tuple[Any, ...]) -> _ProbeChat:
@@ -579,11 +587,11 @@ def _chat_probes(signature: tuple[Any, ...]) -> _ProbeChat:
                 return {"role": role, "content": probe(next(slot)) if content else ""}
             out: dict[str, Any] = {}
             for k, v in fields:
-                if v == _SLOT and type(v) is int:
+                if v == SLOT and type(v) is int:
                     out[k] = probe(next(slot))
-                elif v == _EMPTY and type(v) is int:
+                elif v == EMPTY and type(v) is int:
                     out[k] = ""
-                elif v == _ARGUMENTS and type(v) is int:
+                elif v == ARGUMENTS and type(v) is int:
                     out[k] = _json_probe(probe(next(slot)))  # type: ignore[arg-type]
                 elif type(v) is str:
                     out[k] = v
@@ -605,18 +613,18 @@ class SegmentRenderer:
         "_items",
         "_shapes",
         "_template",
-        "_tojson",
         "_unchecked",
         "hits",
         "learned",
         "mismatched",
         "opaque",
         "refused",
+        "tojson",
     )
 
     def __init__(self, template: jinja2.Template) -> None:
         self._template = template
-        self._tojson = template.environment.filters["tojson"]
+        self.tojson = template.environment.filters["tojson"]
         """The filter a tool call's arguments are rendered with (the same function, so a
         slot's value is the text the template would output)."""
         self._shapes: dict[tuple[Any, ...], _Shape] = {}
@@ -676,9 +684,21 @@ class SegmentRenderer:
         strings are empty, the tools' JSON (their digest) and the other ``variables``.
         None: render this request with jinja."""
         values: list[str] = []
-        signature = _signature(chat, values, self._tojson)
+        signature = _signature(chat, values, self.tojson)
         if signature is None:
             return None
+        return self.render_slots(signature, values, variables, lambda: chat)
+
+    def render_slots(
+        self,
+        signature: tuple[Any, ...],
+        values: list[str],
+        variables: Mapping[str, Any],
+        chat: Callable[[], Sequence[Any]],
+    ) -> str | None:
+        """:meth:`render_chat` from a conversation's signature and slot values (as
+        ``.messages.agent_slots`` reads them from a request); ``chat``: its prepared
+        messages, for the check of a shape's first concatenation."""
         fingerprint: list[Any] = []
         tools_key = None
         for name, value in variables.items():
@@ -702,7 +722,7 @@ class SegmentRenderer:
                 self.refused += 1
                 return None
         text = shape.text(values)
-        if key in self._unchecked and not self._agrees(key, text, chat, variables):
+        if key in self._unchecked and not self._agrees(key, text, chat(), variables):
             return None
         self.hits += 1
         return text

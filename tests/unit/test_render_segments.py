@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from router.conversation import ChatTemplate, load_chat_template, render_prompt
 from router.conversation import segments as seg_mod
 from router.conversation.messages import plain_chat, prepare_chat
+from router.conversation.render import render_inputs
 
 from .conversation_support import qwen_dir
 
@@ -400,3 +401,86 @@ def test_a_first_concatenation_unlike_jinja_makes_the_shape_opaque(
     assert render_prompt(template, body) == "<user>x"
     stats = renderer.stats()
     assert stats["mismatched"] == 1 and stats["hits"] == 0 and stats["opaque"] == 1
+
+
+_raw_message = st.one_of(
+    st.fixed_dictionaries(
+        {"role": st.sampled_from(["user", "system", "assistant", "tool", "developer"])},
+        optional={"content": st.one_of(_content, st.none(), st.integers(0, 1))},
+    ),
+    st.fixed_dictionaries(
+        {
+            "role": st.just("tool"),
+            "content": _content,
+            "tool_call_id": st.sampled_from(["", "c1", 7]),
+        }
+    ),
+    st.fixed_dictionaries(
+        {
+            "role": st.just("assistant"),
+            "content": st.one_of(_content, st.none()),
+            "tool_calls": st.lists(
+                st.fixed_dictionaries(
+                    {
+                        "id": st.sampled_from(["c1", "", None]),
+                        "type": st.sampled_from(["function", "other"]),
+                        "function": st.fixed_dictionaries(
+                            {
+                                "name": st.sampled_from(["f", ""]),
+                                "arguments": st.one_of(
+                                    _call_args.map(json.dumps),
+                                    st.sampled_from(["[1]", '"s"', "not json", "{}"]),
+                                ),
+                            }
+                        ),
+                    },
+                    optional={"index": st.just(0)},
+                ),
+                max_size=2,
+            ),
+        },
+        optional={"reasoning": _content},
+    ),
+)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(_raw_message, min_size=0, max_size=6), st.booleans(), st.booleans())
+def test_agent_slots_read_what_prepare_chat_gives(
+    messages: list[dict[str, Any]], tools: bool, other_field: bool
+) -> None:
+    """The one-pass reading of an agent loop, where it applies, is the signature and the
+    slot values of vLLM's prepared messages; the prompt is jinja's either way."""
+    from router.conversation import RenderError
+    from router.conversation.messages import agent_slots
+
+    template = _qwen()
+    extra: dict[str, Any] = {"tools": _TOOLS} if tools else {}
+    if other_field:
+        extra["chat_template_kwargs"] = {"enable_thinking": False}
+    body = _body(messages, **extra)
+    slots = agent_slots(body, template)
+    if slots is not None:
+        inputs = render_inputs(template, body)
+        segments = inputs.prepared.template.segments
+        assert segments is not None
+        values: list[str] = []
+        assert seg_mod._signature(inputs.chat, values, segments.tojson) == slots.signature
+        assert values == slots.values
+        assert slots.tools == inputs.prepared.tools
+    try:
+        fast = render_prompt(template, body)
+    except RenderError as exc:
+        with pytest.raises(RenderError) as ref:
+            render_prompt(template, body, plain=True)
+        assert ref.value.reason == exc.reason
+    else:
+        assert fast == render_prompt(template, body, plain=True)
+
+
+def test_an_agent_loop_with_tools_is_read_in_one_pass() -> None:
+    from router.conversation.messages import agent_slots
+
+    body = _body(_agent("a", 2), tools=_TOOLS)
+    assert agent_slots(body, _qwen()) is not None
+    assert agent_slots({**body, "add_generation_prompt": False}, _qwen()) is None
