@@ -82,10 +82,11 @@ class _Route:
 
 
 def _concatenated(template: ChatTemplate, body: Mapping[str, Any]) -> bool:
-    """Whether ``body`` is a plain chat the template's segment renderer serves (no jinja
-    at all: cheaper than the render cache's reuse, which renders the new messages)."""
+    """Whether ``body`` is a request the template's segment renderer serves (no jinja
+    at all: cheaper than the render cache's reuse, which renders the new messages): a
+    plain chat, or an agent loop (tools declared: read in one pass, ``agent_slots``)."""
     if body.get("tools") is not None:
-        return False
+        return template.select(True).segments is not None
     compiled = template.select(False)
     messages = body.get("messages")
     return (
