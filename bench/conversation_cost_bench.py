@@ -15,7 +15,7 @@ source):
 * ``miss``: the render cache on but too small to keep anything (1 byte): every request a
   miss, the cost of a conversation's first turn.
 
-Two workloads (``--workloads``), each its own table:
+Three workloads (``--workloads``), each its own table:
 
 * ``single``: 64 distinct conversations of about 2k, 8k and 32k prompt tokens, each sent
   again and again (the figures before the render cache are this workload's; with the
@@ -27,10 +27,15 @@ Two workloads (``--workloads``), each its own table:
   extend the previous turn. After each run the router's ``render_cache`` counters
   (``GET /admin/kv-index/stats``) give the hit rate and the cache's bytes.
 
-Both workloads are plain chats, so the segment renderer (``router/conversation/segments.py``)
-serves them before the render cache: ``concat`` is the share of the conversation row's
-requests rendered by concatenation (no jinja), and ``conversation``, ``nocache`` and
-``miss`` then differ only in the cache's bookkeeping.
+* ``agent``: 64 distinct agent loops of about the size (``render_bench``'s shape: tools
+  declared, tool calls and their results), each sent again and again: read in one pass
+  (``messages.agent_slots``) and rendered by the segment renderer too.
+
+The first two workloads are plain chats, so the segment renderer
+(``router/conversation/segments.py``) serves them before the render cache: ``concat`` is
+the share of the conversation row's requests rendered by concatenation (no jinja), and
+``conversation``, ``nocache`` and ``miss`` then differ only in the cache's bookkeeping
+(for agent loops too, which the render cache leaves to the segment renderer).
 
 Per size and row: req/s and router CPU per request (utime + stime of the router process
 over the measured run / requests), the rows of a size interleaved per round and the
@@ -45,7 +50,7 @@ checkout (the code before a change), interleaved with the others, and the paired
 the run-to-run spread.
 
 Run: ``.venv/bin/python -m bench.conversation_cost_bench [--tokens 2000 8000 32000]
-[--workloads single sessions] [--sessions 32] [--repeats 3] [--duration 6]
+[--workloads single sessions agent] [--sessions 32] [--repeats 3] [--duration 6]
 [--ref-tree DIR] [--json F]``
 """
 
@@ -78,6 +83,7 @@ from .proxy_bench import (
     wait_serving,
     write_lua,
 )
+from .render_bench import conversation as agent_conversation
 
 TARGET_RATIO = 1.3
 TARGET_US_AT_8K = 400.0
@@ -140,6 +146,22 @@ def session_bodies(tokens: int, sessions: int, *, turn_bytes: int = 1800) -> lis
         per.append([_request(chat[:e]) for e in ends])
     turns = min(len(p) for p in per)
     return [per[c][t] for t in range(turns) for c in range(sessions)]
+
+
+def agent_bodies(tokens: int, n: int = 64) -> list[bytes]:
+    """``n`` distinct agent loops of about ``tokens`` prompt tokens (``render_bench``'s
+    shape: two tools declared, rounds of a tool call, its result, an answer and a
+    question; about 5.2 bytes a token as Qwen's tokenizer counts these)."""
+    out = []
+    for c in range(n):
+        turns = 0
+        while True:
+            body = {**agent_conversation(turns, c), "model": MODEL, "max_tokens": 16}
+            if len(json.dumps(body)) >= tokens * 5.2:
+                break
+            turns += 1
+        out.append(json.dumps(body, separators=(",", ":")).encode())
+    return out
 
 
 def write_session_lua(path: Path, bodies: list[bytes]) -> None:
@@ -272,6 +294,8 @@ async def bench(args: argparse.Namespace) -> dict[tuple[str, int, str], Cell]:
             scripts[(wl, tokens)] = path = workdir / f"{wl}-{tokens}.lua"
             if wl == "single":
                 write_lua(path, conversation_bodies(tokens, turn_bytes=args.turn_bytes))
+            elif wl == "agent":
+                write_lua(path, agent_bodies(tokens))
             else:
                 bodies = session_bodies(tokens, args.sessions, turn_bytes=args.turn_bytes)
                 write_session_lua(path, bodies)
@@ -422,7 +446,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.conversation_cost_bench", description=__doc__)
     p.add_argument("--tokens", type=int, nargs="+", default=[2000, 8000, 32000])
     p.add_argument(
-        "--workloads", nargs="+", choices=["single", "sessions"], default=["single", "sessions"]
+        "--workloads",
+        nargs="+",
+        choices=["single", "sessions", "agent"],
+        default=["single", "sessions", "agent"],
     )
     p.add_argument("--sessions", type=int, default=32, help="sessions interleaved")
     p.add_argument("--repeats", type=int, default=3)

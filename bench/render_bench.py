@@ -18,13 +18,13 @@ twice. Two columns, same bodies, interleaved rounds:
 * ``jinja``: the fast environment's compilation (its inline fast paths), the segment
   renderer off: every request through jinja, as before it;
 * ``fast``: as the router renders: the segment renderer (:mod:`router.conversation.
-  segments`) for plain chats, the same shape learned on the first body of a size (every
-  conversation of the chat workload has the roles of the others), jinja for the rest
-  (the agent's tool calls).
+  segments`) for plain chats and, read from the body in one pass
+  (``messages.agent_slots``), for agent loops; the same shape learned on the first body
+  of a size (every conversation of a workload has the structure of the others).
 
 One more row, ``chain() render cache``: ``chain()`` with the render cache on
-(``render_cache_bytes``; the segment renderer off, since it serves plain chats before the
-cache), same bodies: the untimed previous turn leaves its state, so the
+(``render_cache_bytes``; the segment renderer off, since it serves plain chats and agent
+loops before the cache), same bodies: the untimed previous turn leaves its state, so the
 timed call renders only the last two messages (its ``fast`` column; the ratio is to
 ``chain()`` fast, paired per round).
 
@@ -250,7 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "Every render_prompt/chain() call is a distinct body (a new conversation), timed "
         "right after the same conversation's previous turn (its last two messages fewer).\n"
         "plain: jinja's plain immutable sandbox (the reference); jinja: the environment's "
-        "fast paths; fast: as requests are rendered (segments for plain chats)."
+        "fast paths; fast: as requests are rendered (segments for plain chats and agent loops)."
     )
     for shape, size in [(sh, n) for sh in ("chat", "agent") for n in SIZES]:
         build = chat if shape == "chat" else conversation
