@@ -47,8 +47,11 @@ order with the roles, which strings are empty, and the declared tools by their J
 tools are rendered as they are while learning: a tool suite's text is a literal). Content
 parts (``openai`` content format), numbers or other objects in a message,
 ``continue_final_message``, ``documents``, a predicate answered otherwise or an opaque
-shape render with jinja as before. Templates that name ``strftime_now`` (the date in the prompt) or
-``lipsum`` (random text) get no segment renderer at all.
+shape render with jinja as before. A template may show the date (``strftime_now`` called with
+one constant format that names nothing finer than the day, as Llama's and Mistral's do):
+it is in the learned pieces, and every shape is dropped and learned again when it
+changes (one call per format and request checks it). Templates that name ``lipsum``
+(random text) or the time of day get no segment renderer at all.
 Nor do templates that test or cut a string they build with ``~``, ``%``, ``join``,
 ``format`` or the escaping filters (which read a probe's text without its methods)
 instead of outputting it, nor those naming ``int``, ``float``, ``wordcount``, ``urlize``,
@@ -98,8 +101,11 @@ MAX_ITEMS = 1 << 18
 """Program items and predicates kept over all shapes (each a pointer and, for a literal,
 a short string: some 20 MiB at most)."""
 
-_UNSTABLE_GLOBALS = frozenset(("strftime_now", "lipsum"))
-"""Globals whose value changes between renders of the same input."""
+_RANDOM_GLOBALS = frozenset(("lipsum",))
+"""Globals whose value changes between any two renders of the same input."""
+_DATE_ONLY = re.compile(r"(?:%%|%-?[aAbBdejmyYuwUWVGhCDFx]|[^%])*")
+"""A ``strftime`` format naming nothing finer than the day: its text changes once a day
+(times of day, ``%c``, ``%s`` and the like would change it every second)."""
 
 _OPEN, _MID, _CLOSE = "\ue000", "\ue002", "\ue001"
 _INNER_A = "\"\\\n\t<&>'\u00e9\u2028\u4e2d"
@@ -132,6 +138,10 @@ def _rare(sub: str) -> str:
         if not ch.isalnum() and not ch.isspace():
             return ch
     return sub[:1]
+
+
+def _no_clock(fmt: str) -> str:
+    return ""
 
 
 def _truth(s: str, _: Any) -> bool:
@@ -610,10 +620,14 @@ class SegmentRenderer:
     """One compiled template's shapes (one event loop: no locking)."""
 
     __slots__ = (
+        "_clock",
+        "_date_formats",
+        "_dates",
         "_items",
         "_shapes",
         "_template",
         "_unchecked",
+        "date_changes",
         "hits",
         "learned",
         "mismatched",
@@ -622,8 +636,16 @@ class SegmentRenderer:
         "tojson",
     )
 
-    def __init__(self, template: jinja2.Template) -> None:
+    def __init__(self, template: jinja2.Template, date_formats: Sequence[str] = ()) -> None:
+        """``date_formats``: what the template passes ``strftime_now`` (its output, the
+        date, is in the learned pieces: they are dropped when it changes)."""
         self._template = template
+        self._date_formats = tuple(date_formats)
+        clock = template.environment.globals.get("strftime_now")
+        self._clock: Callable[[str], str] = clock if callable(clock) else _no_clock
+        self._dates = self._today()
+        self.date_changes = 0
+        """Times every shape was dropped because the date the template shows changed."""
         self.tojson = template.environment.filters["tojson"]
         """The filter a tool call's arguments are rendered with (the same function, so a
         slot's value is the text the template would output)."""
@@ -655,6 +677,8 @@ class SegmentRenderer:
                 return None
             fingerprint.append((name, type(value), value))
         key = (roles, tuple(fingerprint))
+        if self._date_formats:
+            self._check_date()
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._learn(key, _plain_probes(roles), len(roles), variables)
@@ -712,6 +736,8 @@ class SegmentRenderer:
             else:
                 fingerprint.append((name, type(value), value))
         key = (_CHAT, signature, tuple(fingerprint), tools_key)
+        if self._date_formats:
+            self._check_date()
         shape = self._shapes.get(key)
         if shape is None:
             shape = self._learn(key, _chat_probes(signature), len(values), variables)
@@ -754,6 +780,21 @@ class SegmentRenderer:
                 )
         return same
 
+    def _today(self) -> tuple[str, ...]:
+        clock = self._clock
+        return tuple(clock(f) for f in self._date_formats)
+
+    def _check_date(self) -> None:
+        """Drop every shape once the date the template shows is another (their pieces
+        hold the old one); the next requests learn them again."""
+        today = self._today()
+        if today != self._dates:
+            self._dates = today
+            self._shapes.clear()
+            self._unchecked.clear()
+            self._items = 0
+            self.date_changes += 1
+
     def stats(self) -> dict[str, int]:
         return {
             "shapes": len(self._shapes),
@@ -763,6 +804,7 @@ class SegmentRenderer:
             "opaque": self.opaque,
             "refused": self.refused,
             "mismatched": self.mismatched,
+            "date_changes": self.date_changes,
         }
 
     def _learn(
@@ -901,16 +943,54 @@ def _built_for_output(ast: n.Template) -> bool:
     return all(id(node) in shown for node in ast.find_all(n.Node) if _untraced(node))
 
 
+def _date_formats(ast: n.Template) -> tuple[str, ...] | None:
+    """The formats the template passes ``strftime_now``, or None when it uses that name
+    otherwise (not called with one constant string) or with a format finer than a day."""
+    calls = [
+        c
+        for c in ast.find_all(n.Call)
+        if isinstance(c.node, n.Name) and c.node.name == "strftime_now"
+    ]
+    uses = sum(1 for name in ast.find_all(n.Name) if name.name == "strftime_now")
+    formats = []
+    for c in calls:
+        if (
+            len(c.args) != 1
+            or c.kwargs
+            or c.dyn_args is not None
+            or c.dyn_kwargs is not None
+            or not isinstance(c.args[0], n.Const)
+            or not isinstance(c.args[0].value, str)
+            or not _DATE_ONLY.fullmatch(c.args[0].value)
+        ):
+            return None
+        formats.append(c.args[0].value)
+    # ``strftime_now is defined`` (Llama's guard) names it too, harmlessly
+    tests = sum(
+        1
+        for t in ast.find_all(n.Test)
+        if t.name == "defined" and isinstance(t.node, n.Name) and t.node.name == "strftime_now"
+    )
+    if uses != len(calls) + tests:
+        return None
+    return tuple(dict.fromkeys(formats))
+
+
 def segment_renderer(ast: n.Template, template: jinja2.Template) -> SegmentRenderer | None:
     """A segment renderer for ``template`` (compiled from ``ast``), or None when its
-    output may change between renders of the same request (the date, random text) or
-    it tests or cuts a string built without the probes' methods (see the header)."""
+    output may change between renders of the same request (random text, the time of
+    day) or it tests or cuts a string built without the probes' methods (see the
+    header). The date (``strftime_now`` of a format naming the day at the finest) is a
+    learned piece like any other, and every shape is learned anew when it changes."""
     for name in ast.find_all(n.Name):
-        if name.name in _UNSTABLE_GLOBALS:
+        if name.name in _RANDOM_GLOBALS:
             return None
+    formats = _date_formats(ast)
+    if formats is None:
+        return None
     for node in ast.find_all(n.Filter):
         if node.name in _READING_FILTERS:
             return None
     if not _built_for_output(ast):
         return None
-    return SegmentRenderer(template)
+    return SegmentRenderer(template, formats)

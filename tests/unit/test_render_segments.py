@@ -309,7 +309,10 @@ def test_contents_looked_at_render_as_jinja_does(tmp_path: Path, source: str, se
 @pytest.mark.parametrize(
     "source",
     [
-        "{{ strftime_now('%Y-%m-%d') }}{% for m in messages %}{{ m.content }}{% endfor %}",
+        "{{ strftime_now('%H:%M') }}{% for m in messages %}{{ m.content }}{% endfor %}",
+        "{% set f = '%Y' %}{{ strftime_now(f) }}{% for m in messages %}{{ m.content }}{% endfor %}",
+        "{% set clock = strftime_now %}{{ clock('%Y') }}{% for m in messages %}{{ m.content }}"
+        "{% endfor %}",
         "{% for m in messages %}{% if (m.content ~ '').endswith('x') %}X{% endif %}{% endfor %}",
         "{% for m in messages %}{% set s = '%s' % m.content %}{{ s.strip() }}{% endfor %}",
         "{% for m in messages %}{% if m.content | int > 2 %}big{% endif %}{% endfor %}",
@@ -484,3 +487,50 @@ def test_an_agent_loop_with_tools_is_read_in_one_pass() -> None:
     body = _body(_agent("a", 2), tools=_TOOLS)
     assert agent_slots(body, _qwen()) is not None
     assert agent_slots({**body, "add_generation_prompt": False}, _qwen()) is None
+
+
+# --- the date in the prompt ---------------------------------------------------------------
+
+_DATED = (
+    "{%- if strftime_now is defined %}{% set today = strftime_now('%d %b %Y') %}"
+    "{% else %}{% set today = '26 Jul 2024' %}{% endif -%}"
+    "Today is {{ today }}.\n{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}\n"
+    "{% endfor %}"
+)
+
+
+def test_random_text_gets_no_segment_renderer(tmp_path: Path) -> None:
+    template = _jinja(tmp_path, "{{ lipsum(1) }}{% for m in messages %}{{ m.content }}{% endfor %}")
+    assert template.templates["default"].segments is None
+
+
+def test_a_template_showing_the_date_is_served(tmp_path: Path) -> None:
+    template = _jinja(tmp_path, _DATED)
+    for n in range(3):
+        text = _same(template, _body([{"role": "user", "content": f"q{n}"}]))
+        assert text.startswith("Today is ") and "2024" not in text
+    assert _stats(template)["hits"] == 3
+
+
+def test_every_shape_is_learned_again_when_the_date_changes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import datetime as real
+
+    from router.conversation import environment
+
+    day = [real.datetime(2026, 12, 2, 23, 59, 59)]
+
+    class _Clock:
+        @staticmethod
+        def now() -> real.datetime:
+            return day[0]
+
+    monkeypatch.setattr(environment, "datetime", _Clock)
+    template = _jinja(tmp_path, _DATED)
+    body = _body([{"role": "user", "content": "q"}])
+    assert _same(template, body).startswith("Today is 02 Dec 2026.")
+    day[0] = real.datetime(2026, 12, 3, 0, 0, 1)
+    assert _same(template, body).startswith("Today is 03 Dec 2026.")
+    stats = _stats(template)
+    assert stats["date_changes"] == 1 and stats["learned"] == 2 and stats["mismatched"] == 0
