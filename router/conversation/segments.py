@@ -44,8 +44,9 @@ tool call's ``id`` and ``name``), a tool call's ``arguments`` object the slot of
 ``tojson`` text (a ``dict`` whose every method makes the shape opaque, and whose
 ``tojson`` with the default arguments is a probe). Their shape is the messages' keys in
 order with the roles, which strings are empty, and the declared tools by their JSON (the
-tools are rendered as they are while learning: a tool suite's text is a literal). Content
-parts (``openai`` content format), numbers or other objects in a message,
+tools are rendered as they are while learning: a tool suite's text is a literal). Text
+parts (``openai`` content format: ``{"type": literal, "text": slot}``) are served the same
+way. Numbers or other objects in a message,
 ``continue_final_message``, ``documents``, a predicate answered otherwise or an opaque
 shape render with jinja as before. A template may show the date (``strftime_now`` called with
 one constant format that names nothing finer than the day, as Llama's and Mistral's do):
@@ -530,8 +531,34 @@ def _fields(
                     return None
                 calls.append(one)
             fields.append((k, tuple(calls)))
+        elif k == "content" and t is list:  # text parts ("openai" content format)
+            parts = []
+            for part in v:
+                one = _part(part, values)
+                if one is None:
+                    return None
+                parts.append(one)
+            fields.append((k, tuple(parts)))
         else:
             return None
+    return tuple(fields)
+
+
+def _part(part: Any, values: list[str]) -> tuple[Any, ...] | None:
+    """One content part ``{"type": literal, other keys: text}`` (as :func:`_fields`)."""
+    if type(part) is not dict:
+        return None
+    fields: list[tuple[str, Any]] = []
+    for k, v in part.items():
+        if type(v) is not str:
+            return None
+        if k == "type":
+            fields.append((k, v))
+        elif v:
+            values.append(v)
+            fields.append((k, SLOT))
+        else:
+            fields.append((k, EMPTY))
     return tuple(fields)
 
 
@@ -592,7 +619,7 @@ def _chat_probes(signature: tuple[Any, ...]) -> _ProbeChat:
         slot = iter(range(1 << 30))
 
         def fill(fields: tuple[Any, ...]) -> dict[str, Any]:
-            if type(fields[0]) is str:  # {"role": r, "content": text}
+            if fields and type(fields[0]) is str:  # {"role": r, "content": text}
                 role, content = fields
                 return {"role": role, "content": probe(next(slot)) if content else ""}
             out: dict[str, Any] = {}
@@ -607,6 +634,8 @@ def _chat_probes(signature: tuple[Any, ...]) -> _ProbeChat:
                     out[k] = v
                 elif k == "tool_calls":
                     out[k] = [fill(call) for call in v]
+                elif k == "content":  # text parts
+                    out[k] = [fill(part) for part in v]
                 else:  # a tool call's function
                     out[k] = fill(v)
             return out

@@ -534,3 +534,21 @@ def test_every_shape_is_learned_again_when_the_date_changes(
     assert _same(template, body).startswith("Today is 03 Dec 2026.")
     stats = _stats(template)
     assert stats["date_changes"] == 1 and stats["learned"] == 2 and stats["mismatched"] == 0
+
+
+def test_text_parts_are_served_for_an_openai_format_template() -> None:
+    """Mistral's template walks content parts (content format "openai") and shows the
+    date: its plain chats are served by their parts' slots."""
+    from .conversation_support import MISTRAL_CONFIG, MISTRAL_JINJA
+
+    template = load_chat_template(str(MISTRAL_CONFIG), str(MISTRAL_JINJA), None)
+    assert template.templates["default"].content_format == "openai"
+    for n in range(3):
+        messages = [
+            {"role": "system", "content": f"sys {n}"},
+            {"role": "user", "content": [{"type": "text", "text": f"q {n}"}]},
+            {"role": "assistant", "content": f"a {n}"},
+            {"role": "user", "content": f"q2 {n}"},
+        ]
+        _same(template, _body(messages))
+    assert _stats(template)["hits"] == 3
