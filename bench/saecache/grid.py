@@ -35,7 +35,6 @@ from pathlib import Path
 from bench._plot import bar_chart_svg
 from bench._table import fmt_float, median, render_table
 from listener.saecache.guard import GuardConfig
-from listener.saecache.regret import RegretConfig
 
 from .eval import Progress
 from .sim import LfuPolicy, LruPolicy, MinPolicy, SaePolicy, next_uses, replay
@@ -43,7 +42,7 @@ from .trace import MIXES, OUT_DIR, VARIANTS, build_trace, load_conversations
 
 __all__ = ["POLICIES", "main"]
 
-POLICIES = ("lru", "lfu", "min", "sae", "sae-none", "sae-derived", "sae-true", "guard", "regret")
+POLICIES = ("lru", "lfu", "min", "sae", "sae-none", "sae-derived", "sae-true", "guard")
 DEFAULT_POLICIES = "lru,lfu,min,sae,guard"
 EVAL_VARIANTS = "heavy-tail,bimodal,tenants"
 EVAL_SEEDS = "11,12,13,14,15"
@@ -60,8 +59,6 @@ def _policy(
         return MinPolicy(uses)
     if name in guards:
         return SaePolicy(guard=guards[name])
-    if name == "regret":
-        return SaePolicy(regret=RegretConfig())
     if name.startswith("sae-"):
         return SaePolicy(hint=name[4:])
     return SaePolicy()
@@ -194,7 +191,7 @@ def _report(
     cost: dict[str, list[float]],
     args: argparse.Namespace,
 ) -> str:
-    sae_like = [p for p in policies if p.startswith(("sae", "guard", "regret"))]
+    sae_like = [p for p in policies if p.startswith(("sae", "guard"))]
     head = [
         f"grid: variants {args.variants}; seeds {args.seeds}; {args.sessions} sessions per "
         f"trace; ShareGPT records {args.skip}-{args.skip + args.records - 1}",

@@ -18,8 +18,6 @@ Policies (all see the same calls):
 * ``sae`` — :class:`listener.saecache.SaeCache`.
 * ``guard`` — :class:`listener.saecache.guard.GuardedSaeCache` (SAECache that follows
   LRU or LFU where its sampled shadows say they do better).
-* ``regret`` — :class:`listener.saecache.regret.RegretSaeCache` (each eviction follows
-  SAECache or LRU, weighted by the misses each one's evictions caused).
 
 **Modelled TTFT** (Qwen2.5-1.5B-class prefill on one A40-class GPU):
 ``ttft = 20 ms + uncached tokens / 12000 tok/s + cached tokens * 1 µs`` — prefill time
@@ -38,7 +36,6 @@ from dataclasses import dataclass
 from listener.saecache import SaeCache, SaeConfig, SessionClass
 from listener.saecache.classify import classify
 from listener.saecache.guard import GuardConfig, GuardedSaeCache
-from listener.saecache.regret import RegretConfig, RegretSaeCache
 
 from .trace import BLOCK, Request
 
@@ -276,21 +273,16 @@ class SaePolicy(_Policy):
         *,
         guarded: bool = False,
         guard: GuardConfig | None = None,
-        regret: RegretConfig | None = None,
         hint: str = "tools",
     ) -> None:
         if hint not in HINTS:
             raise ValueError(f"hint must be one of {', '.join(HINTS)}")
         self._hint = hint
-        self.cache: SaeCache
-        if regret is not None:
-            self.cache = RegretSaeCache(config, regret)
-            self.name = "regret"
-        elif guarded or guard is not None:
-            self.cache = GuardedSaeCache(config, guard)
+        self.cache = (
+            GuardedSaeCache(config, guard) if guarded or guard is not None else SaeCache(config)
+        )
+        if guarded or guard is not None:
             self.name = "guard"
-        else:
-            self.cache = SaeCache(config)
         self._predict = predictor
         self._t = 0.0
 
