@@ -705,28 +705,13 @@ class SegmentRenderer:
             if value is not None and type(value) not in (str, bool, int):
                 return None
             fingerprint.append((name, type(value), value))
-        key = (roles, tuple(fingerprint))
-        if self._date_formats:
-            self._check_date()
-        shape = self._shapes.get(key)
-        if shape is None:
-            shape = self._learn(key, _plain_probes(roles), len(roles), variables)
-        if shape is _OPAQUE:
-            return None
-        for check in shape.checks:
-            if not check.holds(contents):
-                self.refused += 1
-                return None
-        text = shape.text(contents)
-        if key in self._unchecked and not self._agrees(
-            key,
-            text,
-            [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)],
+        return self._serve(
+            (roles, tuple(fingerprint)),
+            _plain_probes(roles),
+            contents,
             variables,
-        ):
-            return None
-        self.hits += 1
-        return text
+            lambda: [{"role": r, "content": c} for r, c in zip(roles, contents, strict=True)],
+        )
 
     def render_chat(self, chat: Sequence[Any], variables: Mapping[str, Any]) -> str | None:
         """The prompt for any conversation whose messages hold only strings, ``None`` and
@@ -765,11 +750,25 @@ class SegmentRenderer:
             else:
                 fingerprint.append((name, type(value), value))
         key = (_CHAT, signature, tuple(fingerprint), tools_key)
+        return self._serve(key, _chat_probes(signature), values, variables, chat)
+
+    def _serve(
+        self,
+        key: tuple[Any, ...],
+        probes: _ProbeChat,
+        values: list[str],
+        variables: Mapping[str, Any],
+        chat: Callable[[], Sequence[Any]],
+    ) -> str | None:
+        """The request ``key`` names, from its slot ``values``: its shape's pieces and
+        values joined (the shape learned with ``probes`` when new), or None when the
+        shape is opaque or a value answers a question otherwise. ``chat``: the request's
+        messages as the template sees them, for the check of a shape's first use."""
         if self._date_formats:
             self._check_date()
         shape = self._shapes.get(key)
         if shape is None:
-            shape = self._learn(key, _chat_probes(signature), len(values), variables)
+            shape = self._learn(key, probes, len(values), variables)
         if shape is _OPAQUE:
             return None
         for check in shape.checks:
