@@ -507,6 +507,14 @@ def _signature(
     return tuple(out)
 
 
+def _string(key: str, value: str, values: list[str]) -> tuple[str, int]:
+    """A string field: a slot (its value appended to ``values``), or the empty string."""
+    if value:
+        values.append(value)
+        return key, SLOT
+    return key, EMPTY
+
+
 def _fields(
     m: dict[str, Any], values: list[str], tojson: Callable[[Any], str]
 ) -> tuple[Any, ...] | None:
@@ -518,11 +526,7 @@ def _fields(
                 return None
             fields.append((k, v))  # a literal of the shape: templates branch on it
         elif t is str:
-            if v:
-                values.append(v)
-                fields.append((k, SLOT))
-            else:
-                fields.append((k, EMPTY))
+            fields.append(_string(k, v, values))
         elif k == "tool_calls" and t is list:
             calls = []
             for call in v:
@@ -552,13 +556,7 @@ def _part(part: Any, values: list[str]) -> tuple[Any, ...] | None:
     for k, v in part.items():
         if type(v) is not str:
             return None
-        if k == "type":
-            fields.append((k, v))
-        elif v:
-            values.append(v)
-            fields.append((k, SLOT))
-        else:
-            fields.append((k, EMPTY))
+        fields.append((k, v) if k == "type" else _string(k, v, values))
     return tuple(fields)
 
 
@@ -585,11 +583,7 @@ def _call(call: Any, values: list[str], tojson: Callable[[Any], str]) -> Any:
         if k == "type" and v == "function":
             fields.append((k, v))
         elif t is str:
-            if v:
-                values.append(v)
-                fields.append((k, SLOT))
-            else:
-                fields.append((k, EMPTY))
+            fields.append(_string(k, v, values))
         elif k == "function" and t is dict:
             function_fields: list[tuple[str, Any]] = []
             for fk, fv in v.items():
@@ -598,11 +592,7 @@ def _call(call: Any, values: list[str], tojson: Callable[[Any], str]) -> Any:
                     values.append(tojson(fv))
                     function_fields.append((fk, ARGUMENTS))
                 elif ft is str:
-                    if fv:
-                        values.append(fv)
-                        function_fields.append((fk, SLOT))
-                    else:
-                        function_fields.append((fk, EMPTY))
+                    function_fields.append(_string(fk, fv, values))
                 else:
                     return None
             fields.append((k, tuple(function_fields)))
