@@ -420,25 +420,46 @@ class AgentSlots:
 
 _TOOL_KEYS = frozenset(("role", "content", "tool_call_id"))
 _CALLING_KEYS = frozenset(("role", "content", "tool_calls"))
-_ARGUMENTS_KEPT = 1 << 14
-_ARGUMENTS_MAX = 1 << 12
-_arguments_json: dict[str, str | None] = {}
-"""A tool call's ``arguments`` as sent -> its ``tojson`` text after vLLM's parse (None:
-not an object). An agent loop resends every earlier call each step, so all but the
-newest are found here (first in, first out; short strings only)."""
 
 
-def _arguments_text(raw: str, tojson: Any) -> str | None:
-    text = _arguments_json.get(raw, _UNSET)
-    if text is not _UNSET:
-        return text  # type: ignore[return-value]
-    parsed = _arguments(raw)
-    text = tojson(parsed) if type(parsed) is dict else None
-    if len(raw) <= _ARGUMENTS_MAX:
-        if len(_arguments_json) >= _ARGUMENTS_KEPT:
-            del _arguments_json[next(iter(_arguments_json))]
-        _arguments_json[raw] = text
-    return text
+class _ArgumentsMemo:
+    """A tool call's ``arguments`` as sent -> its ``tojson`` text after vLLM's parse (None:
+    not an object). An agent loop resends every earlier call each step, so all but the
+    newest are found here. First in, first out, within ``max_chars`` characters of both
+    texts; strings longer than ``max_raw`` are not kept."""
+
+    __slots__ = ("_chars", "_memo", "max_chars", "max_raw")
+
+    def __init__(self, max_chars: int = 4 << 20, max_raw: int = 1 << 12) -> None:
+        self.max_chars = max_chars
+        self.max_raw = max_raw
+        self._memo: dict[str, str | None] = {}
+        self._chars = 0
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    @property
+    def chars(self) -> int:
+        return self._chars
+
+    def text(self, raw: str, tojson: Any) -> str | None:
+        memo = self._memo
+        text = memo.get(raw, _UNSET)
+        if text is not _UNSET:
+            return text  # type: ignore[return-value]
+        parsed = _arguments(raw)
+        text = tojson(parsed) if type(parsed) is dict else None
+        if len(raw) <= self.max_raw:
+            self._chars += len(raw) + len(text or "")
+            while memo and self._chars > self.max_chars:
+                old_raw = next(iter(memo))
+                self._chars -= len(old_raw) + len(memo.pop(old_raw) or "")
+            memo[raw] = text
+        return text
+
+
+_ARGUMENTS = _ArgumentsMemo()
 
 
 def agent_slots(body: Mapping[str, Any], chat_template: ChatTemplate) -> AgentSlots | None:
@@ -518,7 +539,7 @@ def agent_slots(body: Mapping[str, Any], chat_template: ChatTemplate) -> AgentSl
                     return None
                 if not cid or not name:
                     return None
-                text = _arguments_text(raw, tojson)
+                text = _ARGUMENTS.text(raw, tojson)
                 if text is None:
                     return None
                 values += (cid, text, name)

@@ -63,7 +63,10 @@ random conversations of both template families, and the golden test to ``transfo
 
 A shape's first concatenation is checked against jinja's render of that request too (a
 safety net under the probes: a difference makes the shape opaque, counted as
-``mismatched`` and logged once), so a new shape costs three renders, once.
+``mismatched`` and logged once), so learning a shape costs three renders, once. A shape is
+learned the second time it comes (its first request renders with jinja, its hash kept,
+up to :data:`MAX_SEEN`): traffic where most shapes never come back (agent loops of many
+patterns, a client varying its tools) costs no more than rendering with jinja.
 
 Memory: shapes are kept first in, first out, up to :data:`MAX_SHAPES` shapes and
 :data:`MAX_ITEMS` program items and predicates in all (a few MiB).
@@ -90,6 +93,7 @@ __all__ = [
     "COMMON_CALL",
     "EMPTY",
     "MAX_ITEMS",
+    "MAX_SEEN",
     "MAX_SHAPES",
     "SLOT",
     "SegmentRenderer",
@@ -98,6 +102,8 @@ __all__ = [
 
 MAX_SHAPES = 4096
 """Shapes kept (each a sequence of roles with the other variables)."""
+MAX_SEEN = 1 << 14
+"""Shapes remembered as seen once (a hash each), before any is learned."""
 MAX_ITEMS = 1 << 18
 """Program items and predicates kept over all shapes (each a pointer and, for a literal,
 a short string: some 20 MiB at most)."""
@@ -643,10 +649,12 @@ class SegmentRenderer:
         "_date_formats",
         "_dates",
         "_items",
+        "_seen",
         "_shapes",
         "_template",
         "_unchecked",
         "date_changes",
+        "first_seen",
         "hits",
         "learned",
         "mismatched",
@@ -682,6 +690,11 @@ class SegmentRenderer:
         """Shapes whose first request's concatenation differed from jinja's render of it
         (made opaque, logged): a template this module's checks missed."""
         self._unchecked: set[tuple[Any, ...]] = set()
+        self._seen: dict[int, None] = {}
+        """Hashes of shapes seen once and not learned (first in, first out)."""
+        self.first_seen = 0
+        """Requests of a shape not seen before, rendered with jinja (a shape is learned
+        the second time it comes: one seen only once never costs the probe renders)."""
         """Shapes learned whose first concatenation is still to be checked."""
 
     def render(
@@ -758,6 +771,14 @@ class SegmentRenderer:
             self._check_date()
         shape = self._shapes.get(key)
         if shape is None:
+            seen, digest = self._seen, hash(key)
+            if digest not in seen:
+                seen[digest] = None
+                if len(seen) > MAX_SEEN:
+                    del seen[next(iter(seen))]
+                self.first_seen += 1
+                return None
+            del seen[digest]
             shape = self._learn(key, probes, len(values), variables)
         if shape is _OPAQUE:
             return None
@@ -808,6 +829,8 @@ class SegmentRenderer:
         today = self._today()
         if today != self._dates:
             self._dates = today
+            for key in self._shapes:
+                self._seen[hash(key)] = None
             self._shapes.clear()
             self._unchecked.clear()
             self._items = 0
@@ -823,6 +846,7 @@ class SegmentRenderer:
             "refused": self.refused,
             "mismatched": self.mismatched,
             "date_changes": self.date_changes,
+            "first_seen": self.first_seen,
         }
 
     def _learn(

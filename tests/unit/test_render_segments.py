@@ -89,8 +89,20 @@ def test_a_common_chat_is_served_by_concatenation() -> None:
     for n in range(5):
         _same(template, _body([{"role": r, "content": f"{r} {n}\n"} for r in shape]))
     after = _stats(template)
-    assert after["hits"] - before["hits"] == 5
+    # the first of a new shape renders with jinja; it is learned when it comes again
+    assert after["hits"] - before["hits"] >= 4
     assert after["learned"] - before["learned"] <= 1
+
+
+def test_a_shape_seen_once_costs_no_probe_renders(tmp_path: Path) -> None:
+    template = _jinja(tmp_path, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    for n in range(1, 6):  # five shapes, each once
+        _same(template, _body([{"role": "user", "content": "x"}] * n))
+    stats = _stats(template)
+    assert stats["first_seen"] == 5 and stats["learned"] == 0 and stats["hits"] == 0
+    _same(template, _body([{"role": "user", "content": "y"}] * 3))  # the third, again
+    stats = _stats(template)
+    assert stats["learned"] == 1 and stats["hits"] == 1
 
 
 def test_a_content_answering_a_question_otherwise_renders_with_jinja() -> None:
@@ -117,6 +129,7 @@ def test_messages_beyond_plain_text_are_served_by_their_slots() -> None:
         [{"role": "assistant", "content": None}, {"role": "user", "content": "x"}],
     ]
     for messages in cases:
+        _same(template, _body(messages))  # seen once
         before = _stats(template)["hits"]
         _same(template, _body(messages))
         assert _stats(template)["hits"] == before + 1
@@ -347,7 +360,8 @@ def test_shapes_are_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     template = _jinja(tmp_path, "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
     for n in range(1, 12):
         body = _body([{"role": "user", "content": "x"}] * n)
-        assert render_prompt(template, body) == "<user>x" * n
+        for _ in range(2):  # learned the second time
+            assert render_prompt(template, body) == "<user>x" * n
     stats = _stats(template)
     assert stats["shapes"] == 4
     assert stats["learned"] == 11
@@ -400,7 +414,8 @@ def test_a_first_concatenation_unlike_jinja_makes_the_shape_opaque(
     body = _body([{"role": "user", "content": "x"}])
     with monkeypatch.context() as patch:
         patch.setattr(seg_mod.SegmentRenderer, "_learn", tampered)
-        assert render_prompt(template, body) == "<user>x"
+        assert render_prompt(template, body) == "<user>x"  # seen once
+        assert render_prompt(template, body) == "<user>x"  # learned (wrongly), checked
     assert render_prompt(template, body) == "<user>x"
     stats = renderer.stats()
     assert stats["mismatched"] == 1 and stats["hits"] == 0 and stats["opaque"] == 1
@@ -509,7 +524,7 @@ def test_a_template_showing_the_date_is_served(tmp_path: Path) -> None:
     for n in range(3):
         text = _same(template, _body([{"role": "user", "content": f"q{n}"}]))
         assert text.startswith("Today is ") and "2024" not in text
-    assert _stats(template)["hits"] == 3
+    assert _stats(template)["hits"] == 2  # the first renders with jinja
 
 
 def test_every_shape_is_learned_again_when_the_date_changes(
@@ -529,10 +544,11 @@ def test_every_shape_is_learned_again_when_the_date_changes(
     monkeypatch.setattr(environment, "datetime", _Clock)
     template = _jinja(tmp_path, _DATED)
     body = _body([{"role": "user", "content": "q"}])
-    assert _same(template, body).startswith("Today is 02 Dec 2026.")
+    for _ in range(2):  # learned the second time
+        assert _same(template, body).startswith("Today is 02 Dec 2026.")
     day[0] = real.datetime(2026, 12, 3, 0, 0, 1)
     assert _same(template, body).startswith("Today is 03 Dec 2026.")
-    stats = _stats(template)
+    stats = _stats(template)  # (learned again at once: it was in use)
     assert stats["date_changes"] == 1 and stats["learned"] == 2 and stats["mismatched"] == 0
 
 
@@ -551,4 +567,17 @@ def test_text_parts_are_served_for_an_openai_format_template() -> None:
             {"role": "user", "content": f"q2 {n}"},
         ]
         _same(template, _body(messages))
-    assert _stats(template)["hits"] == 3
+    assert _stats(template)["hits"] == 2
+
+
+def test_the_arguments_memo_is_bounded() -> None:
+    from router.conversation.messages import _ArgumentsMemo
+
+    memo = _ArgumentsMemo(max_chars=100, max_raw=30)
+    for n in range(50):
+        assert memo.text(f'{{"n": {n}}}', json.dumps) == f'{{"n": {n}}}'
+    assert memo.chars <= 100 and 0 < len(memo) < 50
+    assert memo.text("[1]", json.dumps) is None  # not an object
+    assert memo.text("not json", json.dumps) == "{}"  # vLLM's parse: {}
+    assert memo.text('{"x": "' + "y" * 40 + '"}', json.dumps) is not None  # too long to keep
+    assert memo.chars <= 100
