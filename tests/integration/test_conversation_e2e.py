@@ -186,13 +186,18 @@ async def test_turn_two_follows_the_engine_that_holds_turn_one(
             return bool((await _conversation(router))["index"]["entry_count"] > before)
 
         await wait_until(grew, within=10, what=f"turn {k}'s chain keys")
+    # Each turn is a shape seen for the first time (one more question and answer), so
+    # jinja rendered it; another session at the same turn, here the last turn again,
+    # is rendered by concatenation (its shape learned from probe renders and checked
+    # against jinja once), and its keys are still the ones the listener announced.
+    again = await router.chat(turn_body(history[:-2], "And step 4? " * 100))
+    assert again.status == 200, again.body
+    assert again.headers["x-continuum-backend"] == home, again.headers
     conv = await _conversation(router)
-    assert conv["routing_decisions"]["chosen"] >= 3, conv
-    # every turn is a plain chat: each is rendered by concatenation (its shape learned
-    # from probe renders first), not by jinja, so not through the render cache either;
-    # the keys the routing above relied on were still the listener's
+    assert conv["routing_decisions"]["chosen"] >= 4, conv
     segments = conv["rendering"]["segments"][MODEL]
-    assert segments["hits"] >= 4 and segments["opaque"] == 0, conv["rendering"]
+    assert segments["first_seen"] >= 4 and segments["hits"] >= 1, conv["rendering"]
+    assert segments["opaque"] == 0 and segments["mismatched"] == 0, conv["rendering"]
     cached = conv["cached_tokens"]
     assert cached["requests"] >= 3, cached
     # Predicted and delivered agree to within one chunk (about 1 KiB of text) a request.
