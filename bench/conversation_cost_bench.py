@@ -59,7 +59,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import shutil
 import sys
 import tempfile
@@ -78,7 +77,6 @@ from .proxy_bench import (
     MODEL,
     Cell,
     Target,
-    _descendants,
     _from_tree,
     _lua_long_string,
     measure,
@@ -251,25 +249,6 @@ async def start_router(
     return target
 
 
-def _pin(targets: list[Target], others: list[int]) -> None:
-    """The routers on the last CPU, the engines, this process and the ``wrk`` it starts on
-    the others: a router measured without the load generator and the engines taking its
-    core and its caches between two requests (on a 2-core machine they otherwise share
-    both cores)."""
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        print("  --pin: one CPU only, nothing pinned", flush=True)
-        return
-    mine, rest = {cpus[-1]}, set(cpus[:-1])
-    for t in targets:
-        for pid in [t.pid, *_descendants(t.pid)]:
-            os.sched_setaffinity(pid, mine)
-    for pid in others:
-        os.sched_setaffinity(pid, rest)
-    os.sched_setaffinity(0, rest)
-    print(f"  --pin: routers on CPU {cpus[-1]}, the rest on {sorted(rest)}", flush=True)
-
-
 def cache_counters(url: str) -> dict[str, float] | None:
     """The router's render cache counters (``/admin/kv-index/stats``), or None."""
     try:
@@ -330,8 +309,6 @@ async def bench(args: argparse.Namespace) -> dict[tuple[str, int, str], Cell]:
             if args.ref_tree:
                 ref = Path(args.ref_tree)
                 targets.append(await start_router("ref", fleet.urls, True, workdir, ref))
-            if args.pin:
-                _pin(targets, [s.proc.pid for s in fleet.sims])
             for rnd in range(args.repeats):
                 for wl in args.workloads:
                     for tokens in args.tokens:
@@ -484,11 +461,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         type=int,
         default=1800,
         help="bytes of one question + answer (1800: a chat; 300: an agent loop's short turns)",
-    )
-    p.add_argument(
-        "--pin",
-        action="store_true",
-        help="routers on the last CPU, engines and wrk on the others (see _pin)",
     )
     p.add_argument(
         "--ref-tree",
