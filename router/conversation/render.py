@@ -34,7 +34,7 @@ from typing import Any
 import jinja2
 
 from .errors import RenderError
-from .messages import PreparedChat, agent_slots, prepare_chat
+from .messages import AgentSlots, PreparedChat, agent_slots, prepare_chat
 from .template import ChatTemplate
 
 __all__ = ["RenderInputs", "render_inputs", "render_prompt"]
@@ -207,12 +207,11 @@ def _variables(chat_template: ChatTemplate, kwargs: Mapping[str, Any]) -> dict[s
     return variables
 
 
-def _by_slots(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str | None:
-    """An agent loop's prompt by concatenation, read from the request in one pass
-    (:func:`.messages.agent_slots`), or None."""
-    slots = agent_slots(body, chat_template)
-    if slots is None:
-        return None
+def _by_slots(
+    chat_template: ChatTemplate, body: Mapping[str, Any], slots: AgentSlots
+) -> str | None:
+    """An agent loop's prompt by concatenation from its slots (read from the request in
+    one pass, :func:`.messages.agent_slots`), or None: render it with jinja."""
     segments = slots.template.segments
     assert segments is not None
     # what render_inputs gives such a request: no template arguments but the defaults
@@ -229,14 +228,18 @@ def _by_slots(chat_template: ChatTemplate, body: Mapping[str, Any]) -> str | Non
 
 
 def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
+    slots = None
     if not plain and body.get("tools") is not None:
-        text = _by_slots(chat_template, body)
-        if text is not None:
-            return text
+        slots = agent_slots(body, chat_template)
+        if slots is not None:
+            text = _by_slots(chat_template, body, slots)
+            if text is not None:
+                return text
     inputs = render_inputs(chat_template, body)
     template = inputs.prepared.template
     segments = template.segments
-    if not plain and segments is not None and inputs.final is None:
+    # (an agent loop read in one pass and not served has had its answer: the same shape)
+    if not plain and slots is None and segments is not None and inputs.final is None:
         # by concatenation (the template's output learned per shape): the common chat
         # from its roles and contents, anything else with strings and tool calls (an
         # agent loop, tools declared) from its messages' slots
