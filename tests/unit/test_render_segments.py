@@ -146,7 +146,7 @@ def test_media_parts_are_still_refused() -> None:
 
 # --- agent loops: tools, tool calls, tool results -----------------------------------------
 
-_TOOLS = [
+_TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -576,7 +576,7 @@ def test_text_parts_are_served_for_an_openai_format_template() -> None:
     template = load_chat_template(str(MISTRAL_CONFIG), str(MISTRAL_JINJA), None)
     assert template.templates["default"].content_format == "openai"
     for n in range(3):
-        messages = [
+        messages: list[dict[str, Any]] = [
             {"role": "system", "content": f"sys {n}"},
             {"role": "user", "content": [{"type": "text", "text": f"q {n}"}]},
             {"role": "assistant", "content": f"a {n}"},
