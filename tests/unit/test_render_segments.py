@@ -597,3 +597,25 @@ def test_the_arguments_memo_is_bounded() -> None:
     assert memo.text("not json", json.dumps) == "{}"  # vLLM's parse: {}
     assert memo.text('{"x": "' + "y" * 40 + '"}', json.dumps) is not None  # too long to keep
     assert memo.chars <= 100
+
+
+@pytest.mark.parametrize(
+    "tools",
+    ["x", [1], [{"type": "function"}], [{"type": "function", "function": {"name": 3}}], []],
+)
+def test_malformed_tools_fail_as_the_general_path_does(tools: Any) -> None:
+    from router.conversation import RenderError
+    from router.conversation.messages import agent_slots
+
+    body = _body(_agent("bad", 1), tools=tools)
+    template = _qwen()
+    if tools == []:
+        assert agent_slots(body, template) is not None  # no tools to declare: valid
+        _same(template, body)
+        return
+    assert agent_slots(body, template) is None
+    with pytest.raises(RenderError) as fast:
+        render_prompt(template, body)
+    with pytest.raises(RenderError) as ref:
+        render_prompt(template, body, plain=True)
+    assert fast.value.reason == ref.value.reason == "invalid"
