@@ -63,6 +63,8 @@ from router.conversation import ChatTemplate, ConversationKeys, load_chat_templa
 from ._table import fmt_float, median, paired_ratio, render_table, time_interleaved, verdict
 
 BUDGET_US_8K = 200.0
+_MISTRAL = Path(__file__).resolve().parents[1] / "tests" / "fixtures" / "chat_templates"
+"""Mistral Small 3.1's template as the golden rendering tests keep it."""
 MODEL = "Qwen/Qwen2.5-7B-Instruct"
 SIZES = (2_000, 8_000, 32_000)
 
@@ -227,12 +229,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--loops", type=int, default=60, help="calls per repeat")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON")
+    p.add_argument(
+        "--template",
+        choices=["qwen", "mistral"],
+        default="qwen",
+        help="the chat template: Qwen's (ChatML, content format string) or Mistral Small "
+        "3.1's (the golden tests' copy: content parts, the date in the prompt); tokens are "
+        "counted with Qwen's tokenizer either way",
+    )
     args = p.parse_args(argv)
 
     from tokenizers import Tokenizer
 
     d = qwen_files()
-    template = load_chat_template(str(d / "tokenizer_config.json"), None, str(d / "tokenizer.json"))
+    if args.template == "mistral":
+        template = load_chat_template(
+            str(_MISTRAL / "mistral-small-3.1.tokenizer_config.json"),
+            str(_MISTRAL / "mistral-small-3.1.jinja"),
+            None,
+        )
+    else:
+        template = load_chat_template(
+            str(d / "tokenizer_config.json"), None, str(d / "tokenizer.json")
+        )
     variants = {"plain": _plain(template), "jinja": _jinja(template), "fast": template}
     keys = {name: ConversationKeys({MODEL: t}, chunk_bytes=1024) for name, t in variants.items()}
     cached = ConversationKeys(
@@ -246,7 +265,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     results: list[dict[str, Any]] = []
     print(
         f"ConversationKeys.chain: thread CPU time, median of {args.repeats} interleaved "
-        f"repeats x {args.loops} calls; Qwen template, chunk_bytes 1024.\n"
+        f"repeats x {args.loops} calls; {args.template.capitalize()} template, "
+        "chunk_bytes 1024.\n"
         "Every render_prompt/chain() call is a distinct body (a new conversation), timed "
         "right after the same conversation's previous turn (its last two messages fewer).\n"
         "plain: jinja's plain immutable sandbox (the reference); jinja: the environment's "

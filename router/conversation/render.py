@@ -228,18 +228,23 @@ def _by_slots(
 
 
 def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
-    slots = None
+    decided = False  # the segment renderer has had its say for this request
     if not plain and body.get("tools") is not None:
-        slots = agent_slots(body, chat_template)
-        if slots is not None:
-            text = _by_slots(chat_template, body, slots)
-            if text is not None:
-                return text
+        tooled = chat_template.select(True).segments
+        if tooled is not None and not tooled.trying(True):
+            decided = True  # agent loops are opaque to this template lately: jinja
+        else:
+            slots = agent_slots(body, chat_template)
+            if slots is not None:
+                # not served: read again from vLLM's messages it would be the same shape
+                decided = True
+                text = _by_slots(chat_template, body, slots)
+                if text is not None:
+                    return text
     inputs = render_inputs(chat_template, body)
     template = inputs.prepared.template
     segments = template.segments
-    # (an agent loop read in one pass and not served has had its answer: the same shape)
-    if not plain and slots is None and segments is not None and inputs.final is None:
+    if not plain and not decided and segments is not None and inputs.final is None:
         # by concatenation (the template's output learned per shape): the common chat
         # from its roles and contents, anything else with strings and tool calls (an
         # agent loop, tools declared) from its messages' slots

@@ -92,6 +92,8 @@ log = logging.getLogger("continuum.conversation")
 __all__ = [
     "COMMON_CALL",
     "EMPTY",
+    "FUTILE_AFTER",
+    "FUTILE_MAX",
     "MAX_ITEMS",
     "MAX_SEEN",
     "MAX_SHAPES",
@@ -102,6 +104,10 @@ __all__ = [
 
 MAX_SHAPES = 4096
 """Shapes kept (each a sequence of roles with the other variables)."""
+FUTILE_AFTER = 8
+"""Opaque shapes of one kind in a row before its requests are left to jinja unread."""
+FUTILE_MAX = 4096
+"""The most requests of a kind left unread in a row before its shapes are tried again."""
 MAX_SEEN = 1 << 14
 """Shapes remembered as seen once (a hash each), before any is learned."""
 MAX_ITEMS = 1 << 18
@@ -648,6 +654,7 @@ class SegmentRenderer:
         "_clock",
         "_date_formats",
         "_dates",
+        "_futile",
         "_items",
         "_seen",
         "_shapes",
@@ -660,6 +667,7 @@ class SegmentRenderer:
         "mismatched",
         "opaque",
         "refused",
+        "skipped",
         "tojson",
     )
 
@@ -690,6 +698,10 @@ class SegmentRenderer:
         """Shapes whose first request's concatenation differed from jinja's render of it
         (made opaque, logged): a template this module's checks missed."""
         self._unchecked: set[tuple[Any, ...]] = set()
+        self._futile = {False: [0, 0], True: [0, 0]}
+        """Per kind (tools declared or not): opaque shapes in a row, requests to skip."""
+        self.skipped = 0
+        """Requests left to jinja unread, their kind's shapes having been opaque."""
         self._seen: dict[int, None] = {}
         """Hashes of shapes seen once and not learned (first in, first out)."""
         self.first_seen = 0
@@ -724,11 +736,36 @@ class SegmentRenderer:
         ``tojson`` text; the shape is the messages' keys in order with the roles, which
         strings are empty, the tools' JSON (their digest) and the other ``variables``.
         None: render this request with jinja."""
+        if not self.trying(variables.get("tools") is not None):
+            return None
         values: list[str] = []
         signature = _signature(chat, values, self.tojson)
         if signature is None:
             return None
         return self.render_slots(signature, values, variables, lambda: chat)
+
+    def trying(self, tools: bool) -> bool:
+        """Whether to read a request of this kind (``tools`` declared or not) into slots
+        at all. A kind whose last :data:`FUTILE_AFTER` shapes were all opaque (a template
+        that cuts tool call ids or dumps whole calls, as Mistral's does) is left to jinja
+        for a while, since reading its slots is a pass over its messages for nothing: 16
+        requests, doubling at each opaque try after that up to :data:`FUTILE_MAX`; a
+        request of that kind served by concatenation ends the streak."""
+        state = self._futile[tools]
+        if state[1]:
+            state[1] -= 1
+            self.skipped += 1
+            return False
+        return True
+
+    def _opaque_seen(self, tools: bool, opaque: bool) -> None:
+        state = self._futile[tools]
+        if not opaque:
+            state[0] = 0
+            return
+        state[0] += 1
+        if state[0] >= FUTILE_AFTER:
+            state[1] = min(FUTILE_MAX, 16 << min(state[0] - FUTILE_AFTER, 16))
 
     def render_slots(
         self,
@@ -753,7 +790,13 @@ class SegmentRenderer:
             else:
                 fingerprint.append((name, type(value), value))
         key = (_CHAT, signature, tuple(fingerprint), tools_key)
-        return self._serve(key, _chat_probes(signature), values, variables, chat)
+        kind = tools_key is not None
+        text = self._serve(key, _chat_probes(signature), values, variables, chat)
+        if text is not None:
+            self._opaque_seen(kind, False)
+        elif self._shapes.get(key) is _OPAQUE:
+            self._opaque_seen(kind, True)
+        return text
 
     def _serve(
         self,
@@ -847,6 +890,7 @@ class SegmentRenderer:
             "mismatched": self.mismatched,
             "date_changes": self.date_changes,
             "first_seen": self.first_seen,
+            "skipped": self.skipped,
         }
 
     def _learn(

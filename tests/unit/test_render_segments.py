@@ -619,3 +619,23 @@ def test_malformed_tools_fail_as_the_general_path_does(tools: Any) -> None:
     with pytest.raises(RenderError) as ref:
         render_prompt(template, body, plain=True)
     assert fast.value.reason == ref.value.reason == "invalid"
+
+
+def test_a_kind_of_request_always_opaque_is_left_to_jinja(tmp_path: Path) -> None:
+    """A template that measures tool call ids (opaque to the probes): after a few opaque
+    shapes its agent loops are not read into slots for a while, and still render as
+    jinja does; its plain chats are served all along."""
+    template = _jinja(
+        tmp_path,
+        "{% for m in messages %}[{{ m.role }}]{{ m.content }}{% for c in m.tool_calls or [] %}"
+        "<{{ c.id | length }}:{{ c.function.name }}>{% endfor %}{% endfor %}",
+    )
+    for n in range(seg_mod.FUTILE_AFTER + 4):
+        for _ in range(2):  # each shape twice: learned (opaque) on the second
+            _same(template, _body(_agent("op", n + 1), tools=_TOOLS))
+    stats = _stats(template)
+    assert stats["opaque"] >= seg_mod.FUTILE_AFTER and stats["skipped"] > 0
+    chat = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    for _ in range(3):
+        _same(template, _body(chat))
+    assert _stats(template)["hits"] >= 2
