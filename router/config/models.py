@@ -448,6 +448,21 @@ class ConversationScoringConfig(_Section):
     ``bench/affinity_bench.py`` (8 shared prompts, 2 backends): PrefixAwareHash's ring
     put 5 of the 8 on one backend in some runs (max share 0.63)."""
     load_window_seconds: Annotated[float, Field(ge=0.0, le=600.0)] = 2.0
+    sticky_tokens: Annotated[int, Field(ge=0)] = 0
+    """A conversation whose backend holds at least this many of its tokens more than any
+    other candidate (its own history, not a prompt shared with other sessions) may stay
+    there past ``load_factor_epsilon``, up to ``sticky_load_factor_epsilon``: moving it
+    prefills all of that history again elsewhere, where placing a new session elsewhere
+    costs only its shared prompt, so the cap moves new sessions first. 0 (the default):
+    no exemption. Measured (``bench/RESULTS.md``): at 1024 ``make run``'s demo (24
+    tenants, small caches) rises from 79 % to 84-85 % token hit rate, but
+    ``bench/fleet_bench.py``'s load spread goes from 1.22-1.23 to 1.31-1.32 max/mean at
+    the same hit rates, over the 1.25 the fleet is held to: worth it where conversations
+    are long and engines' caches small."""
+    sticky_load_factor_epsilon: Annotated[float, Field(ge=0.0, le=10.0)] = 0.5
+    """The bound for such a conversation's backend, as ``load_factor_epsilon`` (used only
+    when larger than it). Unbounded, a tool suite's sessions pile onto one engine
+    (``bench/fleet_bench.py`` (b): max/mean load 2.04)."""
     """Time constant, in seconds, of the in-flight averages the load term and the cap
     read (0: the counts now). A backend is at the cap only when over it both now and on
     average: against the counts now alone a shared prompt's engine hits the cap whenever

@@ -164,6 +164,8 @@ RESTART_ONLY: tuple[str, ...] = (
     "kv_cache_index.conversation.scoring.load_factor_epsilon",
     "kv_cache_index.conversation.scoring.new_prompts",
     "kv_cache_index.conversation.scoring.load_window_seconds",
+    "kv_cache_index.conversation.scoring.sticky_tokens",
+    "kv_cache_index.conversation.scoring.sticky_load_factor_epsilon",
     # The event bus server: its socket, TLS and limits.
     "dynamo.event_bus.enabled",
     "dynamo.event_bus.listen",

@@ -26,7 +26,13 @@ cap whenever a few of its sessions arrive together, and every request sent past 
 prefills the whole prompt on an engine that does not hold it (``make run``'s demo: 61 %
 token hit rate against 83-87 % with the average). So a conversation stays where it is
 held until its engine is overloaded for longer than a burst, and a shared prompt's new
-sessions spread.
+sessions spread. With ``sticky_tokens`` set (off by default), a conversation whose backend
+holds that many more of its tokens than any other candidate (its own history) is held to
+the wider ``sticky_load_factor_epsilon``: moving it would prefill that whole history
+elsewhere, while a new session placed elsewhere costs only its shared prompt, so the cap
+moves new sessions first (``make run``'s demo: 79 % without it, 84-85 % with it, at a
+wider load spread on ``fleet_bench``; unbounded, a tool suite's sessions pile onto one
+engine).
 
 Costs within one chunk's tokens of the lowest are a tie (the index knows holdings only to
 a chunk). Among tied candidates the one holding the most wins, so load jitter never
@@ -259,7 +265,7 @@ class ConversationScorer:
             if self.scoring.new_prompts == "strategy" or not view.keys:
                 return None, "none_held"  # (a prompt under one chunk has nothing to place)
             return self._least_loaded(view, self._admissible(candidates)), "none_held"
-        admissible = self._admissible(candidates)  # samples the load averages
+        admissible = self._admissible(candidates, view)  # samples the load averages
         costs = [(self.cost(view, b), b) for b in admissible]
         best_cost = min(c for c, _ in costs)
         band = self.chunk_bytes * view.tokens_per_byte
@@ -312,26 +318,58 @@ class ConversationScorer:
         if len(homes) > _MAX_HOMES:
             del homes[next(iter(homes))]
 
-    def _admissible(self, candidates: Sequence[Backend]) -> Sequence[Backend]:
+    def _admissible(
+        self, candidates: Sequence[Backend], view: ChainView | None = None
+    ) -> Sequence[Backend]:
         """The candidates below the bounded-load cap (PrefixAwareHash's formula), or all
         of them when the bound is off or every one is at the cap. A backend is at the
         cap when it is over it both now and on average over ``load_window_seconds``
         (``router.kvindex.load_average``): moving a conversation prefills all it holds
         elsewhere, worth it for a lasting overload, not for a burst; and the count now
-        makes the cap let go as soon as the overload ends."""
-        eps = self.scoring.load_factor_epsilon
+        makes the cap let go as soon as the overload ends. The backend holding
+        ``sticky_tokens`` more of ``view``'s chain than any other candidate is measured
+        against ``sticky_load_factor_epsilon`` instead: its conversation's own history."""
+        sc = self.scoring
+        eps = sc.load_factor_epsilon
         n = len(candidates)
         loads = self.load_average.sample(candidates)
         if eps is None or n < 2:
             return candidates
-        cap_now = math.ceil((1.0 + eps) * (sum(b.in_flight for b in candidates) + 1) / n)
-        cap_avg = math.ceil((1.0 + eps) * (sum(loads) + 1) / n)
+        total_now = sum(b.in_flight for b in candidates) + 1
+        total_avg = sum(loads) + 1
+        cap_now = math.ceil((1.0 + eps) * total_now / n)
+        cap_avg = math.ceil((1.0 + eps) * total_avg / n)
+        sticky = self._sticky(view) if view is not None else None
+        sticky_now = sticky_avg = 0
+        if sticky is not None and sc.sticky_load_factor_epsilon > eps:
+            wide = 1.0 + sc.sticky_load_factor_epsilon
+            sticky_now = math.ceil(wide * total_now / n)
+            sticky_avg = math.ceil(wide * total_avg / n)
+        else:
+            sticky = None
         below = [
             b
             for b, load in zip(candidates, loads, strict=True)
-            if load < cap_avg or b.in_flight < cap_now
+            if load < cap_avg
+            or b.in_flight < cap_now
+            or (b.name == sticky and (load < sticky_avg or b.in_flight < sticky_now))
         ]
         return below or candidates
+
+    def _sticky(self, view: ChainView) -> str | None:
+        """The candidate holding at least ``sticky_tokens`` more of the chain than any
+        other (``view.held`` has the candidates holding any), or None."""
+        margin = self.scoring.sticky_tokens
+        if not margin or not view.held:
+            return None
+        best, first, second = None, 0, 0
+        for name, held in view.held.items():
+            tokens = held.token_count
+            if tokens > first:
+                best, first, second = name, tokens, first
+            elif tokens > second:
+                second = tokens
+        return best if first - second >= margin else None
 
     def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None:
         """The lowest-cost candidate (among tied ones the prompt's preferred). When nobody

@@ -569,6 +569,44 @@ def test_the_documented_defaults() -> None:
         sc.load_window_seconds,
     ) == (0.1, 32.0, 0.25, 2.0)
     assert (sc.gpu_credit, sc.storage_credit, sc.bytes_per_token) == (1.0, 0.5, 4.0)
+    assert (sc.sticky_tokens, sc.sticky_load_factor_epsilon) == (0, 0.5)
+
+
+async def test_a_conversation_held_deep_stays_past_the_cap_up_to_the_wider_bound() -> None:
+    """a holds 2,048 tokens of the conversation, b 256 (the shared prompt): a's own history
+    is 1,792 >= sticky_tokens (1,024), so a is measured against epsilon 0.5, not 0.25
+    (counts now here). A conversation whose backend holds less of its own than that is
+    moved by the usual cap, and so is this one with the exemption off (the default)."""
+    instant = ConversationScoringConfig(load_window_seconds=0, sticky_tokens=1024)
+    r = rig(("a", "b", "c"), scoring=instant)
+    r.hold("a", 8)
+    r.hold("b", 1)
+    view = await r.scorer.assess(chain(8), r.cands)
+    r.by("b").in_flight = r.by("c").in_flight = 3
+    r.by("a").in_flight = 5  # cap ceil(1.25 * 12 / 3) = 5: over it; wide ceil(1.5 * 12 / 3) = 6
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+    r.by("a").in_flight = 6  # cap 6, wide ceil(6.5) = 7
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+    r.by("a").in_flight = 7  # wide ceil(1.5 * 14 / 3) = 7: over that too
+    assert r.scorer.decide(view, r.cands) is r.by("b")
+
+    shallow = rig(("a", "b", "c"), scoring=instant)
+    shallow.hold("a", 4)  # 1,024 tokens against b's 256: 768 of its own
+    shallow.hold("b", 1)
+    view = await shallow.scorer.assess(chain(4), shallow.cands)
+    shallow.by("b").in_flight = shallow.by("c").in_flight = 3
+    shallow.by("a").in_flight = 5
+    assert shallow.scorer.decide(view, shallow.cands) is shallow.by("b")
+
+    off = rig(
+        ("a", "b", "c"), scoring=ConversationScoringConfig(load_window_seconds=0, sticky_tokens=0)
+    )
+    off.hold("a", 8)
+    off.hold("b", 1)
+    view = await off.scorer.assess(chain(8), off.cands)
+    off.by("b").in_flight = off.by("c").in_flight = 3
+    off.by("a").in_flight = 5
+    assert off.scorer.decide(view, off.cands) is off.by("b")
 
 
 async def test_a_holder_at_the_load_cap_is_passed_over() -> None:
