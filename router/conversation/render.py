@@ -168,7 +168,6 @@ def render_inputs(
     for name in _REFUSED:
         if kwargs.get(name):
             raise RenderError("invalid", f"chat_template_kwargs.{name} needs tokenization")
-    variables = _variables(chat_template, kwargs)
     tools = prepared.tools
     if tools is not None and not all(isinstance(t, dict) for t in tools):
         raise RenderError("invalid", "a tool is not an object")
@@ -193,17 +192,25 @@ def render_inputs(
             chat = list(chat)  # tagged below: not the prepared list itself
         final = _tag_final(chat, prepared.template.source)
         plain = None
-    variables["tools"] = tools
-    variables["documents"] = documents
-    variables["add_generation_prompt"] = prepared.add_generation_prompt
+    variables = _variables(chat_template, kwargs, tools, documents, prepared.add_generation_prompt)
     return RenderInputs(prepared, chat, variables, final, plain)
 
 
-def _variables(chat_template: ChatTemplate, kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The template variables before ``tools``, ``documents`` and
-    ``add_generation_prompt`` (set last, in that order)."""
+def _variables(
+    chat_template: ChatTemplate,
+    kwargs: Mapping[str, Any],
+    tools: list[Any] | None,
+    documents: Any,
+    add_generation_prompt: bool,
+) -> dict[str, Any]:
+    """Every template variable but ``messages``, in the order the segment renderer's
+    shapes are keyed by: the special tokens, the other keyword arguments, then ``tools``,
+    ``documents`` and ``add_generation_prompt``."""
     variables: dict[str, Any] = dict(chat_template.special_tokens)
     variables.update((k, v) for k, v in kwargs.items() if k not in _CONSUMED and k not in _REFUSED)
+    variables["tools"] = tools
+    variables["documents"] = documents
+    variables["add_generation_prompt"] = add_generation_prompt
     return variables
 
 
@@ -215,10 +222,7 @@ def _by_slots(
     segments = slots.template.segments
     assert segments is not None
     # what render_inputs gives such a request: no template arguments but the defaults
-    variables = _variables(chat_template, {})
-    variables["tools"] = slots.tools
-    variables["documents"] = None
-    variables["add_generation_prompt"] = True
+    variables = _variables(chat_template, {}, slots.tools, None, True)
     return segments.render_slots(
         slots.signature,
         slots.values,

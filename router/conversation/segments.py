@@ -790,13 +790,9 @@ class SegmentRenderer:
             else:
                 fingerprint.append((name, type(value), value))
         key = (_CHAT, signature, tuple(fingerprint), tools_key)
-        kind = tools_key is not None
-        text = self._serve(key, _chat_probes(signature), values, variables, chat)
-        if text is not None:
-            self._opaque_seen(kind, False)
-        elif self._shapes.get(key) is _OPAQUE:
-            self._opaque_seen(kind, True)
-        return text
+        return self._serve(
+            key, _chat_probes(signature), values, variables, chat, kind=tools_key is not None
+        )
 
     def _serve(
         self,
@@ -805,11 +801,15 @@ class SegmentRenderer:
         values: list[str],
         variables: Mapping[str, Any],
         chat: Callable[[], Sequence[Any]],
+        kind: bool | None = None,
     ) -> str | None:
         """The request ``key`` names, from its slot ``values``: its shape's pieces and
         values joined (the shape learned with ``probes`` when new), or None when the
         shape is opaque or a value answers a question otherwise. ``chat``: the request's
-        messages as the template sees them, for the check of a shape's first use."""
+        messages as the template sees them, for the check of a shape's first use;
+        ``kind``: the request's kind for :meth:`trying` (None: not tracked). One lookup
+        of ``key`` on the way to a known shape (a large signature's hash is not cached:
+        some 5 us for an 8k-token agent loop)."""
         if self._date_formats:
             self._check_date()
         shape = self._shapes.get(key)
@@ -824,14 +824,22 @@ class SegmentRenderer:
             del seen[digest]
             shape = self._learn(key, probes, len(values), variables)
         if shape is _OPAQUE:
+            if kind is not None:
+                self._opaque_seen(kind, True)
             return None
         for check in shape.checks:
             if not check.holds(values):
                 self.refused += 1
                 return None
         text = shape.text(values)
-        if key in self._unchecked and not self._agrees(key, text, chat(), variables):
+        if (
+            self._unchecked
+            and key in self._unchecked
+            and not self._agrees(key, text, chat(), variables)
+        ):
             return None
+        if kind is not None:
+            self._opaque_seen(kind, False)
         self.hits += 1
         return text
 

@@ -339,14 +339,14 @@ class ConversationScorer:
         total_avg = sum(loads) + 1
         cap_now = math.ceil((1.0 + eps) * total_now / n)
         cap_avg = math.ceil((1.0 + eps) * total_avg / n)
-        sticky = self._sticky(view) if view is not None else None
+        sticky = None
+        if view is not None and sc.sticky_load_factor_epsilon > eps:
+            sticky = self._sticky(view)
         sticky_now = sticky_avg = 0
-        if sticky is not None and sc.sticky_load_factor_epsilon > eps:
+        if sticky is not None:
             wide = 1.0 + sc.sticky_load_factor_epsilon
             sticky_now = math.ceil(wide * total_now / n)
             sticky_avg = math.ceil(wide * total_avg / n)
-        else:
-            sticky = None
         below = [
             b
             for b, load in zip(candidates, loads, strict=True)
