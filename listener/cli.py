@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import sys
 from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
+
+from bus.collector import tune_collector
 
 from .config import ConfigError, ListenerConfig, load_listener_config, log_warnings
 
@@ -161,22 +162,6 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _tune_gc() -> None:
-    """Fewer cyclic-GC passes on the ingestion path.
-
-    Every engine event allocates a few dozen short-lived containers, and the tracker keeps
-    up to ``max_tracked_blocks`` long-lived ones; with the default thresholds the
-    collector runs every ~700 allocations and walks them. Objects from startup (modules,
-    config) are frozen out of the collector's reach, and the youngest generation is
-    collected every 20,000 allocations instead. The tracker breaks its own reference
-    cycles when it drops a block, so this only delays reclaiming rare cyclic garbage.
-    """
-    gc.collect()
-    gc.freeze()
-    _, g1, g2 = gc.get_threshold()
-    gc.set_threshold(20_000, g1, g2)
-
-
 def _run(config: ListenerConfig) -> int:
     try:
         from .app import run
@@ -185,7 +170,7 @@ def _run(config: ListenerConfig) -> int:
             raise
         print(f"{PROG}: this build has no listener.app; only --check works", file=sys.stderr)
         return 1
-    _tune_gc()
+    tune_collector()  # the ingestion path allocates containers by the dozen per event
     try:
         try:
             import uvloop

@@ -54,6 +54,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
+from xxhash import xxh3_128_digest
+
 from .content_format import ContentFormat
 from .errors import RenderError
 from .segments import COMMON_CALL, EMPTY, SLOT
@@ -416,6 +419,8 @@ class AgentSlots:
     """As :func:`prepare_tools` gives them."""
     signature: tuple[Any, ...]
     values: list[str]
+    """Kept by the readings memo for the conversation's next request: read, never
+    changed."""
 
 
 _TOOL_KEYS = frozenset(("role", "content", "tool_call_id"))
@@ -462,16 +467,131 @@ class _ArgumentsMemo:
 _ARGUMENTS = _ArgumentsMemo()
 
 
+class _Reading:
+    """What :func:`agent_slots` read of one request's messages, for its next turn."""
+
+    __slots__ = ("cost", "count", "digest", "length", "signature", "tojson", "values")
+
+    def __init__(
+        self,
+        count: int,
+        length: int,
+        digest: bytes,
+        signature: tuple[Any, ...],
+        values: list[str],
+        tojson: Any,
+        cost: int,
+    ) -> None:
+        self.count = count
+        self.length = length
+        self.digest = digest
+        self.signature = signature
+        self.values = values
+        self.tojson = tojson
+        self.cost = cost
+
+
+class _ReadingMemo:
+    """A conversation's last reading, so its next turn reads only the messages it adds.
+
+    An agent loop resends its whole history every step: step k+1's messages are step
+    k's and a few more. Reading a message is a Python loop's worth of type checks (about
+    1 us each: 120 messages at 8k tokens); serializing the list with ``orjson`` is one C
+    pass (about 0.2 us a message). The serialization of ``[m0, ..., mn]`` starts with
+    that of ``[m0, ..., mk]`` less its closing bracket exactly when the first ``k + 1``
+    messages are equal (same keys in the same order, same values): a JSON text's prefix
+    fixes where its elements end. So a request whose serialization starts with its
+    conversation's last one (XXH3-128 of that prefix, the digest the prompt chain
+    itself trusts) reuses that reading and reads only the messages after it.
+
+    The entries keep digests, not messages: message objects kept alive would survive
+    into the collector's older generations (measured: a tight loop of new agent loops
+    ran 1.6-3x slower with their dicts kept, the same with the collector off). A
+    conversation is found by the contents of its first two messages (a system prompt and
+    the task; strings only); two conversations sharing both only replace each other's
+    entry. Bounded by ``max_cost`` (characters of the values kept plus ``SLOT_COST`` per
+    message), least recently used first out."""
+
+    SLOT_COST = 64
+    """About what a message's signature tuple and value references cost beyond text."""
+
+    __slots__ = ("_cost", "_memo", "hits", "max_cost", "misses")
+
+    def __init__(self, max_cost: int = 16 << 20) -> None:
+        self.max_cost = max_cost
+        self._memo: dict[tuple[str, str], _Reading] = {}
+        self._cost = 0
+        self.hits = 0
+        """Readings that reused an earlier turn's."""
+        self.misses = 0
+        """Readings with no earlier turn to reuse (none kept, or not a prefix)."""
+
+    def __len__(self) -> int:
+        return len(self._memo)
+
+    @property
+    def cost(self) -> int:
+        return self._cost
+
+    @staticmethod
+    def key(messages: list[Any]) -> tuple[str, str] | None:
+        if len(messages) < 3:
+            return None  # nothing before the newest messages worth keeping
+        m0, m1 = messages[0], messages[1]
+        if type(m0) is not dict or type(m1) is not dict:
+            return None
+        c0, c1 = m0.get("content"), m1.get("content")
+        if type(c0) is not str or type(c1) is not str:
+            return None
+        return c0, c1
+
+    def find(self, key: tuple[str, str], serialized: bytes, tojson: Any) -> _Reading | None:
+        """The last reading of ``key``'s conversation when its messages are the first of
+        the ones ``serialized`` (or all of them: the same request again) and were read
+        with the same ``tojson``, taken out of the memo."""
+        entry = self._memo.pop(key, None)
+        if entry is None:
+            self.misses += 1
+            return None
+        self._cost -= entry.cost
+        end = entry.length - 1  # without the closing bracket
+        if (
+            entry.tojson is not tojson
+            or len(serialized) < entry.length
+            or xxh3_128_digest(memoryview(serialized)[:end]) != entry.digest
+        ):
+            self.misses += 1
+            return None
+        self.hits += 1
+        return entry
+
+    def keep(self, key: tuple[str, str], entry: _Reading) -> None:
+        if entry.cost > self.max_cost:
+            return
+        memo = self._memo
+        old = memo.pop(key, None)
+        if old is not None:
+            self._cost -= old.cost
+        memo[key] = entry
+        self._cost += entry.cost
+        while self._cost > self.max_cost:
+            self._cost -= memo.pop(next(iter(memo))).cost
+
+
+_READINGS = _ReadingMemo()
+
+
 def agent_slots(body: Mapping[str, Any], chat_template: ChatTemplate) -> AgentSlots | None:
     """The segment renderer's signature and slot values for a request whose only template
     field is ``tools`` and whose messages are all plain (``{"role", "content": text}``),
     tool results (``{"role": "tool", "content": text, "tool_call_id": text}``) or
     assistant tool calls (``{"role": "assistant", "content": text or null,
     "tool_calls": [...]}``, each call well formed with an object for ``arguments``),
-    read in one pass from the request: what :func:`prepare_chat`, then the renderer's
-    ``_signature`` of its messages, give for it (``tests/unit/test_render_segments.py``
-    holds them equal), without building vLLM's messages. None for anything else (the
-    general path decides, errors included)."""
+    read in one pass from the request (the messages its conversation's previous request
+    had are not read again: :class:`_ReadingMemo`): what :func:`prepare_chat`, then the
+    renderer's ``_signature`` of its messages, give for it
+    (``tests/unit/test_render_segments.py`` holds them equal), without building vLLM's
+    messages. None for anything else (the general path decides, errors included)."""
     if not _KNOBS.isdisjoint(body.keys() - {"tools"}):
         return None
     messages = body.get("messages")
@@ -486,39 +606,94 @@ def agent_slots(body: Mapping[str, Any], chat_template: ChatTemplate) -> AgentSl
     if segments is None or template.content_format != "string":
         return None
     tojson = segments.tojson
-    signature: list[Any] = []
+    key = _ReadingMemo.key(messages)
+    serialized = b""
+    earlier = None
+    if key is not None:
+        try:
+            serialized = orjson.dumps(messages)
+        except TypeError:  # not JSON (a dialect's own objects): read it all, keep nothing
+            key = None
+        else:
+            earlier = _READINGS.find(key, serialized, tojson)
+    signature: list[Any]
+    if earlier is None:
+        signature, values, start, cost = [], [], 0, 0
+    else:
+        signature = list(earlier.signature)
+        values = earlier.values[:]
+        start, cost = earlier.count, earlier.cost
+    read_from = len(values)
+    if not _read(messages, start, signature, values, tojson):
+        return None
+    slots = AgentSlots(template, tools, tuple(signature), values)
+    if key is not None:
+        cost += sum(map(len, values[read_from:])) + _ReadingMemo.SLOT_COST * (len(messages) - start)
+        digest = xxh3_128_digest(memoryview(serialized)[:-1])
+        reading = _Reading(
+            len(messages), len(serialized), digest, slots.signature, values, tojson, cost
+        )
+        _READINGS.keep(key, reading)
+    return slots
+
+
+# A message's part of the signature, one object per kind: the memo keeps signatures, and
+# new tuples kept alive would be more for the collector to walk (see _ReadingMemo).
+_ROLES = ("system", "user", "assistant", "tool")
+_FILLED = {r: (r, SLOT) for r in _ROLES}
+_BLANK = {r: (r, EMPTY) for r in _ROLES}
+_TOOL_RESULT = {
+    (c, t): (
+        ("role", "tool"),
+        ("content", SLOT if c else EMPTY),
+        ("tool_call_id", SLOT if t else EMPTY),
+    )
+    for c in (False, True)
+    for t in (False, True)
+}
+
+
+def _calls_signature(content: Any, calls: int) -> tuple[Any, ...]:
+    return (
+        ("role", "assistant"),
+        ("content", SLOT if content else EMPTY),
+        ("tool_calls", (COMMON_CALL,) * calls),
+    )
+
+
+_TOOL_CALLS = {(c, k): _calls_signature(c, k) for c in (False, True) for k in range(1, 9)}
+
+
+def _read(
+    messages: list[Any], start: int, signature: list[Any], values: list[str], tojson: Any
+) -> bool:
+    """Append the signature and slot values of ``messages[start:]`` (False: a message
+    :func:`agent_slots` does not read; the lists are then left part-filled)."""
     add = signature.append
-    values: list[str] = []
     push = values.append
-    for m in messages:
+    for m in messages[start:] if start else messages:
         if type(m) is not dict:
-            return None
+            return False
         role = m.get("role")
         content = m.get("content")
         if type(role) is not str or role == "developer":
-            return None
+            return False
         n = len(m)
         if n == 2 and type(content) is str and "content" in m:
             if content:
                 push(content)
-                add((role, SLOT))
+                add(_FILLED.get(role) or (role, SLOT))
             else:
-                add((role, EMPTY))
+                add(_BLANK.get(role) or (role, EMPTY))
         elif n == 3 and role == "tool" and type(content) is str and m.keys() == _TOOL_KEYS:
             tid = m["tool_call_id"]
             if type(tid) is not str:
-                return None
+                return False
             if content:
                 push(content)
             if tid:
                 push(tid)
-            add(
-                (
-                    ("role", "tool"),
-                    ("content", SLOT if content else EMPTY),
-                    ("tool_call_id", SLOT if tid else EMPTY),
-                )
-            )
+            add(_TOOL_RESULT[bool(content), bool(tid)])
         elif (
             n == 3
             and role == "assistant"
@@ -527,29 +702,26 @@ def agent_slots(body: Mapping[str, Any], chat_template: ChatTemplate) -> AgentSl
         ):
             calls = m["tool_calls"]
             if type(calls) is not list or not calls:
-                return None
+                return False
             if content:
                 push(content)
             for call in calls:
                 fn = call.get("function") if type(call) is dict else None
                 if type(fn) is not dict or call.get("type") != "function":
-                    return None
+                    return False
                 cid, name, raw = call.get("id"), fn.get("name"), fn.get("arguments")
                 if type(cid) is not str or type(name) is not str or type(raw) is not str:
-                    return None
+                    return False
                 if not cid or not name:
-                    return None
+                    return False
                 text = _ARGUMENTS.text(raw, tojson)
                 if text is None:
-                    return None
+                    return False
                 values += (cid, text, name)
             add(
-                (
-                    ("role", "assistant"),
-                    ("content", SLOT if content else EMPTY),
-                    ("tool_calls", (COMMON_CALL,) * len(calls)),
-                )
+                _TOOL_CALLS.get((bool(content), len(calls)))
+                or _calls_signature(content, len(calls))
             )
         else:
-            return None
-    return AgentSlots(template, tools, tuple(signature), values)
+            return False
+    return True

@@ -520,6 +520,144 @@ def test_an_agent_loop_with_tools_is_read_in_one_pass() -> None:
     assert agent_slots({**body, "add_generation_prompt": False}, _qwen()) is None
 
 
+# --- an agent loop's next step reads only what it adds ----------------------------------
+
+
+class _Memo:
+    """``agent_slots`` with a memo of its own (the module's is shared by every test)."""
+
+    def __init__(self, max_cost: int = 16 << 20) -> None:
+        from router.conversation import messages
+
+        self.module = messages
+        self.memo = messages._ReadingMemo(max_cost)
+
+    def read(self, body: dict[str, Any], template: ChatTemplate) -> Any:
+        return self._with(self.memo, body, template)
+
+    def fresh(self, body: dict[str, Any], template: ChatTemplate) -> Any:
+        return self._with(self.module._ReadingMemo(0), body, template)
+
+    def _with(self, memo: Any, body: dict[str, Any], template: ChatTemplate) -> Any:
+        saved = self.module._READINGS
+        self.module._READINGS = memo
+        try:
+            return self.module.agent_slots(body, template)
+        finally:
+            self.module._READINGS = saved
+
+
+def _reading(slots: Any) -> tuple[Any, ...]:
+    return (slots.template, slots.tools, slots.signature, list(slots.values))
+
+
+def test_an_agent_loops_next_step_reuses_its_last_reading() -> None:
+    m, template = _Memo(), _qwen()
+    first = m.read(_body(_agent("a", 2), tools=_TOOLS), template)
+    assert first is not None and (m.memo.hits, m.memo.misses) == (0, 1)
+    body = _body(_agent("a", 3), tools=_TOOLS)
+    slots = m.read(body, template)
+    assert m.memo.hits == 1
+    assert _reading(slots) == _reading(m.fresh(body, template))
+    assert _reading(m.read(body, template)) == _reading(slots)  # the same request again
+    assert m.memo.hits == 2
+    assert list(first.values) == _reading(m.fresh(_body(_agent("a", 2)), template))[3]
+
+
+def test_an_edited_history_is_read_again() -> None:
+    m, template = _Memo(), _qwen()
+    m.read(_body(_agent("a", 3), tools=_TOOLS), template)
+    edited = _agent("a", 4)
+    edited[3]["content"] = "out a 0, edited"  # the first tool result
+    body = _body(edited, tools=_TOOLS)
+    slots = m.read(body, template)
+    assert (m.memo.hits, m.memo.misses) == (0, 2)
+    assert "out a 0, edited" in slots.values
+    assert _reading(slots) == _reading(m.fresh(body, template))
+    shorter = _body(_agent("a", 1), tools=_TOOLS)  # fewer messages than were kept
+    assert _reading(m.read(shorter, template)) == _reading(m.fresh(shorter, template))
+    assert m.memo.hits == 0
+
+
+def test_a_reading_kept_under_one_template_serves_another_right(tmp_path: Path) -> None:
+    """The reading depends on the template only through its ``tojson`` (reused when it
+    is the same filter, read again when not): the slots are a fresh reading's."""
+    m, qwen = _Memo(), _qwen()
+    other = _jinja(
+        tmp_path,
+        "{% for m in messages %}{{ m.role }}:{{ m.content }}"
+        "{% for c in m.tool_calls or [] %}{{ c.function.arguments | tojson }}{% endfor %}"
+        "\n{% endfor %}",
+    )
+    m.read(_body(_agent("a", 2), tools=_TOOLS), qwen)
+    body = _body(_agent("a", 3), tools=_TOOLS)
+    slots = m.read(body, other)
+    assert _reading(slots) == _reading(m.fresh(body, other))
+    assert slots.template is other.select(True)
+
+
+def test_the_readings_memo_is_bounded() -> None:
+    m, template = _Memo(max_cost=2_000), _qwen()
+    for n in range(40):
+        m.read(_body(_agent(f"task {n}", 3), tools=_TOOLS), template)
+    assert 0 < len(m.memo) < 40 and m.memo.cost <= 2_000
+    m.read(_body(_agent("task 39", 4), tools=_TOOLS), template)  # the newest is still kept
+    assert m.memo.hits == 1
+    huge = _body(_agent("x" * 3_000, 3), tools=_TOOLS)
+    assert m.read(huge, template) is not None  # too large to keep: read, not kept
+    assert m.memo.cost <= 2_000
+
+
+def test_a_reading_is_reused_only_with_the_same_tojson() -> None:
+    import orjson
+
+    m, template = _Memo(), _qwen()
+    m.read(_body(_agent("a", 2), tools=_TOOLS), template)
+    serialized = orjson.dumps(_agent("a", 3))
+    key = m.memo.key(_agent("a", 3))
+    assert key is not None
+    assert m.memo.find(key, serialized, json.dumps) is None  # another filter: read again
+    assert m.memo.misses == 2
+
+
+def test_messages_that_are_not_json_are_read_and_not_kept() -> None:
+    m, template = _Memo(), _qwen()
+    body = _body([*_agent("a", 1), {"role": "user", "content": "more", "x": {1, 2}}])
+    assert m.read(body, template) is None  # not a message the one-pass reading takes
+    assert len(m.memo) == 0
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.lists(_raw_message, min_size=1, max_size=6),
+    st.lists(st.lists(_raw_message, max_size=3), min_size=1, max_size=4),
+    st.lists(st.tuples(st.integers(0, 20), _raw_message), max_size=2),
+    st.booleans(),
+)
+def test_a_conversations_turns_read_as_fresh_readings(
+    history: list[dict[str, Any]],
+    turns: list[list[dict[str, Any]]],
+    edits: list[tuple[int, dict[str, Any]]],
+    tools: bool,
+) -> None:
+    """Turn after turn, some with an earlier message replaced: every reading through the
+    memo is the one a memo-free reading gives."""
+    m, template = _Memo(), _qwen()
+    extra: dict[str, Any] = {"tools": _TOOLS} if tools else {}
+    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "task"}]
+    messages += history
+    for added in turns:
+        messages = messages + added
+        for at, replacement in edits:
+            if 2 <= at < len(messages) and at % 3 == len(added) % 3:
+                messages[at] = replacement
+        body = _body(json.loads(json.dumps(messages)), **extra)  # a new request's objects
+        got, want = m.read(body, template), m.fresh(body, template)
+        assert (got is None) == (want is None)
+        if got is not None:
+            assert _reading(got) == _reading(want)
+
+
 # --- the date in the prompt ---------------------------------------------------------------
 
 _DATED = (
