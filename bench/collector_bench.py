@@ -18,21 +18,16 @@ import argparse
 import asyncio
 import gc
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 
 import uvloop
 
 from bus.collector import YOUNG_THRESHOLD
-from harness.sim.fleet import SimFleet
-from router.app import Router
-from router.config import load_config
-from router.http.types import Request
 
+from ._inproc import CLIENTS, in_process_router, send
 from ._table import fmt_float, median, render_table
-from .conversation_cost_bench import MODEL, agent_bodies, conversation_bodies, router_yaml
+from .conversation_cost_bench import agent_bodies, conversation_bodies
 
 _HEADERS = {"content-type": "application/json"}
 
@@ -53,32 +48,17 @@ async def measure(
     workload: str, tokens: int, conversation: bool, requests: int, rounds: int
 ) -> dict[int, list[tuple[float, float]]]:
     bodies = (agent_bodies if workload == "agent" else conversation_bodies)(tokens)
-    workdir = Path(tempfile.mkdtemp(prefix="collector-bench-"))
+    what = f"{workload} {tokens}"
     clock = _CollectorClock()
     out: dict[int, list[tuple[float, float]]] = {700: [], YOUNG_THRESHOLD: []}
-    async with SimFleet(n=3, model=MODEL, trivial=True) as fleet:
-        cfg = workdir / "router.yaml"
-        cfg.write_text(router_yaml(fleet.urls, conversation, 0))
-        config, _ = load_config(cfg)
-        router = Router(config)
-        await router.start()
+    async with in_process_router(conversation) as router:
         _, older, oldest = gc.get_threshold()
         gc.collect()
         gc.freeze()
         gc.callbacks.append(clock)
         try:
-
-            async def worker(w: int, n: int) -> None:
-                for j in range(n):
-                    body = bodies[(w * 7 + j) % len(bodies)]
-                    r = await router.handle(
-                        Request("POST", "/v1/chat/completions", "", _HEADERS, body)
-                    )
-                    if r.status != 200:
-                        raise RuntimeError(f"a request answered {r.status}")
-
-            await asyncio.gather(*(worker(w, 20) for w in range(16)))
-            per = max(1, requests // 16)
+            await send(router, bodies, 20, what)
+            per = max(1, requests // CLIENTS)
             for rnd in range(rounds):
                 order = list(out) if rnd % 2 == 0 else list(out)[::-1]
                 for threshold in order:
@@ -86,8 +66,8 @@ async def measure(
                     gc.collect()
                     clock.seconds = 0.0
                     t0 = time.thread_time()
-                    await asyncio.gather(*(worker(w, per) for w in range(16)))
-                    n = per * 16
+                    await send(router, bodies, per, what)
+                    n = per * CLIENTS
                     out[threshold].append(
                         ((time.thread_time() - t0) / n * 1e6, clock.seconds / n * 1e6)
                     )
@@ -95,7 +75,6 @@ async def measure(
             gc.callbacks.remove(clock)
             gc.unfreeze()
             gc.set_threshold(700, older, oldest)
-            await router.stop()
     return out
 
 

@@ -31,23 +31,19 @@ import argparse
 import asyncio
 import gc
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import uvloop
 
-from harness.sim.fleet import SimFleet
 from router.app import Router
-from router.config import load_config
-from router.http.types import Request
 from router.kvindex.cost import ChainView, RequestChain
 from router.pool import Backend
 
+from ._inproc import CLIENTS, in_process_router, send
 from ._table import fmt_float, median, render_table
-from .conversation_cost_bench import MODEL, conversation_bodies, router_yaml
+from .conversation_cost_bench import conversation_bodies
 
 MODES = (
     "prefix",
@@ -116,41 +112,23 @@ class _Modes:
 
 async def measure(tokens: int, requests: int, rounds: int) -> dict[str, list[float]]:
     bodies = conversation_bodies(tokens)
-    workdir = Path(tempfile.mkdtemp(prefix="conv-parts-"))
-    async with SimFleet(n=3, model=MODEL, trivial=True) as fleet:
-        cfg = workdir / "router.yaml"
-        cfg.write_text(router_yaml(fleet.urls, True, 0))
-        config, _ = load_config(cfg)
-        router = Router(config)
-        await router.start()
-        try:
-            modes = _Modes(router)
-
-            async def worker(w: int, n: int) -> None:
-                for j in range(n):
-                    body = bodies[(w * 7 + j) % len(bodies)]
-                    r = await router.handle(
-                        Request("POST", "/v1/chat/completions", "", _HEADERS, body)
-                    )
-                    if r.status != 200:
-                        raise RuntimeError(f"{tokens} tokens: a request answered {r.status}")
-
-            per = max(1, requests // 16)
-            for mode in MODES:  # warm-up: every chain held, every path's code run
+    what = f"{tokens} tokens"
+    async with in_process_router(True) as router:
+        modes = _Modes(router)
+        per = max(1, requests // CLIENTS)
+        for mode in MODES:  # warm-up: every chain held, every path's code run
+            modes.set(mode)
+            await send(router, bodies, 40, what)
+        gc.collect()
+        out: dict[str, list[float]] = {m: [] for m in MODES}
+        for rnd in range(rounds):
+            for mode in MODES if rnd % 2 == 0 else MODES[::-1]:
                 modes.set(mode)
-                await asyncio.gather(*(worker(w, 40) for w in range(16)))
-            gc.collect()
-            out: dict[str, list[float]] = {m: [] for m in MODES}
-            for rnd in range(rounds):
-                for mode in MODES if rnd % 2 == 0 else MODES[::-1]:
-                    modes.set(mode)
-                    t0 = time.thread_time()
-                    await asyncio.gather(*(worker(w, per) for w in range(16)))
-                    out[mode].append((time.thread_time() - t0) / (per * 16) * 1e6)
-            modes.set("conversation")
-            return out
-        finally:
-            await router.stop()
+                t0 = time.thread_time()
+                await send(router, bodies, per, what)
+                out[mode].append((time.thread_time() - t0) / (per * CLIENTS) * 1e6)
+        modes.set("conversation")
+        return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
