@@ -17,6 +17,15 @@ to fail); it is logged when the caller passes a logger.
 A caller stopping tasks in a ``finally`` while its own task is being cancelled still gets
 them stopped: the cancellation was already delivered, so the wait is not interrupted
 unless the caller is cancelled once more.
+
+A cancellation can be lost inside the task: on Python 3.11 ``asyncio.wait_for`` returns
+its operation's result when the cancellation arrives in the same loop iteration as that
+result, and the task carries on (redis-py wraps every socket write in it). A stopper that
+waits once then waits forever, and whatever it was doing (a resync that starts a stream
+over) never happens. So a task still running ``RECANCEL_SECONDS`` after its cancellation
+is cancelled again, until it ends, with one warning per task. (A stop-time cleanup that
+takes longer than that is interrupted once more; one that must take long belongs before
+the cancellation, as ``grace``.)
 """
 
 from __future__ import annotations
@@ -25,7 +34,10 @@ import asyncio
 import logging
 from typing import Any
 
-__all__ = ["cancel_and_wait"]
+__all__ = ["RECANCEL_SECONDS", "cancel_and_wait"]
+
+RECANCEL_SECONDS = 1.0
+_log = logging.getLogger("continuum.tasks")
 
 
 async def cancel_and_wait(
@@ -55,10 +67,14 @@ async def cancel_and_wait(
             for t in pending:
                 t.cancel()
             raise
-    for t in pending:
-        t.cancel()
-    if pending:
-        await asyncio.wait(pending)
+    warned: set[asyncio.Future[Any]] = set()
+    while pending:
+        for t in pending:
+            t.cancel()
+        _done, pending = await asyncio.wait(pending, timeout=RECANCEL_SECONDS)
+        for t in pending - warned:
+            _log.warning("task %s still runs after its cancellation; cancelling it again", _name(t))
+            warned.add(t)
     for fut in tasks:
         if fut is None or fut.cancelled():
             continue

@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable
 import aiohttp
 
 from bus.backoff import Backoff
+from bus.tasks import cancel_and_wait
 
 from ..config.models import EventSourceConfig
 from ..http.tls import client_context
@@ -208,10 +209,9 @@ class KvEventConsumerManager:
         tasks = [self._tasks.pop(n) for n in names if n in self._tasks]
         for n in names:
             self._consumers.pop(n, None)
-        for t in tasks:
-            t.cancel()
-        if tasks:
-            await asyncio.wait(tasks)
+        # cancel_and_wait cancels again a consumer that lost its cancellation inside a
+        # Redis write (bus.tasks): a single wait would hang the resync and the stop.
+        await cancel_and_wait(*tasks)
 
     @staticmethod
     def _on_done(task: asyncio.Task[None]) -> None:

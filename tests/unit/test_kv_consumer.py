@@ -788,6 +788,48 @@ async def test_manager_resync_starts_every_stream_over_from_a_snapshot(h: Harnes
         await mgr.stop()
 
 
+async def test_manager_resync_survives_a_consumer_that_loses_its_cancellation(
+    h: Harness,
+) -> None:
+    """On Python 3.11 ``asyncio.wait_for`` (redis-py wraps each socket write in it) returns
+    its result when a cancellation arrives as that result does, and the task goes on. A
+    resync that waited once for the cancelled consumer then waited forever, with no
+    consumer listed for the backend (seen after a Redis failover: the router's gRPC
+    ``Backends`` had no position for either engine for a minute)."""
+    hub = EventHub(backends=[B], epoch="e1")
+    lst = await h.listener(hub)
+    src = EventSourceConfig(backend_name=B, endpoint=f"http://127.0.0.1:{lst.port}/events/{B}")
+    events: list[KvEvent] = []
+    in_apply = asyncio.Event()
+    stall = [True]
+
+    async def apply(ev: KvEvent) -> str:
+        if ev.event == "cache_created" and stall:
+            stall.clear()
+            in_apply.set()
+            try:
+                await asyncio.Event().wait()  # a Redis write in flight
+            except asyncio.CancelledError:
+                pass  # what 3.11's wait_for does when its operation completes right then
+        events.append(ev)
+        return LABELS[ev.event]
+
+    mgr = KvEventConsumerManager([src], apply, backoff_factory=lambda s: RecordingBackoff())
+    await mgr.start()
+    try:
+        await wait_until(lambda: len(events) == 1, "the first resync")
+        hub.publish(B, created(1))
+        await asyncio.wait_for(in_apply.wait(), WAIT_S)
+        assert await asyncio.wait_for(mgr.resync(), WAIT_S) == [B]
+        await wait_until(
+            lambda: [e.event for e in events][-1:] == ["resync"] and len(events) >= 3,
+            "the new consumer's resync block",
+        )
+        assert set(mgr.stats()) == {B}
+    finally:
+        await mgr.stop()
+
+
 async def test_end_resync_runs_right_after_the_last_snapshot_record(h: Harness) -> None:
     """A sized ``resync`` block is swapped in by ``end_resync`` between its last snapshot
     record and the next live one, for a subscriber's own block and for a shared resync

@@ -140,3 +140,30 @@ async def test_cancelling_the_caller_during_the_grace_cancels_the_tasks() -> Non
     with pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(child, TIMEOUT)
     assert child.cancelled()
+
+
+async def test_a_task_that_lost_its_cancellation_is_cancelled_again(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Python 3.11's ``wait_for`` returns its operation's result when the cancellation
+    arrives in the same loop iteration, and the task goes on; waiting once would hang."""
+    pending: list[asyncio.Future[int]] = []
+    writing = asyncio.Event()
+
+    async def operation() -> int:
+        pending.append(asyncio.get_running_loop().create_future())
+        writing.set()
+        return await pending[-1]
+
+    async def writes_forever() -> None:
+        while True:
+            await asyncio.wait_for(operation(), TIMEOUT)  # as redis-py wraps each write
+
+    task = asyncio.create_task(writes_forever(), name="writer")
+    await asyncio.wait_for(writing.wait(), TIMEOUT)
+    pending[-1].set_result(1)  # the write completes as the stop arrives
+    with caplog.at_level(logging.WARNING, logger="continuum.tasks"):
+        await asyncio.wait_for(cancel_and_wait(task), TIMEOUT)
+    assert task.cancelled()
+    if len(pending) > 1:  # the cancellation was lost (3.11), and the task was told again
+        assert any("writer" in r.getMessage() for r in caplog.records)
