@@ -448,6 +448,20 @@ class ConversationScoringConfig(_Section):
     ``bench/affinity_bench.py`` (8 shared prompts, 2 backends): PrefixAwareHash's ring
     put 5 of the 8 on one backend in some runs (max share 0.63)."""
     load_window_seconds: Annotated[float, Field(ge=0.0, le=600.0)] = 2.0
+    """Time constant, in seconds, of the in-flight averages the load term and the cap
+    read (0: the counts now). A backend is at the cap only when over it both now and on
+    average: against the counts now alone a shared prompt's engine hits the cap whenever
+    a few of its sessions arrive together, and each request sent past it prefills the
+    whole prompt elsewhere (``make run``'s demo: 61-65 % token hit rate, 83-87 % with
+    the average); a lasting imbalance still moves work away."""
+    resident_weight: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
+    """Cost of each prompt token of the other live conversations this router sent to the
+    backend (``resident_tokens``: what its cache is asked to keep; 0: off). Sessions
+    stick, so an engine that took more of them evicts their histories first; with the
+    term a shared prompt's new sessions go where there is room, copying the prompt once,
+    while a conversation's own history (thousands of tokens) keeps it where it is."""
+    resident_window_seconds: Annotated[float, Field(gt=0.0, le=86_400.0)] = 300.0
+    """A conversation not routed for this long no longer counts as resident."""
     sticky_tokens: Annotated[int, Field(ge=0)] = 0
     """A conversation whose backend holds at least this many of its tokens more than any
     other candidate (its own history, not a prompt shared with other sessions) may stay
@@ -463,12 +477,6 @@ class ConversationScoringConfig(_Section):
     """The bound for such a conversation's backend, as ``load_factor_epsilon`` (used only
     when larger than it). Unbounded, a tool suite's sessions pile onto one engine
     (``bench/fleet_bench.py`` (b): max/mean load 2.04)."""
-    """Time constant, in seconds, of the in-flight averages the load term and the cap
-    read (0: the counts now). A backend is at the cap only when over it both now and on
-    average: against the counts now alone a shared prompt's engine hits the cap whenever
-    a few of its sessions arrive together, and each request sent past it prefills the
-    whole prompt elsewhere (``make run``'s demo: 61-65 % token hit rate, 83-87 % with
-    the average); a lasting imbalance still moves work away."""
 
 
 class ChatTemplateConfig(_Section):

@@ -6,6 +6,7 @@ The cost of sending the request to backend ``b``, in prompt tokens
     cost(b) = prompt_tokens - credit(tier(b)) * held_tokens(b)
             + prefill_load_weight   * in_flight_prefill_tokens(b)
             + active_request_weight * in_flight_requests(b)
+            + resident_weight       * resident_tokens(b)
 
 * ``held_tokens(b)``: the ``token_count`` of b's deepest key of the request's chain, from
   ONE ``query_many`` of the chain index (``router.kvindex.chains``); ``credit`` is
@@ -17,6 +18,11 @@ The cost of sending the request to backend ``b``, in prompt tokens
   ledger the forwarder keeps; ``in_flight_requests(b)``: the pool's in-flight count,
   averaged over ``load_window_seconds`` (``router.kvindex.load_average``: instantaneous
   counts split a prompt two engines hold, each flip of the load sending it to the other).
+* ``resident_tokens(b)``: the prompt tokens of the other conversations this router sent to
+  b within ``resident_window_seconds`` (:class:`~router.kvindex.resident.LiveConversations`):
+  what b's cache is asked to keep. Sessions stick, so an engine that took more of them
+  than the others evicts their histories first; the term places a shared prompt's new
+  sessions where there is room (copying the prompt, once) long before the load cap would.
 
 The lowest cost wins among the candidates under the bounded-load cap
 (``load_factor_epsilon``: PrefixAwareHash's ``ceil((1 + epsilon) * (in flight + 1) / n)``).
@@ -89,6 +95,7 @@ from .base import Change, IndexEntry, KvIndex, StorageTier
 from .chains import Held, deepest_held
 from .load_average import LoadAverage, RecentCount
 from .prefill import PrefillLoad
+from .resident import LiveConversations
 
 __all__ = [
     "DECISIONS",
@@ -133,6 +140,9 @@ class ChainView:
     prompt_bytes: int
     tokens_per_byte: float
     prompt_tokens: int
+    conversation: bytes | None = None
+    """The key this request's conversation was last routed under (``LiveConversations``;
+    None: new, or the resident term is off)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -150,6 +160,8 @@ class CostComponents:
     in_flight_prefill_tokens: int
     in_flight_requests: int
     """The backend's count now (the cost reads its average over ``load_window_seconds``)."""
+    resident_tokens: int
+    """Prompt tokens of the other live conversations routed to the backend."""
     cost: float
 
 
@@ -195,7 +207,9 @@ class ConversationScorer:
         self.load_average = LoadAverage(config.scoring.load_window_seconds, clock)
         self._placed = RecentCount(config.scoring.load_window_seconds, clock)
         """Prompts placed per backend lately (``new_prompts: least_loaded``)."""
-        """The in-flight averages the bounded-load cap compares."""
+        self._resident_weight = config.scoring.resident_weight
+        self.live = LiveConversations(config.scoring.resident_window_seconds, clock)
+        """The conversations routed lately, per backend (the ``resident_tokens`` term)."""
 
     # ---- reading the index ----------------------------------------------------------
 
@@ -215,7 +229,20 @@ class ConversationScorer:
         prompt_tokens = round(prompt_bytes * tpb)
         if deepest is not None and deepest.token_count > prompt_tokens:
             prompt_tokens = deepest.token_count
-        return ChainView(keys, rows, held, prompt_bytes, tpb, prompt_tokens)
+        conversation = None
+        if self._resident_weight and held:
+            self.live.expire()
+            conversation = self.live.find(keys, max(h.depth for h in held.values()))
+        return ChainView(keys, rows, held, prompt_bytes, tpb, prompt_tokens, conversation)
+
+    def resident_tokens(self, view: ChainView, name: str) -> int:
+        """The tokens of live conversations on ``name`` other than ``view``'s own."""
+        live = self.live
+        tokens = live.tokens(name)
+        owner = live.owner(view.conversation)
+        if owner is not None and owner[0] == name:
+            tokens -= owner[1]
+        return tokens
 
     def _credited(self, view: ChainView, held: Held | None) -> float:
         if held is None:
@@ -228,12 +255,15 @@ class ConversationScorer:
         """``backend``'s cost for the request ``view`` describes (module docstring)."""
         sc = self.scoring
         name = backend.name
-        return (
+        cost = (
             view.prompt_tokens
             - self._credited(view, view.held.get(name))
             + sc.prefill_load_weight * self.load.tokens(name)
             + sc.active_request_weight * self.load_average.value(backend)
         )
+        if self._resident_weight:
+            cost += self._resident_weight * self.resident_tokens(view, name)
+        return cost
 
     def components(self, view: ChainView, backend: Backend) -> CostComponents:
         """:meth:`cost` with its parts."""
@@ -247,6 +277,7 @@ class ConversationScorer:
             credited_tokens=self._credited(view, held),
             in_flight_prefill_tokens=self.load.tokens(backend.name),
             in_flight_requests=backend.in_flight,
+            resident_tokens=self.resident_tokens(view, backend.name),
             cost=self.cost(view, backend),
         )
 
@@ -439,6 +470,10 @@ class ConversationScorer:
             elif view.held and home not in view.held and home != backend.name:
                 self._set_home(first, backend.name)
             # (nothing held but a home known: a sibling routed at once placed it first)
+            if self._resident_weight:
+                self.live.placed(
+                    view.conversation, bytes(view.keys[-1]), backend.name, view.prompt_tokens
+                )
         changes = self.predictions(view, backend)
         if not changes:
             return 0

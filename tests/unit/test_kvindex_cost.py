@@ -36,6 +36,7 @@ from router.kvindex.chains import deepest_held
 from router.kvindex.cost import ConversationScorer
 from router.kvindex.load_average import LoadAverage, RecentCount
 from router.kvindex.prefill import PrefillLoad
+from router.kvindex.resident import LiveConversations
 from router.pool import Backend, BackendPool
 from tests.unit.kvindex_support import GPU, WARM, C, FakeClock, state
 
@@ -789,3 +790,84 @@ async def test_a_prompt_whose_home_lost_it_gets_the_engine_it_went_to_as_home() 
         r.hold(home_first, 4)  # both hold it again: the new home keeps it
         view = await r.scorer.assess(chain(4), r.cands)
         assert r.scorer.decide(view, r.cands) is r.by(other)
+
+
+# ---- resident conversations ---------------------------------------------------------------
+
+
+def session(s: int, turn: int) -> Chain:
+    """Session ``s``'s request at ``turn`` (0-based): a 2-chunk system prompt every
+    session shares (C(0), C(1)), then its own history, one chunk more per turn."""
+    own = [C(1000 * (s + 1) + i) for i in range(2 + turn)]
+    return Chain([C(0), C(1), *own], (4 + turn) * CHUNK)
+
+
+def test_live_conversations_follow_a_conversation_from_turn_to_turn() -> None:
+    clock = FakeClock(0.0)
+    live = LiveConversations(60.0, clock, max_conversations=3)
+    first = session(0, 0).keys
+    assert live.find(first, len(first)) is None
+    live.placed(None, first[-1], "a", 1000)
+    live.placed(None, session(1, 0).keys[-1], "b", 700)
+    nxt = session(0, 1).keys
+    assert live.find(nxt, len(nxt)) == first[-1]  # the previous turn's last key
+    assert live.find(nxt, 2) is None  # only the keys some backend holds are searched
+    assert live.owner(first[-1]) == ("a", 1000)
+    live.placed(first[-1], nxt[-1], "b", 1300)  # the conversation moved to b
+    assert (live.tokens("a"), live.tokens("b"), len(live)) == (0, 2000, 2)
+    clock.advance(30)
+    live.placed(None, session(2, 0).keys[-1], "a", 500)
+    clock.advance(31)  # the first two were routed 61 s ago
+    live.expire()
+    assert (live.tokens("a"), live.tokens("b"), len(live)) == (500, 0, 1)
+    for s in range(3, 7):  # bounded: the oldest goes first
+        live.placed(None, session(s, 0).keys[-1], "b", 100)
+    assert len(live) == 3 and live.tokens("a") == 0 and live.tokens("b") == 300
+
+
+async def test_a_shared_prompts_new_sessions_spread_by_what_each_engine_keeps() -> None:
+    """Every new session of a shared prompt ties on what is held, and goes to the
+    prompt's home; with ``resident_weight`` they go where fewer live conversations'
+    tokens are kept (copying the 2-chunk prompt once), and each later turn stays with
+    its own history."""
+    placements = {}
+    for weight in (0.0, 0.25):
+        scoring = FORMULA.model_copy(update={"resident_weight": weight})
+        r = rig(("a", "b"), scoring=scoring)
+        r.hold("a", 2)  # the shared prompt, on its home
+        homes = collections.Counter[str]()
+        where = {}
+        for s in range(8):
+            view = await r.scorer.assess(session(s, 0), r.cands)
+            chosen = r.scorer.decide(view, r.cands)
+            assert chosen is not None
+            await r.scorer.routed(view, chosen)
+            homes[chosen.name] += 1
+            where[s] = chosen.name
+        placements[weight] = homes
+        for s in range(8):  # the next turns, held where they went (predictions)
+            view = await r.scorer.assess(session(s, 1), r.cands)
+            assert view.held[where[s]].depth == 4
+            chosen = r.scorer.decide(view, r.cands)
+            assert chosen is not None and chosen.name == where[s], (weight, s)
+            await r.scorer.routed(view, chosen)
+        if weight:
+            assert len(r.scorer.live) == 8  # each conversation once, under its new key
+            total = r.scorer.live.tokens("a") + r.scorer.live.tokens("b")
+            assert total == 8 * 5 * 256
+    assert placements[0.0] == {"a": 8}
+    assert placements[0.25]["a"] in (4, 5) and placements[0.25]["b"] in (3, 4)
+
+
+async def test_the_resident_term_is_in_the_cost_and_its_parts() -> None:
+    scoring = FORMULA.model_copy(update={"resident_weight": 0.5})
+    r = rig(("a", "b"), scoring=scoring)
+    r.hold("a", 2)
+    view = await r.scorer.assess(session(0, 0), r.cands)
+    await r.scorer.routed(view, r.by("a"))
+    view = await r.scorer.assess(session(1, 0), r.cands)
+    a, b = (r.scorer.components(view, x) for x in r.cands)
+    assert (a.resident_tokens, b.resident_tokens) == (1024, 0)
+    assert a.cost == 1024 - 512 + 0.5 * 1024 and b.cost == 1024
+    own = await r.scorer.assess(session(0, 1), r.cands)  # its own tokens do not count
+    assert r.scorer.components(own, r.by("a")).resident_tokens == 0
