@@ -90,11 +90,12 @@ def drive(coro: Coroutine[Any, Any, Any]) -> Any:
 
 
 class _Chain:
-    __slots__ = ("keys", "prompt_bytes")
+    __slots__ = ("conversation", "keys", "prompt_bytes")
 
     def __init__(self, keys: list[bytes], prompt_bytes: int) -> None:
         self.keys = keys
         self.prompt_bytes = prompt_bytes
+        self.conversation: bytes | None = None
 
 
 def _row(label: str, per: list[float], base: list[float], scale: float = 1e6) -> dict[str, Any]:

@@ -58,10 +58,12 @@ model, or the request does not render)."""
 
 @dataclass(frozen=True, slots=True)
 class _GivenChain:
-    """A ``PromptChain`` from the wire, as the scorer reads a chain."""
+    """A ``PromptChain`` from the wire, as the scorer reads a chain (no conversation:
+    ``Score`` reads costs, it routes nothing)."""
 
     keys: Sequence[bytes]
     prompt_bytes: int
+    conversation: bytes | None = None
 
 
 _TIERS: dict[StorageTier | None, Any] = {

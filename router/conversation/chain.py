@@ -27,6 +27,7 @@ from typing import Any, Protocol
 from bus.prompt_chain import ChainKey, chain_keys, chain_root
 
 from .errors import RenderError, RenderReason
+from .identity import conversation_id
 from .incremental_chain import CacheCounters, incremental_chain
 from .messages import plain_chat
 from .render import render_prompt
@@ -66,6 +67,9 @@ class RequestChain:
     """The base model (the template's), the root's model."""
     lora: str | None
     """The LoRA adapter the request names, or None."""
+    conversation: bytes | None = None
+    """The conversation the request belongs to (:mod:`.identity`; None: a prompt with no
+    user message, or a raw completion)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +189,9 @@ class ConversationKeys:
             )
             if done is not None:
                 self._rendered[model] = self._rendered.get(model, 0) + 1
-                return RequestChain(done[0], done[1], route.base, route.lora)
+                return RequestChain(
+                    done[0], done[1], route.base, route.lora, conversation_id(body, root)
+                )
         try:
             if salt is not None and not isinstance(salt, str):
                 raise RenderError("invalid", "cache_salt is not a string")
@@ -199,7 +205,13 @@ class ConversationKeys:
             return None
         root = route.unsalted if salt is None else chain_root(route.base, salt, route.lora)
         self._rendered[model] = self._rendered.get(model, 0) + 1
-        return RequestChain(chain_keys(data, root, self._chunk), len(data), route.base, route.lora)
+        return RequestChain(
+            chain_keys(data, root, self._chunk),
+            len(data),
+            route.base,
+            route.lora,
+            conversation_id(body, root),
+        )
 
     def prompt_chain(
         self, prompt: str, model: str, cache_salt: str | None = None

@@ -19,7 +19,8 @@ The cost of sending the request to backend ``b``, in prompt tokens
   averaged over ``load_window_seconds`` (``router.kvindex.load_average``: instantaneous
   counts split a prompt two engines hold, each flip of the load sending it to the other).
 * ``resident_tokens(b)``: the prompt tokens of the other conversations this router sent to
-  b within ``resident_window_seconds`` (:class:`~router.kvindex.resident.LiveConversations`):
+  b within ``resident_window_seconds`` (:class:`~router.kvindex.resident.LiveConversations`;
+  a conversation's first request weighed by how often its prompt's conversations go on):
   what b's cache is asked to keep. Sessions stick, so an engine that took more of them
   than the others evicts their histories first; the term places a shared prompt's new
   sessions where there is room (copying the prompt, once) long before the load cap would.
@@ -126,6 +127,9 @@ class RequestChain(Protocol):
     @property
     def prompt_bytes(self) -> int: ...
 
+    @property
+    def conversation(self) -> bytes | None: ...
+
 
 @dataclass(slots=True)
 class ChainView:
@@ -141,8 +145,8 @@ class ChainView:
     tokens_per_byte: float
     prompt_tokens: int
     conversation: bytes | None = None
-    """The key this request's conversation was last routed under (``LiveConversations``;
-    None: new, or the resident term is off)."""
+    """The request's conversation identity while the resident term is on
+    (``router.conversation.identity``; None: off, or not identified)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,9 +234,9 @@ class ConversationScorer:
         if deepest is not None and deepest.token_count > prompt_tokens:
             prompt_tokens = deepest.token_count
         conversation = None
-        if self._resident_weight and held:
+        if self._resident_weight:
             self.live.expire()
-            conversation = self.live.find(keys, max(h.depth for h in held.values()))
+            conversation = chain.conversation
         return ChainView(keys, rows, held, prompt_bytes, tpb, prompt_tokens, conversation)
 
     def resident_tokens(self, view: ChainView, name: str) -> int:
@@ -470,10 +474,8 @@ class ConversationScorer:
             elif view.held and home not in view.held and home != backend.name:
                 self._set_home(first, backend.name)
             # (nothing held but a home known: a sibling routed at once placed it first)
-            if self._resident_weight:
-                self.live.placed(
-                    view.conversation, bytes(view.keys[-1]), backend.name, view.prompt_tokens
-                )
+            if self._resident_weight and view.conversation is not None:
+                self.live.placed(view.conversation, first, backend.name, view.prompt_tokens)
         changes = self.predictions(view, backend)
         if not changes:
             return 0

@@ -36,6 +36,7 @@ MODEL = "m"
 class Chain:
     keys: list[ChainKey]
     prompt_bytes: int
+    conversation: bytes | None = None
 
 
 def render(body: dict[str, Any]) -> bytes:

@@ -36,6 +36,7 @@ from tests.unit.kvindex_support import GPU, C, P, state
 class Chain:
     keys: list[bytes]
     prompt_bytes: int
+    conversation: bytes | None = None
 
 
 def config(

@@ -49,6 +49,7 @@ class Chain:
 
     keys: list[bytes]
     prompt_bytes: int
+    conversation: bytes | None = None
 
 
 def chain(n: int, tail: int = 0, first: int = 0) -> Chain:
@@ -797,32 +798,50 @@ async def test_a_prompt_whose_home_lost_it_gets_the_engine_it_went_to_as_home() 
 
 def session(s: int, turn: int) -> Chain:
     """Session ``s``'s request at ``turn`` (0-based): a 2-chunk system prompt every
-    session shares (C(0), C(1)), then its own history, one chunk more per turn."""
-    own = [C(1000 * (s + 1) + i) for i in range(2 + turn)]
-    return Chain([C(0), C(1), *own], (4 + turn) * CHUNK)
+    session shares (C(0), C(1)), then its own history (6 chunks), one chunk more per
+    turn."""
+    own = [C(1000 * (s + 1) + i) for i in range(6 + turn)]
+    return Chain([C(0), C(1), *own], (8 + turn) * CHUNK, b"conversation-%d" % s)
 
 
 def test_live_conversations_follow_a_conversation_from_turn_to_turn() -> None:
     clock = FakeClock(0.0)
     live = LiveConversations(60.0, clock, max_conversations=3)
-    first = session(0, 0).keys
-    assert live.find(first, len(first)) is None
-    live.placed(None, first[-1], "a", 1000)
-    live.placed(None, session(1, 0).keys[-1], "b", 700)
-    nxt = session(0, 1).keys
-    assert live.find(nxt, len(nxt)) == first[-1]  # the previous turn's last key
-    assert live.find(nxt, 2) is None  # only the keys some backend holds are searched
-    assert live.owner(first[-1]) == ("a", 1000)
-    live.placed(first[-1], nxt[-1], "b", 1300)  # the conversation moved to b
-    assert (live.tokens("a"), live.tokens("b"), len(live)) == (0, 2000, 2)
+    prompt = C(0)
+    assert live.owner(b"s0") is None
+    assert live.continuing(prompt) == 0.5  # nothing known of the prompt yet
+    live.placed(b"s0", prompt, "a", 1000)  # first requests count half
+    live.placed(b"s1", prompt, "b", 700)
+    assert live.owner(b"s0") == ("a", 500)
+    assert (live.tokens("a"), live.tokens("b")) == (500, round(700 / 3))  # 1 of 1 open
+    live.placed(b"s0", prompt, "b", 1300)  # its second request, on b: counts in full
+    assert (live.tokens("a"), live.tokens("b"), len(live)) == (0, 233 + 1300, 2)
+    assert live.continuing(prompt) == (1 + 1) / (2 + 2)
     clock.advance(30)
-    live.placed(None, session(2, 0).keys[-1], "a", 500)
+    live.placed(b"s2", C(9), "a", 500)
     clock.advance(31)  # the first two were routed 61 s ago
     live.expire()
-    assert (live.tokens("a"), live.tokens("b"), len(live)) == (500, 0, 1)
+    assert (live.tokens("a"), live.tokens("b"), len(live)) == (250, 0, 1)
     for s in range(3, 7):  # bounded: the oldest goes first
-        live.placed(None, session(s, 0).keys[-1], "b", 100)
-    assert len(live) == 3 and live.tokens("a") == 0 and live.tokens("b") == 300
+        live.placed(b"s%d" % s, C(9), "b", 100)
+    assert len(live) == 3 and live.tokens("a") == 0
+
+
+def test_a_prompt_whose_conversations_never_go_on_stops_counting_its_requests() -> None:
+    """Single requests of a shared prompt are not conversations an engine must keep:
+    the share of the prompt's conversations that went on falls, and so does what each
+    new one counts (without it the term balanced all recent traffic and split shared
+    prompts: ``bench/affinity_bench.py``)."""
+    live = LiveConversations(300.0, FakeClock(0.0))
+    for i in range(200):
+        live.placed(b"q%d" % i, C(0), "a", 1000)
+    assert live.continuing(C(0)) < 0.02
+    owner = live.owner(b"q199")
+    assert owner is not None and owner[1] < 20  # of its 1000 tokens
+    for i in range(50):  # a chat prompt: every conversation sends a second turn
+        live.placed(b"c%d" % i, C(5), "b", 1000)
+        live.placed(b"c%d" % i, C(5), "b", 1200)
+    assert live.continuing(C(5)) > 0.95
 
 
 async def test_a_shared_prompts_new_sessions_spread_by_what_each_engine_keeps() -> None:
@@ -845,18 +864,27 @@ async def test_a_shared_prompts_new_sessions_spread_by_what_each_engine_keeps() 
             homes[chosen.name] += 1
             where[s] = chosen.name
         placements[weight] = homes
-        for s in range(8):  # the next turns, held where they went (predictions)
+        # The next turns, held where they went (predictions), arriving interleaved
+        # across the engines as sessions' turns do (not all of one engine's first).
+        rank = collections.Counter[str]()
+        order = []
+        for s in range(8):
+            rank[where[s]] += 1
+            order.append((rank[where[s]], s))
+        for _, s in sorted(order):
             view = await r.scorer.assess(session(s, 1), r.cands)
-            assert view.held[where[s]].depth == 4
+            assert view.held[where[s]].depth == 8
             chosen = r.scorer.decide(view, r.cands)
             assert chosen is not None and chosen.name == where[s], (weight, s)
             await r.scorer.routed(view, chosen)
         if weight:
-            assert len(r.scorer.live) == 8  # each conversation once, under its new key
+            assert len(r.scorer.live) == 8  # each conversation once, by its identity
             total = r.scorer.live.tokens("a") + r.scorer.live.tokens("b")
-            assert total == 8 * 5 * 256
+            assert total == 8 * 9 * 256  # second requests count in full
     assert placements[0.0] == {"a": 8}
-    assert placements[0.25]["a"] in (4, 5) and placements[0.25]["b"] in (3, 4)
+    # (first requests count by the share of the prompt's conversations that went on,
+    # which falls while none has sent its second turn: 2 of the 8 move in this burst)
+    assert placements[0.25]["a"] + placements[0.25]["b"] == 8 and placements[0.25]["b"] >= 2
 
 
 async def test_the_resident_term_is_in_the_cost_and_its_parts() -> None:
@@ -867,7 +895,7 @@ async def test_the_resident_term_is_in_the_cost_and_its_parts() -> None:
     await r.scorer.routed(view, r.by("a"))
     view = await r.scorer.assess(session(1, 0), r.cands)
     a, b = (r.scorer.components(view, x) for x in r.cands)
-    assert (a.resident_tokens, b.resident_tokens) == (1024, 0)
-    assert a.cost == 1024 - 512 + 0.5 * 1024 and b.cost == 1024
+    assert (a.resident_tokens, b.resident_tokens) == (1024, 0)  # a first request: half
+    assert a.cost == 2048 - 512 + 0.5 * 1024 and b.cost == 2048
     own = await r.scorer.assess(session(0, 1), r.cands)  # its own tokens do not count
     assert r.scorer.components(own, r.by("a")).resident_tokens == 0
