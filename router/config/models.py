@@ -454,12 +454,18 @@ class ConversationScoringConfig(_Section):
     a few of its sessions arrive together, and each request sent past it prefills the
     whole prompt elsewhere (``make run``'s demo: 61-65 % token hit rate, 83-87 % with
     the average); a lasting imbalance still moves work away."""
-    resident_weight: Annotated[float, Field(ge=0.0, le=10.0)] = 0.0
+    resident_weight: Annotated[float, Field(ge=0.0, le=10.0)] = 0.1
     """Cost of each prompt token of the other live conversations this router sent to the
-    backend (``resident_tokens``: what its cache is asked to keep; 0: off). Sessions
-    stick, so an engine that took more of them evicts their histories first; with the
-    term a shared prompt's new sessions go where there is room, copying the prompt once,
-    while a conversation's own history (thousands of tokens) keeps it where it is."""
+    backend (``resident_tokens``: what its cache is asked to keep; a first request
+    weighed by how often its prompt's conversations go on; 0: off). Sessions stick, so
+    an engine that took more of them evicts their histories first; with the term a
+    shared prompt's new sessions go where there is room, copying the prompt once, while
+    a conversation's own history (thousands of tokens) keeps it where it is. Measured
+    (``bench/RESULTS.md``, fleet_bench): at 0.1 the fleet's load spread falls from
+    1.31-1.33 to about 1.1 max/mean on (a) and (b) with +1 to +3 points of token hit
+    rate; ``make run``'s demo and ``bench/affinity_bench.py`` are unchanged; 0.3 and more
+    move conversations off their histories on the demo's small caches (72 % and 67 %
+    against 80 %)."""
     resident_window_seconds: Annotated[float, Field(gt=0.0, le=86_400.0)] = 300.0
     """A conversation not routed for this long no longer counts as resident."""
     sticky_tokens: Annotated[int, Field(ge=0)] = 0
