@@ -151,6 +151,35 @@ class Variant:
 BASE = Variant("base")
 VARIANTS: dict[str, Variant] = {
     "base": BASE,
+    # Tuning variants (never in the evaluation grid): the same kinds of shift as the
+    # evaluation variants below, with other families and parameters, so that a constant
+    # can be checked for robustness without looking at the evaluation traces.
+    "tune-weibull": Variant(
+        "tune-weibull",
+        chat_gap=Gap("weibull", 60.0, 0.8),
+        agent_gap=Gap("lognormal", 4.0, 1.2),
+        systems=24,
+        system_zipf=0.8,
+        template_zipf=1.2,
+        mix_jitter=0.2,
+    ),
+    "tune-pareto": Variant(
+        "tune-pareto",
+        chat_gap=Gap("pareto", 12.0, 1.5),
+        agent_gap=Gap("weibull", 3.0, 0.9),
+        systems=8,
+        template_zipf=0.8,
+        agent_steps=(1, 10),
+        mix_jitter=0.2,
+    ),
+    "tune-bimodal": Variant(
+        "tune-bimodal",
+        chat_gap=Gap("bimodal", 5.0, 200.0, p=0.5, s=0.7),
+        agent_gap=Gap("lognormal", 4.0, 1.0),
+        systems=2,
+        template_zipf=1.2,
+        mix_jitter=0.2,
+    ),
     # long pauses: Pareto gaps (median ~15 s, infinite variance), many shared prompts
     "heavy-tail": Variant(
         "heavy-tail",
