@@ -49,6 +49,19 @@ else rendezvous hashing of its first key. A prompt two engines hold keeps going 
 them instead of alternating with load, and a request sent past a loaded home does not
 move the prompt.
 
+**One-shot prompts stay home.** A prompt whose conversations rarely send a second request
+(fewer than a quarter of them, once 8 have started: ``LiveConversations.one_shot``;
+templated tasks, classification, single questions under a shared system prompt) is worth
+only its shared prefix: spreading its requests buys no cache room for histories, and each
+one sent elsewhere prefills the prompt there and makes a second holder that load jitter
+then feeds. So its home takes a request that it holds as deeply as any candidate unless
+it costs more than the cheapest by the tokens it holds, and it is measured against
+``sticky_load_factor_epsilon`` instead of ``load_factor_epsilon``
+(``bench/affinity_bench.py``, 8 such prompts on 2 backends: 93 % of the worst prompt's
+requests on one backend before, 96-98.5 % after at a max share of 0.50;
+``bench/fleet_bench.py``, whose sessions go on, unchanged). The prompts whose
+conversations go on are left to the cost, so their new sessions spread.
+
 When no candidate holds anything, ``new_prompts`` decides: ``least_loaded`` (default)
 places the prompt on the candidate under the cap with the fewest prompts placed over the
 last window, then the fewest requests in flight (a burst of new prompts splits evenly:
@@ -114,6 +127,11 @@ anything of the chain (the last two leave the choice to the strategy)."""
 
 _GPU = StorageTier.GPU_HOT
 _MAX_HOMES = 1 << 16
+_ONE_SHOT_SHARE = 0.25
+_ONE_SHOT_EVIDENCE = 8
+"""A prompt is one-shot once this many of its conversations started and fewer than
+``_ONE_SHOT_SHARE`` of them sent a second request (a burst of new sessions starts many
+before any can go on)."""
 _ERROR_LOG_EVERY_S = 60.0
 
 
@@ -304,6 +322,9 @@ class ConversationScorer:
         costs = [(self.cost(view, b), b) for b in admissible]
         best_cost = min(c for c, _ in costs)
         band = self.chunk_bytes * view.tokens_per_byte
+        kept = self._home_kept(view, costs, best_cost, band)
+        if kept is not None:
+            return kept, "chosen"
         tied = [b for c, b in costs if c < best_cost + band]
         if len(tied) > 1:
             credited = [self._credited(view, view.held.get(b.name)) for b in tied]
@@ -312,6 +333,38 @@ class ConversationScorer:
         if len(tied) > 1:
             return self._preferred(view, tied), "tie"
         return tied[0], "chosen"
+
+    def _one_shot_home(self, view: ChainView) -> str | None:
+        """The home of ``view``'s prompt when the prompt is one-shot (its conversations
+        rarely send a second request: module docstring) and the home holds some of it."""
+        if not view.keys:
+            return None
+        first = bytes(view.keys[0])
+        if not self.live.one_shot(first, _ONE_SHOT_SHARE, _ONE_SHOT_EVIDENCE):
+            return None
+        home = self._homes.get(first)
+        return home if home is not None and home in view.held else None
+
+    def _home_kept(
+        self,
+        view: ChainView,
+        costs: Sequence[tuple[float, Backend]],
+        best_cost: float,
+        band: float,
+    ) -> Backend | None:
+        """A one-shot prompt's home when it is under the cap, holds the chain as deeply as
+        any candidate and costs more than the cheapest by less than what it holds."""
+        home = self._one_shot_home(view)
+        if home is None:
+            return None
+        credited = self._credited(view, view.held[home])
+        for cost, b in costs:
+            if b.name == home:
+                if cost >= best_cost + max(band, credited):
+                    return None
+                deepest = max(self._credited(view, view.held.get(o.name)) for _, o in costs)
+                return b if credited >= deepest else None
+        return None
 
     def _least_loaded(self, view: ChainView, candidates: Sequence[Backend]) -> Backend:
         """Where a prompt nobody holds goes (``new_prompts: least_loaded``), among the
@@ -396,7 +449,7 @@ class ConversationScorer:
         other (``view.held`` has the candidates holding any), or None."""
         margin = self.scoring.sticky_tokens
         if not margin or not view.held:
-            return None
+            return self._one_shot_home(view)
         best, first, second = None, 0, 0
         for name, held in view.held.items():
             tokens = held.token_count
@@ -404,7 +457,7 @@ class ConversationScorer:
                 best, first, second = name, tokens, first
             elif tokens > second:
                 second = tokens
-        return best if first - second >= margin else None
+        return best if first - second >= margin else self._one_shot_home(view)
 
     def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None:
         """The lowest-cost candidate (among tied ones the prompt's preferred). When nobody

@@ -84,6 +84,14 @@ class LiveConversations:
             return 0.5
         return (stats[1] + 1.0) / (stats[0] + 2.0)
 
+    def one_shot(self, first_key: bytes, share: float, evidence: int) -> bool:
+        """Whether at least ``evidence`` conversations of the prompt starting with
+        ``first_key`` started and fewer than ``share`` of them sent a second request."""
+        stats = self._prompts.get(first_key)
+        if stats is None or stats[0] < evidence:
+            return False
+        return (stats[1] + 1.0) / (stats[0] + 2.0) < share
+
     def expire(self) -> None:
         """Drop the conversations not routed within the window (oldest first)."""
         by_id = self._by_id

@@ -899,3 +899,79 @@ async def test_the_resident_term_is_in_the_cost_and_its_parts() -> None:
     assert a.cost == 2048 - 512 + 0.5 * 1024 and b.cost == 2048
     own = await r.scorer.assess(session(0, 1), r.cands)  # its own tokens do not count
     assert r.scorer.components(own, r.by("a")).resident_tokens == 0
+
+
+# ---- one-shot prompts ---------------------------------------------------------------------
+
+
+def question(q: int, first: int = 0) -> Chain:
+    """A single request of the prompt C(first).. (4 chunks): a conversation of its own."""
+    return Chain([C(first + i) for i in range(4)], 4 * CHUNK, b"question-%d-%d" % (first, q))
+
+
+async def _ask(r: Rig, c: Chain, to: str | None = None) -> Backend:
+    view = await r.scorer.assess(c, r.cands)
+    chosen = r.by(to) if to is not None else r.scorer.decide(view, r.cands)
+    assert chosen is not None
+    await r.scorer.routed(view, chosen)
+    return chosen
+
+
+async def test_a_one_shot_prompts_home_keeps_it_when_another_engine_holds_it_too() -> None:
+    """A prompt whose conversations never go on (single requests: templated tasks) is worth
+    only its shared prefix, and a copy on a second engine (one request sent past the cap)
+    should not be fed by load jitter: its home keeps it unless the home costs more by the
+    tokens it holds. A prompt whose conversations go on is left to the cost, so its new
+    sessions spread (``bench/affinity_bench.py``: 93 -> 96-98.5 % of each prompt on one
+    backend; ``fleet_bench`` unchanged)."""
+    scoring = FORMULA.model_copy(update={"resident_weight": 0.1})
+    for one_shot in (True, False):
+        r = rig(("a", "b"), scoring=scoring)
+        r.hold("a", 4)
+        for q in range(12):  # the prompt's home is a; every question its own conversation
+            await _ask(r, question(q), "a")
+            if not one_shot:  # ... or each goes on to a second turn
+                await _ask(r, question(q), "a")
+        await _ask(r, question(99), "b")  # the overflow: b holds it too now
+        view = await r.scorer.assess(question(100), r.cands)
+        assert set(view.held) == {"a", "b"}
+        r.by("a").in_flight = 2  # 512 tokens dearer: more than a chunk, less than held
+        chosen = r.scorer.decide(view, r.cands)
+        assert chosen is r.by("a" if one_shot else "b"), one_shot
+        r.by("a").in_flight = 5  # 1,280 dearer: more than the 1,024 held tokens
+        assert r.scorer.decide(view, r.cands) is r.by("b")
+
+
+async def test_too_few_conversations_say_nothing_of_a_prompt() -> None:
+    """A burst of new sessions starts many conversations before any can go on: a prompt
+    is judged one-shot only after 8 of them (else the burst stays on the home)."""
+    r = rig(("a", "b"), scoring=FORMULA.model_copy(update={"resident_weight": 0.1}))
+    r.hold("a", 4)
+    for q in range(5):
+        await _ask(r, question(q), "a")
+    await _ask(r, question(99), "b")
+    view = await r.scorer.assess(question(100), r.cands)
+    r.by("a").in_flight = 2
+    assert r.scorer.decide(view, r.cands) is r.by("b")
+    assert not r.scorer.live.one_shot(C(0), 0.25, 8) and r.scorer.live.one_shot(C(0), 0.25, 6)
+
+
+async def test_a_one_shot_prompts_home_is_held_to_the_wider_load_bound() -> None:
+    """Its home is measured against ``sticky_load_factor_epsilon`` (0.5) instead of 0.25:
+    a request sent past it prefills the whole prompt elsewhere for nothing to reuse
+    later. A prompt whose conversations go on gets the usual cap (counts now here)."""
+    instant = ConversationScoringConfig(load_window_seconds=0)
+    for one_shot in (True, False):
+        r = rig(("a", "b"), scoring=instant)
+        r.hold("a", 4)
+        for q in range(12):
+            await _ask(r, question(q), "a")
+            if not one_shot:
+                await _ask(r, question(q), "a")
+        view = await r.scorer.assess(question(100), r.cands)
+        r.by("b").in_flight = 4
+        r.by("a").in_flight = 9  # cap ceil(1.25 * 14 / 2) = 9: over it; wide ceil(10.5) = 11
+        chosen = r.scorer.decide(view, r.cands)
+        assert chosen is r.by("a" if one_shot else "b"), one_shot
+        r.by("a").in_flight = 15  # wide ceil(1.5 * 20 / 2) = 15: over that too
+        assert r.scorer.decide(view, r.cands) is r.by("b")
