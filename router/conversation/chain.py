@@ -29,7 +29,7 @@ from bus.prompt_chain import ChainKey, chain_keys, chain_root
 from .errors import RenderError, RenderReason
 from .identity import conversation_id
 from .incremental_chain import CacheCounters, incremental_chain
-from .messages import plain_chat
+from .messages import PlainChat, plain_chat
 from .render import render_prompt
 from .render_cache import RenderCache
 from .template import ChatTemplate, load_chat_template
@@ -54,7 +54,7 @@ class TemplateSpec(Protocol):
     def lora_adapters(self) -> list[str]: ...
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs 5x (one per request)
 class RequestChain:
     """The keys of one request's rendered prompt, and what the scorer needs besides."""
 
@@ -85,20 +85,22 @@ class _Route:
         return cls(base, lora, template, chain_root(base, None, lora))
 
 
-def _concatenated(template: ChatTemplate, body: Mapping[str, Any]) -> bool:
+def _concatenated(template: ChatTemplate, body: Mapping[str, Any]) -> PlainChat | bool:
     """Whether ``body`` is a request the template's segment renderer serves (no jinja
     at all: cheaper than the render cache's reuse, which renders the new messages): a
-    plain chat, or an agent loop (tools declared: read in one pass, ``agent_slots``)."""
+    plain chat (its :func:`.messages.plain_chat`, so that rendering need not read the
+    messages again), or an agent loop (tools declared: read in one pass, ``agent_slots``)."""
     if body.get("tools") is not None:
         return template.select(True).segments is not None
     compiled = template.select(False)
     messages = body.get("messages")
-    return (
-        compiled.segments is not None
-        and compiled.content_format == "string"
-        and isinstance(messages, list)
-        and plain_chat(messages) is not None
-    )
+    if (
+        compiled.segments is None
+        or compiled.content_format != "string"
+        or not isinstance(messages, list)
+    ):
+        return False
+    return plain_chat(messages) or False
 
 
 class ConversationKeys:
@@ -178,10 +180,11 @@ class ConversationKeys:
             self._no_template += 1
             return None
         salt = body.get("cache_salt")
+        found: PlainChat | bool = False
         if (
             self._cache is not None
             and (salt is None or isinstance(salt, str))
-            and not _concatenated(route.template, body)
+            and not (found := _concatenated(route.template, body))
         ):
             root = route.unsalted if salt is None else chain_root(route.base, salt, route.lora)
             done = incremental_chain(
@@ -195,7 +198,8 @@ class ConversationKeys:
         try:
             if salt is not None and not isinstance(salt, str):
                 raise RenderError("invalid", "cache_salt is not a string")
-            text = route.template.normalizer(render_prompt(route.template, body))
+            plain = found if type(found) is tuple else None
+            text = route.template.normalizer(render_prompt(route.template, body, found_plain=plain))
             try:
                 data = text.encode()
             except UnicodeEncodeError:

@@ -64,6 +64,7 @@ from .template import ChatTemplate, CompiledTemplate
 
 __all__ = [
     "AgentSlots",
+    "PlainChat",
     "PreparedChat",
     "agent_slots",
     "plain_chat",
@@ -119,7 +120,7 @@ _KNOBS = frozenset(
 """The body fields that change what ``prepare_chat`` passes the template."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs 5x (one per request)
 class PreparedChat:
     """What ``apply_chat_template`` receives from vLLM for one request."""
 
@@ -146,7 +147,11 @@ _role = operator.itemgetter("role")
 _content_of = operator.itemgetter("content")
 
 
-def plain_chat(messages: Sequence[Any]) -> tuple[tuple[str, ...], list[str]] | None:
+PlainChat = tuple[tuple[str, ...], list[str]]
+"""A plain chat's roles and contents (:func:`plain_chat`)."""
+
+
+def plain_chat(messages: Sequence[Any]) -> PlainChat | None:
     """The roles and contents of ``messages`` when every one is exactly ``{"role": str,
     "content": str}``, keys in that order (the common chat, as vLLM rebuilds it), else
     None: in C-level passes over the list, not a Python loop per message."""
@@ -323,11 +328,16 @@ def _flag(body: Mapping[str, Any], name: str, default: bool) -> bool:
 
 
 def prepare_chat(
-    body: Mapping[str, Any], chat_template: ChatTemplate, known: Sequence[dict[str, Any]] = ()
+    body: Mapping[str, Any],
+    chat_template: ChatTemplate,
+    known: Sequence[dict[str, Any]] = (),
+    found_plain: PlainChat | None = None,
 ) -> PreparedChat:
     """vLLM's template, conversation and template arguments for ``body`` (never mutated);
     ``known``: the prepared messages of a prefix of ``body``'s messages (the render
-    cache's, for the same template: they are not prepared again).
+    cache's, for the same template: they are not prepared again); ``found_plain``: the
+    caller's :func:`plain_chat` of ``body``'s messages, when it has one (at 8k tokens the
+    passes cost 13-20 us, as much as the key chain's hashing).
 
     Raises:
         RenderError: media parts, a request vLLM rejects, or a request template.
@@ -339,7 +349,9 @@ def prepare_chat(
         # the common body: none of the fields below set, so the defaults (what the
         # general path gives for it), and plain messages passed on as they are
         template = chat_template.select(False)
-        plain = plain_chat(messages) if template.content_format == "string" else None
+        plain = found_plain
+        if plain is None and template.content_format == "string":
+            plain = plain_chat(messages)
         if plain is not None and "developer" not in plain[0]:
             return PreparedChat(
                 template, list(messages), None, None, True, False, {"tokenize": False}, plain

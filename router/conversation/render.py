@@ -34,7 +34,7 @@ from typing import Any
 import jinja2
 
 from .errors import RenderError
-from .messages import AgentSlots, PreparedChat, agent_slots, prepare_chat
+from .messages import AgentSlots, PlainChat, PreparedChat, agent_slots, prepare_chat
 from .template import ChatTemplate
 
 __all__ = ["RenderInputs", "render_inputs", "render_prompt"]
@@ -107,17 +107,22 @@ def _cut_at_tag(rendered: str, final: str) -> str:
 
 
 def render_prompt(
-    chat_template: ChatTemplate, body: Mapping[str, Any], *, plain: bool = False
+    chat_template: ChatTemplate,
+    body: Mapping[str, Any],
+    *,
+    plain: bool = False,
+    found_plain: PlainChat | None = None,
 ) -> str:
     """The prompt text the engine renders for the chat completion ``body``; ``plain``:
     with the template compiled in jinja's plain sandbox (no shortcuts: the reference
-    the fast path is tested and measured against).
+    the fast path is tested and measured against); ``found_plain``: the caller's
+    :func:`.messages.plain_chat` of ``body``'s messages, if it has one.
 
     Raises:
         RenderError: the request cannot be rendered (see :mod:`.errors` for the reasons).
     """
     try:
-        return _render(chat_template, body, plain)
+        return _render(chat_template, body, plain, found_plain)
     except RenderError:
         raise
     except jinja2.TemplateError as exc:
@@ -128,7 +133,7 @@ def render_prompt(
         raise RenderError("error", f"{type(exc).__name__}: {exc}") from None
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)  # not frozen: a frozen __init__ costs 5x (one per request)
 class RenderInputs:
     """What the template is rendered with for one request (before any render)."""
 
@@ -146,15 +151,19 @@ class RenderInputs:
 
 
 def render_inputs(
-    chat_template: ChatTemplate, body: Mapping[str, Any], known: Sequence[dict[str, Any]] = ()
+    chat_template: ChatTemplate,
+    body: Mapping[str, Any],
+    known: Sequence[dict[str, Any]] = (),
+    found_plain: PlainChat | None = None,
 ) -> RenderInputs:
     """The template's inputs for ``body``; ``known``: the template's messages (``chat``) of
-    an earlier request whose messages began as ``body``'s (not prepared again).
+    an earlier request whose messages began as ``body``'s (not prepared again);
+    ``found_plain``: as :func:`.messages.prepare_chat`'s.
 
     Raises:
         RenderError: a request that cannot be rendered (before rendering it).
     """
-    prepared = prepare_chat(body, chat_template, known)
+    prepared = prepare_chat(body, chat_template, known, found_plain)
     if not prepared.conversation:
         raise RenderError("invalid", "empty conversation")
     if prepared.continue_final_message and prepared.add_generation_prompt:
@@ -231,7 +240,12 @@ def _by_slots(
     )
 
 
-def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -> str:
+def _render(
+    chat_template: ChatTemplate,
+    body: Mapping[str, Any],
+    plain: bool,
+    found_plain: PlainChat | None = None,
+) -> str:
     decided = False  # the segment renderer has had its say for this request
     if not plain and body.get("tools") is not None:
         tooled = chat_template.select(True).segments
@@ -245,7 +259,7 @@ def _render(chat_template: ChatTemplate, body: Mapping[str, Any], plain: bool) -
                 text = _by_slots(chat_template, body, slots)
                 if text is not None:
                     return text
-    inputs = render_inputs(chat_template, body)
+    inputs = render_inputs(chat_template, body, (), found_plain)
     template = inputs.prepared.template
     segments = template.segments
     if not plain and not decided and segments is not None and inputs.final is None:

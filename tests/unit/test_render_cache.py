@@ -45,6 +45,39 @@ def test_plain_chats_the_segment_renderer_serves_skip_the_cache() -> None:
     assert cached.stats()["segments"][MODEL]["hits"] >= 2
 
 
+def test_a_plain_chat_is_read_once_with_the_cache_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Deciding that the segment renderer serves a plain chat reads its messages
+    (``plain_chat``: 13-20 us at 8k tokens); rendering it then uses that reading instead
+    of a second pass, and the developer role still takes vLLM's general path."""
+    from router.conversation import chain as chain_module
+    from router.conversation import messages as messages_module
+
+    calls = []
+    real = messages_module.plain_chat
+
+    def counted(messages: Any) -> Any:
+        calls.append(len(messages))
+        return real(messages)
+
+    monkeypatch.setattr(chain_module, "plain_chat", counted)
+    monkeypatch.setattr(messages_module, "plain_chat", counted)
+    full, cached = _pair(qwen_template())
+    for first in ("system", "developer"):
+        body = {
+            "model": MODEL,
+            "messages": [
+                {"role": first, "content": "be brief " * 20},
+                {"role": "user", "content": "q " * 50},
+                {"role": "assistant", "content": "a"},
+                {"role": "user", "content": "x"},
+            ],
+        }
+        expected = full.chain(body)
+        calls.clear()
+        assert cached.chain(body) == expected and expected is not None
+        assert len(calls) == (1 if first == "system" else 2), first
+
+
 def _pair(template: ChatTemplate, cache_bytes: int = 1 << 20) -> tuple[ConversationKeys, ...]:
     return (
         ConversationKeys({MODEL: template}, chunk_bytes=64),
