@@ -218,7 +218,8 @@ async def test_semantic_answers_live_in_redis(
         assert (await router.chat(ask(QUESTION), headers=who)).headers["x-cache"] == "MISS"
 
         async def stored() -> list[bytes]:
-            return [k async for k in client.scan_iter(match=prefix + "sem:*")]
+            # Deduplicated: SCAN may return one key twice (while the keyspace rehashes).
+            return sorted({k async for k in client.scan_iter(match=prefix + "sem:*")})
 
         for _ in range(200):  # the write-back is in the background: await it
             keys = await stored()
