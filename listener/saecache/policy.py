@@ -6,12 +6,13 @@ and answers "which block goes next".
 
 **Priority.** Each block sits in one of four queues (``types.route``) and has priority::
 
-    P(b) = alpha_q * w_type(b) * p_q(b) / D_q(b)        dt_b = now - last access (>= min_dt)
+    P(b) = [alpha_q] * w_type(b) * p_q(b) / D_q(b)      dt_b = now - last access (>= min_dt)
     chat and agent queues (S = 1 - F_LN(dt_b; mu_q, sigma_q), X ~ LN(mu_q, sigma_q)):
       p_q = c S / (c S + 1 - c)                          the session is still alive
       D_q = max(E[X], E[X - dt_b | X > dt_b])            expected wait for its next request
     structure queue:   p_q = 1 - (o_b / o_max)^gamma,  D_q = dt_b   (o_b: block offset)
     evict-first queue: p_q = 1,                        D_q = dt_b
+    [alpha_q]: the learned queue weight, 1 unless use_queue_weights (off by default)
 
 ``c`` is the learned probability that the block's session sends another request at all,
 given the *cell* of its latest request: chat or agent, the token type of the request's
@@ -62,6 +63,22 @@ component removable for ablations (``SaeConfig.use_*``, which sets its factor to
 * alpha per queue — hit blocks per resident block of the window, normalised, softmax
   with ``temperature``, EMA.
 
+**Queue weights are off by default** (``use_queue_weights=False``: ``alpha_q`` is 1 in
+``P``), because the traces say so. The worst tuning cell (tune-weibull,
+single-turn-heavy 10 %, seed 2) hit 51.3 % with alpha, 56.1 % without, LRU 53.0 %. Off,
+on the tuning traces (base and the three tune-* variants x seeds 1-4, 240 cells) the
+mean margin over the better of LRU and LFU rose from +2.71 to +3.15 points and the worst
+cell from -1.7 to -0.8; on the evaluation grid, run once after the choice, the mean rose
+from +2.10 to +2.36, 35 instead of 29 of the 99 cells where LRU trails MIN by 10 points
+or more reached +4.8, and the worst cell stayed at -2.3 (bench/RESULTS.md). A likely
+reason, not isolated: ``p_q / D_q`` already prices each queue in hits per second of
+residence, while alpha is fitted on hits per resident block of the last window, i.e. on
+what the cache chose to keep, and so reinforces its own past choices. alpha is still
+learned (``learn_queue_weights``, one softmax per window) and exported by ``params()``,
+so exported parameters mean the same whatever the switch, and a cache that turns the
+weights on can load them: the chain tracker's pruning policy does (``pruning``: there
+evict-first's weight of 1/4 is what keeps a shared prompt through a flood).
+
 Constants the paper leaves open, chosen here: initial chat timing ``mu = ln 60 s``,
 ``sigma = 1``; agent ``mu = ln 5 s``, ``sigma = 1``; gamma 1; window 4096 accesses;
 EMA 0.3; temperature 0.5; weight floor 0.02; min_dt 1 ms; o_max the largest offset seen in
@@ -69,7 +86,7 @@ the structure queue; continuation prior 0.5 with weight 2, half-life 2000 outcom
 quantile z = 2.326 (the 99th percentile of the fitted gap distribution). They are fixed
 once for every workload, not per mixture. All times are seconds on the caller's clock.
 
-Size: one module (about 750 lines): the priority, the queues' bookkeeping and the online
+Size: one module (about 780 lines): the priority, the queues' bookkeeping and the online
 learners are one algorithm whose invariants (above) span all three.
 """
 
@@ -161,7 +178,13 @@ class SaeParams:
 
 @dataclass(slots=True)
 class SaeConfig:
-    """Tunables (see the module docstring for the chosen defaults)."""
+    """Tunables (see the module docstring for the chosen defaults).
+
+    ``use_*`` removes a component from the priority (its factor becomes 1); every one is
+    on except ``use_queue_weights`` (see the module docstring). ``learn_*`` freezes a
+    learner; ``learn_queue_weights`` keeps fitting ``alpha`` even while the weights are
+    not used, so ``params()`` exports it either way.
+    """
 
     window: int = 4096
     ema: float = 0.3
@@ -173,7 +196,7 @@ class SaeConfig:
     max_sessions: int = 65536
     strict_evict_first: bool = True
     use_type_weights: bool = True
-    use_queue_weights: bool = True
+    use_queue_weights: bool = False
     use_lognormal: bool = True
     use_positional: bool = True
     use_continuation: bool = True

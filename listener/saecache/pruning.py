@@ -20,7 +20,10 @@ oldest first, outside SAECache.
 The evict-first queue is not strict here, its weight starts at 1/4 (a block nobody reused
 yet is worth a quarter of a reused one of the same age) and is learned like the others:
 a stale shared block still goes before a fresh one, so new chains (and the ``PENDING``
-blocks waiting for their prefix) are not starved by old reuse.
+blocks waiting for their prefix) are not starved by old reuse. That weight is what keeps
+a shared prompt through a flood, so this policy turns queue weights on
+(``use_queue_weights=True``) although ``SaeConfig`` leaves them off: the traces that
+turned them off measured engine block eviction, not the tracker's two queues.
 
 Every block has token type ``USER`` (the tracker does not know token roles). Time is the
 policy's clock (``time.monotonic`` by default, injectable for tests). Blocks are ranked
@@ -61,7 +64,8 @@ class SaePruningPolicy:
     Args:
         clock: seconds, monotonic; ``time.monotonic`` by default.
         config: SAECache configuration (default: no ghost list, since a pruned block that
-            comes back is a new ``TrackedBlock``).
+            comes back is a new ``TrackedBlock``; evict-first not strict, and queue
+            weights on with evict-first's starting at 1/4).
     """
 
     def __init__(
@@ -74,6 +78,7 @@ class SaePruningPolicy:
                 ghost_capacity=0,
                 window=256,
                 strict_evict_first=False,
+                use_queue_weights=True,
                 params=SaeParams(queue_weights=[0.25, 1.0, 1.0, 1.0]),
             )
         self._clock = clock

@@ -93,11 +93,23 @@ def test_chat_priority_is_alpha_w_survival_over_dt() -> None:
     params = _params(
         type_weights=[1.0, 0.5, 1.0, 1.0, 1.0, 1.0], queue_weights=[1.0, 1.0, 2.0, 1.0]
     )
-    c = SaeCache(SaeConfig(params=params, **PAPER).frozen())
+    c = SaeCache(SaeConfig(params=params, use_queue_weights=True, **PAPER).frozen())
     c.begin_request("s", 0.0, SessionClass.CHAT)
     c.insert("b", None, ttype=T.USER, offset=3, now=0.0, session="s")
     # alpha_chat 2 x w_user 0.5 x 0.963414 / 10
     assert c.priority("b", 10.0) == pytest.approx(2 * 0.5 * 0.963414 / 10, rel=1e-5)
+
+
+def test_queue_weights_are_off_by_default() -> None:
+    assert SaeConfig().use_queue_weights is False
+    params = _params(
+        type_weights=[1.0, 0.5, 1.0, 1.0, 1.0, 1.0], queue_weights=[1.0, 1.0, 2.0, 1.0]
+    )
+    c = SaeCache(SaeConfig(params=params, **PAPER).frozen())
+    c.begin_request("s", 0.0, SessionClass.CHAT)
+    c.insert("b", None, ttype=T.USER, offset=3, now=0.0, session="s")
+    # w_user 0.5 x 0.963414 / 10: alpha_chat 2 is not in it
+    assert c.priority("b", 10.0) == pytest.approx(0.5 * 0.963414 / 10, rel=1e-5)
 
 
 def test_agent_priority_uses_agent_timing() -> None:
@@ -112,7 +124,7 @@ def test_agent_priority_uses_agent_timing() -> None:
 def test_chat_priority_with_continuation_and_expected_wait(dt: float, time_part: float) -> None:
     cell = session_cell(False, T.ASSISTANT, 40)
     params = _params(queue_weights=[1.0, 1.0, 2.0, 1.0], continuation={cell: 0.25})
-    c = SaeCache(SaeConfig(params=params).frozen())
+    c = SaeCache(SaeConfig(params=params, use_queue_weights=True).frozen())
     c.begin_request("s", 0.0, SessionClass.CHAT)
     c.insert("u", None, ttype=T.USER, offset=0, now=0.0, session="s")
     c.insert("a", "u", ttype=T.ASSISTANT, offset=40, now=0.0, session="s")
@@ -411,6 +423,54 @@ def test_type_weights_learn_from_traffic_and_stay_fixed_when_frozen() -> None:
     frozen = run(SaeConfig(window=256).frozen())
     assert frozen.w == [1.0] * 6
     assert frozen.alpha == [1.0] * 4
+
+
+def _learn_alpha() -> SaeParams:
+    """Parameters learned by a default cache on traffic whose queues differ in hits."""
+    c = SaeCache(SaeConfig(window=256))
+    c.begin_request("s", 0.0, SessionClass.CHAT)
+    t = 0.0
+    for i in range(3000):  # system block reused every time, fresh reasoning blocks
+        t += 1.0
+        c.insert("sys", None, ttype=T.SYSTEM, offset=0, now=t, session="s")
+        c.insert(("cot", i), "sys", ttype=T.REASONING, offset=1, now=t, session="s")
+        c.release(("cot", i))
+        c.release("sys")
+        c.evict(t)
+    return c.params()
+
+
+def test_default_still_learns_alpha_but_ranks_without_it() -> None:
+    learned = _learn_alpha()
+    # learning runs with the weights off, so params() exports a fitted alpha
+    assert learned.queue_weights[Queue.STRUCTURE] > 1.0 > learned.queue_weights[Queue.EVICT_FIRST]
+
+    def priorities(params: SaeParams, **flags: bool) -> list[float]:
+        c = SaeCache(SaeConfig(params=params, **flags).frozen())
+        c.begin_request("s", 0.0, SessionClass.CHAT)
+        c.insert("sys", None, ttype=T.SYSTEM, offset=0, now=0.0, session="s")
+        c.insert("u", "sys", ttype=T.USER, offset=1, now=0.0, session="s")
+        c.insert("cot", "u", ttype=T.REASONING, offset=2, now=0.0, session="s")
+        for k in ("cot", "u", "sys"):
+            c.release(k)
+        ps = [c.priority(k, 30.0) for k in ("sys", "u", "cot")]
+        assert None not in ps
+        return [float(x) for x in ps if x is not None]
+
+    unit = _params(
+        type_weights=learned.type_weights,
+        mu=learned.mu,
+        sigma=learned.sigma,
+        gamma=learned.gamma,
+        continuation=learned.continuation,
+    )
+    assert unit.queue_weights == [1.0] * 4
+    # default: the learned alpha leaves every block's priority as alpha = 1 does
+    assert priorities(learned) == pytest.approx(priorities(unit), rel=1e-12)
+    # turned on, it is in the priority
+    on = priorities(learned, use_queue_weights=True)
+    assert on != pytest.approx(priorities(unit, use_queue_weights=True), rel=1e-3)
+    assert on[0] > priorities(unit)[0]  # structure alpha > 1 raises the system block
 
 
 # -- properties -------------------------------------------------------------------------
