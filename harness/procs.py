@@ -73,24 +73,37 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
+_HANDED_OUT: dict[int, None] = {}
+"""The ports :func:`free_port` gave lately, oldest first (at most ``_REMEMBERED``)."""
+_REMEMBERED = 4096
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on, for a child to bind next.
 
     Picked at random below the kernel's ephemeral range and checked by binding it. The
     usual ``bind(0)`` hands out a port from that range, where any process's next outgoing
     connection may take it before the child binds it ("Address already in use"); below it,
-    only another explicit bind can.
+    only another explicit bind can. Nor is a port this process handed out lately given
+    again: two calls before either child binds (an engine's event and replay ports) would
+    otherwise get the same port once in some 12,000 pairs, the second child failing to
+    bind it.
     """
     low, _ = _ephemeral_range()
     top = max(low - 1, 2048)
     for _ in range(200):
         port = random.randint(max(1024, top - 12_000), top)
+        if port in _HANDED_OUT:
+            continue
         with socket.socket() as s:
             try:
                 s.bind(("127.0.0.1", port))
             except OSError:
                 continue
-            return port
+        _HANDED_OUT[port] = None
+        if len(_HANDED_OUT) > _REMEMBERED:
+            del _HANDED_OUT[next(iter(_HANDED_OUT))]
+        return port
     with socket.socket() as s:  # everything tried was taken: fall back to the kernel's pick
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -186,3 +186,10 @@ def test_free_port_is_bindable_and_outside_the_ephemeral_range() -> None:
     for p in list(ports)[:3]:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))
+
+
+def test_free_port_does_not_hand_out_a_port_twice() -> None:
+    """Two ports taken before either child binds (an engine's event and replay ports)
+    must differ: a repeat made the second child fail with "Address already in use"."""
+    ports = [free_port() for _ in range(1000)]
+    assert len(set(ports)) == len(ports)
