@@ -403,41 +403,34 @@ def test_softmax_queue_weights_hand_computed() -> None:
     assert w == pytest.approx([1.244918, 0.755082, 3.0], rel=1e-5)
 
 
-def test_type_weights_learn_from_traffic_and_stay_fixed_when_frozen() -> None:
-    def run(cfg: SaeConfig) -> SaeCache:
-        c = SaeCache(cfg)
-        c.begin_request("s", 0.0, SessionClass.CHAT)
-        t = 0.0
-        for i in range(3000):  # system block reused every time, fresh reasoning blocks
-            t += 1.0
-            c.insert("sys", None, ttype=T.SYSTEM, offset=0, now=t, session="s")
-            c.insert(("cot", i), "sys", ttype=T.REASONING, offset=1, now=t, session="s")
-            c.release(("cot", i))
-            c.release("sys")
-            c.evict(t)
-        return c
-
-    learned = run(SaeConfig(window=256))
-    assert learned.w[T.SYSTEM] == pytest.approx(1.0)
-    assert learned.w[T.REASONING] < 0.1
-    frozen = run(SaeConfig(window=256).frozen())
-    assert frozen.w == [1.0] * 6
-    assert frozen.alpha == [1.0] * 4
-
-
-def _learn_alpha() -> SaeParams:
-    """Parameters learned by a default cache on traffic whose queues differ in hits."""
-    c = SaeCache(SaeConfig(window=256))
+def _system_and_reasoning(cfg: SaeConfig) -> SaeCache:
+    """A cache after traffic whose queues and types differ in hits: one system block
+    reused every time, a fresh reasoning block each time."""
+    c = SaeCache(cfg)
     c.begin_request("s", 0.0, SessionClass.CHAT)
     t = 0.0
-    for i in range(3000):  # system block reused every time, fresh reasoning blocks
+    for i in range(3000):
         t += 1.0
         c.insert("sys", None, ttype=T.SYSTEM, offset=0, now=t, session="s")
         c.insert(("cot", i), "sys", ttype=T.REASONING, offset=1, now=t, session="s")
         c.release(("cot", i))
         c.release("sys")
         c.evict(t)
-    return c.params()
+    return c
+
+
+def test_type_weights_learn_from_traffic_and_stay_fixed_when_frozen() -> None:
+    learned = _system_and_reasoning(SaeConfig(window=256))
+    assert learned.w[T.SYSTEM] == pytest.approx(1.0)
+    assert learned.w[T.REASONING] < 0.1
+    frozen = _system_and_reasoning(SaeConfig(window=256).frozen())
+    assert frozen.w == [1.0] * 6
+    assert frozen.alpha == [1.0] * 4
+
+
+def _learn_alpha() -> SaeParams:
+    """Parameters learned by a default cache on traffic whose queues differ in hits."""
+    return _system_and_reasoning(SaeConfig(window=256)).params()
 
 
 def test_default_still_learns_alpha_but_ranks_without_it() -> None:
