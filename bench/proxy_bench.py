@@ -302,7 +302,15 @@ def router_yaml(strategy: str, prefix: bool, backend_urls: list[str], cache: boo
 
 def _from_tree(tree: Path, module: str, *args: str) -> list[str]:
     """``python -m <module> args`` with ``tree`` first on ``sys.path``: that checkout's code,
-    whatever this one's venv and ``PYTHONPATH`` say."""
+    whatever this one's venv and ``PYTHONPATH`` say. A checkout with compiled modules
+    (``setup.py``) gets them built in place first, as an editable install would."""
+    if (tree / "setup.py").exists() and not list((tree / "bus").glob("_chaincore*.so")):
+        subprocess.run(
+            [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+            cwd=tree,
+            check=True,
+            capture_output=True,
+        )
     boot = (
         "import runpy, sys; "
         f"sys.path.insert(0, {str(tree)!r}); "

@@ -31,6 +31,10 @@ tokens: about 15 us with XXH3-128 against 130 us with SHA-256 here). A collision
 misroute a request (the engine's own block hashes decide what is reused), so a fast
 non-cryptographic 128-bit hash is enough; ``tests/fixtures/prompt_chain_golden.json``
 pins the exact values.
+
+The loop over the chunks is compiled (``bus._chaincore``, ``bus/_native/chaincore.c``):
+in Python a slice, a concatenation, a hash call and an append per chunk cost 8.7 us for
+an 8k-token prompt's 34 chunks, four times the hashing itself; compiled, 3.1 us.
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ from dataclasses import dataclass
 from typing import NewType, cast
 
 import xxhash
+
+from ._chaincore import chain_extend
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -82,18 +88,7 @@ def chain_keys(
     Raises:
         ValueError: ``chunk_bytes`` < 1.
     """
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    # one slice, one concatenation and one hash call per chunk: the loop is the cost
-    # (XXH3 itself takes well under a microsecond for 48 KiB)
-    keys: list[bytes] = []
-    append = keys.append
-    key = bytes(root)
-    view = memoryview(text)
-    for end in range(chunk_bytes, len(text) + 1, chunk_bytes):
-        key = _hash(key + view[end - chunk_bytes : end])
-        append(key)
-    return cast(list[ChainKey], keys)
+    return cast(list[ChainKey], chain_extend(root, text, chunk_bytes))
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,24 +130,11 @@ def extend_pieces(
 
     :func:`extend` without the state objects, for a partial chunk kept in pieces (the
     listener keeps a block's own bytes, not a copy of the partial chunk): the pieces are
-    joined once, behind the key, and the first chunk is hashed in place.
+    joined once and hashed from there.
 
     Raises:
         ValueError: ``chunk_bytes`` < 1, or ``key`` is not ``KEY_BYTES`` long.
     """
-    if chunk_bytes < 1:
-        raise ValueError(f"chunk_bytes must be >= 1, got {chunk_bytes}")
-    if len(key) != KEY_BYTES:
-        raise ValueError(f"a chain key is {KEY_BYTES} bytes, got {len(key)}")
-    buf = b"".join((key, *pieces))
-    n = len(buf) - KEY_BYTES
-    full = n - n % chunk_bytes
-    if not full:
-        return [], buf[KEY_BYTES:]
-    view = memoryview(buf)
-    k = _hash(view[: KEY_BYTES + chunk_bytes])
-    keys = [k]
-    for end in range(KEY_BYTES + 2 * chunk_bytes, KEY_BYTES + full + 1, chunk_bytes):
-        k = _hash(k + view[end - chunk_bytes : end])
-        keys.append(k)
-    return keys, buf[KEY_BYTES + full :]  # type: ignore[return-value]  # ChainKey is bytes
+    data = b"".join(pieces)
+    keys = chain_extend(key, data, chunk_bytes)
+    return cast(list[ChainKey], keys), data[len(keys) * chunk_bytes :]

@@ -139,3 +139,42 @@ def test_bad_chunk_sizes_are_refused() -> None:
         chain_keys(b"abc", chain_root("m"), 0)
     with pytest.raises(ValueError, match="chunk_bytes"):
         extend(ChainState.start(chain_root("m")), b"abc", -1)
+
+
+def _by_the_recurrence(text: bytes, root: bytes, chunk: int) -> list[bytes]:
+    """The module docstring's formula in plain Python: the compiled loop's reference."""
+    keys, key = [], root
+    for end in range(chunk, len(text) + 1, chunk):
+        key = xxhash.xxh3_128_digest(key + text[end - chunk : end])
+        keys.append(key)
+    return keys
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    text=st.binary(max_size=5000),
+    chunk=st.one_of(st.integers(1, 70), st.sampled_from([1023, DEFAULT_CHUNK_BYTES, 1025, 6000])),
+    salt=st.one_of(st.none(), st.text(max_size=8)),
+)
+def test_the_compiled_loop_is_the_recurrence(text: bytes, chunk: int, salt: str | None) -> None:
+    root = chain_root("m", salt)
+    expected = _by_the_recurrence(text, root, chunk)
+    assert chain_keys(text, root, chunk) == expected
+    # any bytes-like input gives the same keys
+    assert chain_keys(memoryview(text), root, chunk) == expected  # type: ignore[arg-type]
+    assert chain_keys(bytearray(text), root, chunk) == expected  # type: ignore[arg-type]
+    assert all(type(k) is bytes and len(k) == KEY_BYTES for k in expected)
+
+
+def test_the_compiled_loop_refuses_what_is_not_bytes() -> None:
+    root = chain_root("m")
+    with pytest.raises(TypeError):
+        chain_keys("text, not bytes" * 100, root, 16)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        chain_keys(b"x" * 64, 12345, 16)  # type: ignore[arg-type]
+    with pytest.raises(TypeError):
+        chain_keys(b"x" * 64, root, 1.5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="16 bytes"):
+        chain_keys(b"x" * 64, ChainKey(root + b"!"), 16)
+    # a chunk larger than the text: no key, whatever its size
+    assert chain_keys(b"x" * 64, root, 1 << 62) == []
