@@ -31,7 +31,8 @@ timed call renders only the last two messages (its ``fast`` column; the ratio is
 Rows besides, on one body (not per path): ``orjson.loads`` of the body's bytes (what
 the router pays on every request anyway), ``extract_prefix_key`` (the prefix-key path's
 own cost), the normalizer's fast path, ``encode + chain_keys`` (UTF-8 and XXH3-128 over
-every 1 KiB chunk).
+every 1 KiB chunk) and, as its baseline, the same keys by a loop in Python (what
+``bus._chaincore`` replaced).
 
 The whole conversation-mode request path must stay <= 1.3x the prefix-key path and
 <= 400 us at 8k tokens (``bench/conversation_cost_bench.py`` measures that end to end);
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import xxhash
 
 from bus.prefix_key import extract_prefix_key
 from bus.prompt_chain import ChainKey, chain_keys, chain_root
@@ -174,6 +176,17 @@ def _encode_and_key(text: str, root: ChainKey) -> list[ChainKey]:
     return chain_keys(text.encode(), root, 1024)
 
 
+def _encode_and_key_in_python(text: str, root: ChainKey) -> list[bytes]:
+    """The baseline of the compiled loop (``bus._chaincore``): the same recurrence as a
+    Python loop, a slice, a concatenation and a hash call per chunk."""
+    data = memoryview(text.encode())
+    keys, key = [], bytes(root)
+    for end in range(1024, len(data) + 1, 1024):
+        key = xxhash.xxh3_128_digest(key + data[end - 1024 : end])
+        keys.append(key)
+    return keys
+
+
 def _plain(template: ChatTemplate) -> ChatTemplate:
     """``template`` rendering with its plain-sandbox compilation (the baseline)."""
     out = {
@@ -291,6 +304,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 partial(extract_prefix_key, body),
                 partial(template.normalizer, text),
                 partial(_encode_and_key, text, root),
+                partial(_encode_and_key_in_python, text, root),
             ],
             loops=args.loops * 4,
             repeats=args.repeats,
@@ -316,6 +330,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "extract_prefix_key",
                 "normalize (NFC fast path)",
                 "encode + chain_keys",
+                "  baseline: the loop in Python",
             ],
             single,
             strict=True,
