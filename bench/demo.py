@@ -189,6 +189,17 @@ async def overflow_rate(url: str) -> str:
     )
 
 
+async def capped_rate(router: Service) -> str:
+    """The conversation scorer's share of decisions where every backend holding the most
+    of the chain was at the load cap, so one holding less took the request (its
+    ``overflow``)."""
+    async with aiohttp.ClientSession() as session:
+        async with session.get(router.url + "/admin/kv-index/stats") as resp:
+            stats = await resp.json()
+    d = stats.get("conversation", {}).get("routing_decisions", {})
+    return f"{d['capped'] / d['total']:.4f}" if d.get("total") else "-"
+
+
 async def kv_split(router: Service) -> str:
     async with aiohttp.ClientSession() as session:
         async with session.get(router.url + "/admin/kv-index/stats") as resp:
@@ -259,7 +270,10 @@ async def main(args: argparse.Namespace) -> int:
                     print(f"not available ({reason})")
                     continue
                 dist = await drive(router.url, requests, args.concurrency)
-                overflow = await overflow_rate(router.url)
+                if index == "conv":
+                    overflow = await capped_rate(router)
+                else:
+                    overflow = await overflow_rate(router.url)
                 split = await kv_split(router)
             elapsed = time.perf_counter() - t0
             stats = await fleet.stats()
@@ -328,7 +342,9 @@ def print_table(rows: list[tuple], names: list[str], total: int) -> None:
     print(
         "\n  hit rate = cached prompt tokens / prompt tokens over all engines; prefill time "
         "is the engines' modelled GPU prefill\n  (ratio vs RoundRobin); overflow = share of "
-        "PrefixAwareHash picks sent past a loaded owner;\n  kv_aware/fallback = requests the "
+        "PrefixAwareHash picks sent past a loaded owner (+Conv: of the conversation scorer's\n"
+        "  decisions, those where the engines holding the most were all at the load cap);\n"
+        "  kv_aware/fallback = requests the "
         "KV index scorer routed / left to the strategy (+KV rows: Tier 4 fed by the listener);"
         "\n  the right-hand columns are each engine's share of requests."
     )

@@ -258,7 +258,12 @@ class AdminApi:
                     "total_evictions": st.total_evictions,
                     "queries": chains.queries,
                 },
-                "routing_decisions": {**decisions, "total": sum(decisions.values())},
+                "routing_decisions": {
+                    **decisions,
+                    "total": sum(decisions.values()),
+                    # every deepest holder at the load cap: one holding less chosen
+                    "capped": scorer.capped,
+                },
                 "predictions": {
                     "keys_written": scorer.predicted_keys,
                     "write_errors": scorer.prediction_errors,

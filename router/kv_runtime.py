@@ -389,6 +389,8 @@ class KvRuntime:
         }
         if self.chain_index is not None:
             snap["chain_index"] = index_figures(self.chain_index.last_stats)
+        if self.conversation is not None:
+            snap["conversation_capped"] = self.conversation.capped
         if self.event_bus is not None:
             snap["event_bus"] = self.event_bus.stats()
         if self.anti_entropy is not None:

@@ -240,6 +240,14 @@ class _KvCollector(Collector):
                 "1 while the Redis conversation index serves from its in-memory fallback.",
                 1.0 if chain.get("fallback_active") else 0.0,
             )
+        capped = snap.get("conversation_capped")
+        if capped is not None:
+            yield CounterMetricFamily(
+                "continuum_kv_conversation_capped",
+                "Conversation-depth decisions where every backend holding the most of the "
+                "chain was at the bounded-load cap, so one holding less took the request.",
+                capped,
+            )
         prefill = GaugeMetricFamily(
             "continuum_kv_in_flight_prefill_tokens",
             "Prompt tokens each backend is still prefilling for requests in flight (the "

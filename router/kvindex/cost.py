@@ -187,6 +187,14 @@ class CostComponents:
     cost: float
 
 
+def _holds_the_most(view: ChainView, backends: Sequence[Backend]) -> bool:
+    """Whether one of ``backends`` holds as many tokens of ``view``'s chain as any
+    candidate (``view.held`` is not empty)."""
+    most = max(h.token_count for h in view.held.values())
+    held = view.held
+    return any((h := held.get(b.name)) is not None and h.token_count >= most for b in backends)
+
+
 class ConversationScorer:
     """The cost model over the chain index (module docstring)."""
 
@@ -218,6 +226,11 @@ class ConversationScorer:
         self._default_tpb = 1.0 / config.scoring.bytes_per_token
         self._on_decision = on_decision
         self.decisions = dict.fromkeys(DECISIONS, 0)
+        self.capped = 0
+        """Decisions where every candidate holding the most of the chain was at the load
+        cap, so one holding less took the request (PrefixAwareHash's ``overflow`` for its
+        ring): how often balance overrode what is cached, each time prefilling again what
+        those held, often a whole prompt copied."""
         self.predicted_keys = 0
         """Chain keys written as predictions since start."""
         self.prediction_errors = 0
@@ -307,32 +320,41 @@ class ConversationScorer:
 
     def pick(self, view: ChainView, candidates: Sequence[Backend]) -> tuple[Backend | None, str]:
         """The lowest-cost candidate under the load cap, and the outcome, without
-        reporting it. Candidates within one chunk's tokens of the lowest cost are a tie:
+        reporting it (:meth:`_pick`)."""
+        best, outcome, _ = self._pick(view, candidates)
+        return best, outcome
+
+    def _pick(
+        self, view: ChainView, candidates: Sequence[Backend]
+    ) -> tuple[Backend | None, str, bool]:
+        """:meth:`pick`, and whether every candidate holding the most was left out for
+        the cap (``capped``). Candidates within one chunk's tokens of the lowest cost are a tie:
         the index knows what a backend holds only to a chunk, so a smaller difference
         says nothing. Among tied ones the one holding the most wins (a backend that holds
         nothing of the prompt takes it only when it is cheaper by a whole chunk, so load
         jitter never copies a prompt to a second engine), then a per-prompt preference."""
         if not candidates:
-            return None, "none_held"
+            return None, "none_held", False
         if not view.held:
             if self.scoring.new_prompts == "strategy" or not view.keys:
-                return None, "none_held"  # (a prompt under one chunk has nothing to place)
-            return self._least_loaded(view, self._admissible(candidates)), "none_held"
+                return None, "none_held", False  # (a prompt under one chunk: nothing to place)
+            return self._least_loaded(view, self._admissible(candidates)), "none_held", False
         admissible = self._admissible(candidates, view)  # samples the load averages
+        capped = len(admissible) < len(candidates) and not _holds_the_most(view, admissible)
         costs = [(self.cost(view, b), b) for b in admissible]
         best_cost = min(c for c, _ in costs)
         band = self.chunk_bytes * view.tokens_per_byte
         kept = self._home_kept(view, costs, best_cost, band)
         if kept is not None:
-            return kept, "chosen"
+            return kept, "chosen", capped
         tied = [b for c, b in costs if c < best_cost + band]
         if len(tied) > 1:
             credited = [self._credited(view, view.held.get(b.name)) for b in tied]
             deepest = max(credited)
             tied = [b for b, c in zip(tied, credited, strict=True) if c == deepest]
         if len(tied) > 1:
-            return self._preferred(view, tied), "tie"
-        return tied[0], "chosen"
+            return self._preferred(view, tied), "tie", capped
+        return tied[0], "chosen", capped
 
     def _one_shot_home(self, view: ChainView) -> str | None:
         """The home of ``view``'s prompt when the prompt is one-shot (its conversations
@@ -463,8 +485,9 @@ class ConversationScorer:
         """The lowest-cost candidate (among tied ones the prompt's preferred). When nobody
         holds any key of the chain: the least loaded, or None (the strategy decides) with
         ``new_prompts: strategy``. Reported to ``on_decision``."""
-        best, outcome = self.pick(view, candidates)
+        best, outcome, capped = self._pick(view, candidates)
         self.decisions[outcome] += 1
+        self.capped += capped
         if self._on_decision is not None:
             held = view.held.get(best.name) if best is not None else None
             self._on_decision(outcome, held.tier.value if held is not None else "none")

@@ -157,7 +157,13 @@ async def test_events_decisions_and_accounting_reach_admin_and_metrics() -> None
         assert conv["config"]["scoring"]["active_request_weight"] == 32
         assert conv["index"]["key_count"] == 6  # 0..2 real (a), 0 (b), 3..5 predicted (a)
         assert conv["index"]["entry_count"] == 7 and conv["index"]["queries"] == 1
-        assert conv["routing_decisions"] == {"chosen": 1, "tie": 0, "none_held": 0, "total": 1}
+        assert conv["routing_decisions"] == {
+            "chosen": 1,
+            "tie": 0,
+            "none_held": 0,
+            "total": 1,
+            "capped": 0,
+        }
         assert conv["predictions"] == {"keys_written": 3, "write_errors": 0}
         assert conv["cached_tokens"] == {
             "requests": 1,
@@ -179,6 +185,7 @@ async def test_events_decisions_and_accounting_reach_admin_and_metrics() -> None
             "continuum_kv_chain_index_keys 6.0",
             "continuum_kv_chain_index_entries 7.0",
             'continuum_kv_in_flight_prefill_tokens{backend="a"} 768.0',
+            "continuum_kv_conversation_capped_total 0.0",
         ):
             assert line in text, line
         kv.prefill_load.finished(ticket)

@@ -623,8 +623,18 @@ async def test_a_holder_at_the_load_cap_is_passed_over() -> None:
     assert r.scorer.decide(view, r.cands) is r.by("b")
     r.by("a").in_flight = 1  # cap = ceil(1.25 * 2 / 3) = 1: a is still at it
     assert r.scorer.decide(view, r.cands) is r.by("b")
+    assert r.scorer.capped == 2  # both times the deepest holder was passed over
+    assert r.scorer.pick(view, r.cands)[0] is r.by("b") and r.scorer.capped == 2  # read-only
     r.by("b").in_flight = r.by("c").in_flight = 1  # cap 2: nobody at it, a holds most
     assert r.scorer.decide(view, r.cands) is r.by("a")
+    r.by("a").in_flight, r.by("b").in_flight = 1, 3  # b, a shallower holder, is at the cap
+    assert r.scorer.decide(view, r.cands) is r.by("a")
+    assert r.scorer.capped == 2  # the deepest holder took it: nothing overridden
+    r.hold("c", 4)  # a second copy of the whole conversation
+    view = await r.scorer.assess(chain(4), r.cands)
+    r.by("a").in_flight, r.by("b").in_flight, r.by("c").in_flight = 4, 0, 0
+    assert r.scorer.decide(view, r.cands) is r.by("c")
+    assert r.scorer.capped == 2  # c held as much as a: the cap cost nothing cached
 
 
 async def test_equal_load_leaves_the_choice_to_what_is_held() -> None:
