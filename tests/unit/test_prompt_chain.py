@@ -178,3 +178,13 @@ def test_the_compiled_loop_refuses_what_is_not_bytes() -> None:
         chain_keys(b"x" * 64, ChainKey(root + b"!"), 16)
     # a chunk larger than the text: no key, whatever its size
     assert chain_keys(b"x" * 64, root, 1 << 62) == []
+
+
+def test_the_chain_is_keyed_by_the_compiled_loop() -> None:
+    """The install built ``bus._chaincore`` and the chain uses it (a source tree without
+    it fails to import rather than falling back to a slower copy of the loop)."""
+    import bus._chaincore
+    import bus.prompt_chain
+
+    assert bus.prompt_chain.chain_extend is bus._chaincore.chain_extend
+    assert type(bus._chaincore.chain_extend).__name__ == "builtin_function_or_method"
