@@ -86,7 +86,8 @@ def chain_keys(
     """The keys of every full chunk of ``text``, in order (the router's one pass).
 
     Raises:
-        ValueError: ``chunk_bytes`` < 1.
+        ValueError: ``chunk_bytes`` < 1, or ``root`` is not ``KEY_BYTES`` long.
+        TypeError: ``text`` or ``root`` is not bytes-like.
     """
     return cast(list[ChainKey], chain_extend(root, text, chunk_bytes))
 
