@@ -189,21 +189,24 @@ async def overflow_rate(url: str) -> str:
     )
 
 
-async def capped_rate(router: Service) -> str:
-    """The conversation scorer's share of decisions where every backend holding the most
-    of the chain was at the load cap, so one holding less took the request (its
-    ``overflow``)."""
+async def kv_stats(router: Service) -> dict[str, Any]:
+    """The router's ``/admin/kv-index/stats`` document."""
     async with aiohttp.ClientSession() as session:
         async with session.get(router.url + "/admin/kv-index/stats") as resp:
-            stats = await resp.json()
+            doc: dict[str, Any] = await resp.json()
+    return doc
+
+
+def capped_rate(stats: dict[str, Any]) -> str:
+    """The conversation scorer's share of decisions where every backend holding the most
+    of the chain was at the load cap, so one holding less took the request (its
+    ``overflow``), from ``kv_stats``."""
     d = stats.get("conversation", {}).get("routing_decisions", {})
     return f"{d['capped'] / d['total']:.4f}" if d.get("total") else "-"
 
 
-async def kv_split(router: Service) -> str:
-    async with aiohttp.ClientSession() as session:
-        async with session.get(router.url + "/admin/kv-index/stats") as resp:
-            stats = await resp.json()
+def kv_split(stats: dict[str, Any]) -> str:
+    """Tier 4's kv_aware/fallback decisions, from ``kv_stats``."""
     if not stats.get("enabled"):
         return "-"
     d = stats["routing_decisions"]
@@ -270,11 +273,12 @@ async def main(args: argparse.Namespace) -> int:
                     print(f"not available ({reason})")
                     continue
                 dist = await drive(router.url, requests, args.concurrency)
+                kv = await kv_stats(router)
                 if index == "conv":
-                    overflow = await capped_rate(router)
+                    overflow = capped_rate(kv)
                 else:
                     overflow = await overflow_rate(router.url)
-                split = await kv_split(router)
+                split = kv_split(kv)
             elapsed = time.perf_counter() - t0
             stats = await fleet.stats()
             prompt = sum(s["prompt_tokens"] for s in stats)
