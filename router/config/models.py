@@ -480,8 +480,9 @@ class ConversationScoringConfig(_Section):
     the same hit rates, over the 1.25 the fleet is held to: worth it where conversations
     are long and engines' caches small."""
     sticky_load_factor_epsilon: Annotated[float, Field(ge=0.0, le=10.0)] = 0.5
-    """The bound for such a conversation's backend, and for the home of a one-shot prompt
-    (one whose conversations rarely send a second request: ``router.kvindex.cost``), as
+    """The bound for such a conversation's backend, and for the home of a prompt worth only
+    its shared prefix (one whose conversations rarely send a second request, or add less
+    than a sixteenth of it per request: ``router.kvindex.cost``), as
     ``load_factor_epsilon`` (used only when larger than it). Unbounded, a tool suite's
     sessions pile onto one engine (``bench/fleet_bench.py`` (b): max/mean load 2.04)."""
 

@@ -62,6 +62,17 @@ requests on one backend before, 96-98.5 % after at a max share of 0.50;
 ``bench/fleet_bench.py``, whose sessions go on, unchanged). The prompts whose
 conversations go on are left to the cost, so their new sessions spread.
 
+**So do prompts whose turns are small.** A prompt whose conversations go on but grow by
+less than a sixteenth of the prompt per request on average (``LiveConversations.
+small_turns``, over at least 3 such requests: a long system prompt and short exchanges)
+is worth only its shared prefix too: a conversation adds what would fit beside it on its
+home for a dozen turns, so spreading new sessions buys no room, and every one sent past
+the home copies the whole prompt into an engine whose cache other prompts need. Its home
+is kept as a one-shot prompt's is (``make run``'s demo, 24 tenants of ~1,800-token prompts
+whose turns add 1-3 % each, six paired runs: 84.6 % token hit rate against 80.0 %, the
+capped share of decisions 2.4 % against 4.9 %; ``fleet_bench``'s workloads add 11-29 % a
+turn and are unchanged; ``bench/RESULTS.md``).
+
 When no candidate holds anything, ``new_prompts`` decides: ``least_loaded`` (default)
 places the prompt on the candidate under the cap with the fewest prompts placed over the
 last window, then the fewest requests in flight (a burst of new prompts splits evenly:
@@ -132,6 +143,10 @@ _ONE_SHOT_EVIDENCE = 8
 """A prompt is one-shot once this many of its conversations started and fewer than
 ``_ONE_SHOT_SHARE`` of them sent a second request (a burst of new sessions starts many
 before any can go on)."""
+_SMALL_TURN_SHARE = 1 / 16
+_SMALL_TURN_EVIDENCE = 3
+"""A prompt's turns are small once this many requests after their conversation's first
+added on average less than ``_SMALL_TURN_SHARE`` of a first request's prompt bytes."""
 _ERROR_LOG_EVERY_S = 60.0
 
 
@@ -356,13 +371,17 @@ class ConversationScorer:
             return self._preferred(view, tied), "tie", capped
         return tied[0], "chosen", capped
 
-    def _one_shot_home(self, view: ChainView) -> str | None:
-        """The home of ``view``'s prompt when the prompt is one-shot (its conversations
-        rarely send a second request: module docstring) and the home holds some of it."""
+    def _stay_home(self, view: ChainView) -> str | None:
+        """The home of ``view``'s prompt when the prompt is worth only its shared prefix
+        (one-shot, or its turns are small: module docstring) and the home holds some of
+        it."""
         if not view.keys:
             return None
         first = bytes(view.keys[0])
-        if not self.live.one_shot(first, _ONE_SHOT_SHARE, _ONE_SHOT_EVIDENCE):
+        live = self.live
+        if not live.one_shot(first, _ONE_SHOT_SHARE, _ONE_SHOT_EVIDENCE) and not (
+            live.small_turns(first, _SMALL_TURN_SHARE, _SMALL_TURN_EVIDENCE)
+        ):
             return None
         home = self._homes.get(first)
         return home if home is not None and home in view.held else None
@@ -374,9 +393,10 @@ class ConversationScorer:
         best_cost: float,
         band: float,
     ) -> Backend | None:
-        """A one-shot prompt's home when it is under the cap, holds the chain as deeply as
-        any candidate and costs more than the cheapest by less than what it holds."""
-        home = self._one_shot_home(view)
+        """The home of a prompt worth only its shared prefix (:meth:`_stay_home`) when it
+        is under the cap, holds the chain as deeply as any candidate and costs more than
+        the cheapest by less than what it holds."""
+        home = self._stay_home(view)
         if home is None:
             return None
         credited = self._credited(view, view.held[home])
@@ -468,10 +488,11 @@ class ConversationScorer:
 
     def _sticky(self, view: ChainView) -> str | None:
         """The candidate holding at least ``sticky_tokens`` more of the chain than any
-        other (``view.held`` has the candidates holding any), or None."""
+        other (``view.held`` has the candidates holding any), else the home of a prompt
+        worth only its shared prefix (:meth:`_stay_home`), or None."""
         margin = self.scoring.sticky_tokens
         if not margin or not view.held:
-            return self._one_shot_home(view)
+            return self._stay_home(view)
         best, first, second = None, 0, 0
         for name, held in view.held.items():
             tokens = held.token_count
@@ -479,7 +500,7 @@ class ConversationScorer:
                 best, first, second = name, tokens, first
             elif tokens > second:
                 second = tokens
-        return best if first - second >= margin else self._one_shot_home(view)
+        return best if first - second >= margin else self._stay_home(view)
 
     def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None:
         """The lowest-cost candidate (among tied ones the prompt's preferred). When nobody
@@ -551,7 +572,13 @@ class ConversationScorer:
                 self._set_home(first, backend.name)
             # (nothing held but a home known: a sibling routed at once placed it first)
             if self._resident_weight and view.conversation is not None:
-                self.live.placed(view.conversation, first, backend.name, view.prompt_tokens)
+                self.live.placed(
+                    view.conversation,
+                    first,
+                    backend.name,
+                    view.prompt_tokens,
+                    size=view.prompt_bytes,
+                )
         changes = self.predictions(view, backend)
         if not changes:
             return 0

@@ -25,6 +25,12 @@ prompt (its first chain key) the share of its conversations that sent a second r
 kept, ``(continued + 1) / (started + 2)``, both halved past ``2 * _PROMPT_HALFLIFE``
 starts, and a first request counts that share of its tokens; from its second request on a
 conversation counts in full.
+
+**How much a prompt's turns add.** Per prompt the bytes of its conversations' first
+requests and what each later request added to its conversation's prompt are kept too
+(:meth:`LiveConversations.small_turns`): a prompt whose turns add a small share of it each
+(a long system prompt and short exchanges) is worth only its shared prefix to the scorer,
+as a one-shot prompt is (``router.kvindex.cost``).
 """
 
 from __future__ import annotations
@@ -36,6 +42,25 @@ __all__ = ["LiveConversations"]
 _MAX_CONVERSATIONS = 1 << 16
 _MAX_PROMPTS = 1 << 14
 _PROMPT_HALFLIFE = 64
+
+
+class _Prompt:
+    """What is known of one prompt's conversations (halved as they accumulate, so a prompt
+    whose use changes is judged by its recent conversations)."""
+
+    __slots__ = ("added", "continued", "first_bytes", "later", "started")
+
+    def __init__(self) -> None:
+        self.started = 0.0
+        """Conversations started."""
+        self.continued = 0.0
+        """Of them, those that sent a second request."""
+        self.first_bytes = 0.0
+        """Prompt bytes of the started conversations' first requests."""
+        self.later = 0.0
+        """Requests after a conversation's first."""
+        self.added = 0.0
+        """Bytes those requests added to their conversation's previous prompt."""
 
 
 class LiveConversations:
@@ -52,14 +77,15 @@ class LiveConversations:
         self.window = window
         self._clock = clock
         self.max_conversations = max_conversations
-        self._by_id: dict[bytes, tuple[str, int, float, bytes | None]] = {}
+        self._by_id: dict[bytes, tuple[str, int, float, _Prompt, int, bool]] = {}
         """A conversation's identity -> (backend, prompt tokens counted, time routed, its
-        prompt's first key while it has sent one request only); insertion order is routing
-        order (a conversation routed again is re-inserted)."""
+        prompt's statistics, its latest request's prompt bytes, whether it sent more than
+        one request); insertion order is routing order (a conversation routed again is
+        re-inserted)."""
         self._tokens: dict[str, int] = {}
         """Per backend, the sum of its live conversations' counted prompt tokens."""
-        self._prompts: dict[bytes, list[float]] = {}
-        """A prompt's first key -> [conversations started, of them continued]."""
+        self._prompts: dict[bytes, _Prompt] = {}
+        """A prompt's first key -> what is known of its conversations."""
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -82,15 +108,24 @@ class LiveConversations:
         stats = self._prompts.get(first_key)
         if stats is None:
             return 0.5
-        return (stats[1] + 1.0) / (stats[0] + 2.0)
+        return (stats.continued + 1.0) / (stats.started + 2.0)
 
     def one_shot(self, first_key: bytes, share: float, evidence: int) -> bool:
         """Whether at least ``evidence`` conversations of the prompt starting with
         ``first_key`` started and fewer than ``share`` of them sent a second request."""
         stats = self._prompts.get(first_key)
-        if stats is None or stats[0] < evidence:
+        if stats is None or stats.started < evidence:
             return False
-        return (stats[1] + 1.0) / (stats[0] + 2.0) < share
+        return (stats.continued + 1.0) / (stats.started + 2.0) < share
+
+    def small_turns(self, first_key: bytes, share: float, evidence: int) -> bool:
+        """Whether, over at least ``evidence`` requests after their conversation's first,
+        the conversations of the prompt starting with ``first_key`` grew on average by
+        less than ``share`` of their first request's prompt bytes per request."""
+        stats = self._prompts.get(first_key)
+        if stats is None or stats.later < evidence or not stats.started:
+            return False
+        return stats.added * stats.started < share * stats.first_bytes * stats.later
 
     def expire(self) -> None:
         """Drop the conversations not routed within the window (oldest first)."""
@@ -104,37 +139,46 @@ class LiveConversations:
                 return
             self._drop(conversation)
 
-    def placed(self, conversation: bytes, first_key: bytes, backend: str, tokens: int) -> None:
+    def placed(
+        self, conversation: bytes, first_key: bytes, backend: str, tokens: int, *, size: int
+    ) -> None:
         """A request of ``conversation`` (its prompt's first chain key ``first_key``) went
-        to ``backend`` with ``tokens`` prompt tokens."""
+        to ``backend`` with ``tokens`` prompt tokens (estimated) and ``size`` prompt bytes
+        (exact: what :meth:`small_turns` compares)."""
         entry = self._by_id.get(conversation)
-        prompt: bytes | None = None
         if entry is not None:
-            if entry[3] is not None:
-                self._prompt(entry[3])[1] += 1.0  # its second request
+            stats = entry[3]
+            if not entry[5]:
+                stats.continued += 1.0  # its second request
+            stats.later += 1.0
+            stats.added += max(0, size - entry[4])
+            if stats.later > 2 * _PROMPT_HALFLIFE:
+                stats.later *= 0.5
+                stats.added *= 0.5
             self._drop(conversation)
         else:
-            prompt = first_key
-            counted = round(tokens * self.continuing(first_key))
             stats = self._prompt(first_key)
-            stats[0] += 1.0
-            if stats[0] > 2 * _PROMPT_HALFLIFE:
-                stats[0] *= 0.5
-                stats[1] *= 0.5
+            counted = round(tokens * self.continuing(first_key))
+            stats.started += 1.0
+            stats.first_bytes += size
+            if stats.started > 2 * _PROMPT_HALFLIFE:
+                stats.started *= 0.5
+                stats.continued *= 0.5
+                stats.first_bytes *= 0.5
             tokens = counted
         by_id = self._by_id
-        by_id[conversation] = (backend, tokens, self._clock(), prompt)
+        by_id[conversation] = (backend, tokens, self._clock(), stats, size, entry is not None)
         if tokens:
             self._tokens[backend] = self._tokens.get(backend, 0) + tokens
         if len(by_id) > self.max_conversations:
             self._drop(next(iter(by_id)))
         self.expire()
 
-    def _prompt(self, first_key: bytes) -> list[float]:
+    def _prompt(self, first_key: bytes) -> _Prompt:
         prompts = self._prompts
         stats = prompts.get(first_key)
         if stats is None:
-            stats = prompts[first_key] = [0.0, 0.0]
+            stats = prompts[first_key] = _Prompt()
             if len(prompts) > _MAX_PROMPTS:
                 del prompts[next(iter(prompts))]
         return stats

@@ -820,20 +820,20 @@ def test_live_conversations_follow_a_conversation_from_turn_to_turn() -> None:
     prompt = C(0)
     assert live.owner(b"s0") is None
     assert live.continuing(prompt) == 0.5  # nothing known of the prompt yet
-    live.placed(b"s0", prompt, "a", 1000)  # first requests count half
-    live.placed(b"s1", prompt, "b", 700)
+    live.placed(b"s0", prompt, "a", 1000, size=4000)  # first requests count half
+    live.placed(b"s1", prompt, "b", 700, size=2800)
     assert live.owner(b"s0") == ("a", 500)
     assert (live.tokens("a"), live.tokens("b")) == (500, round(700 / 3))  # 1 of 1 open
-    live.placed(b"s0", prompt, "b", 1300)  # its second request, on b: counts in full
+    live.placed(b"s0", prompt, "b", 1300, size=5200)  # its second request, on b: counts in full
     assert (live.tokens("a"), live.tokens("b"), len(live)) == (0, 233 + 1300, 2)
     assert live.continuing(prompt) == (1 + 1) / (2 + 2)
     clock.advance(30)
-    live.placed(b"s2", C(9), "a", 500)
+    live.placed(b"s2", C(9), "a", 500, size=2000)
     clock.advance(31)  # the first two were routed 61 s ago
     live.expire()
     assert (live.tokens("a"), live.tokens("b"), len(live)) == (250, 0, 1)
     for s in range(3, 7):  # bounded: the oldest goes first
-        live.placed(b"s%d" % s, C(9), "b", 100)
+        live.placed(b"s%d" % s, C(9), "b", 100, size=400)
     assert len(live) == 3 and live.tokens("a") == 0
 
 
@@ -844,13 +844,13 @@ def test_a_prompt_whose_conversations_never_go_on_stops_counting_its_requests() 
     prompts: ``bench/affinity_bench.py``)."""
     live = LiveConversations(300.0, FakeClock(0.0))
     for i in range(200):
-        live.placed(b"q%d" % i, C(0), "a", 1000)
+        live.placed(b"q%d" % i, C(0), "a", 1000, size=4000)
     assert live.continuing(C(0)) < 0.02
     owner = live.owner(b"q199")
     assert owner is not None and owner[1] < 20  # of its 1000 tokens
     for i in range(50):  # a chat prompt: every conversation sends a second turn
-        live.placed(b"c%d" % i, C(5), "b", 1000)
-        live.placed(b"c%d" % i, C(5), "b", 1200)
+        live.placed(b"c%d" % i, C(5), "b", 1000, size=4000)
+        live.placed(b"c%d" % i, C(5), "b", 1200, size=4800)
     assert live.continuing(C(5)) > 0.95
 
 
@@ -914,9 +914,15 @@ async def test_the_resident_term_is_in_the_cost_and_its_parts() -> None:
 # ---- one-shot prompts ---------------------------------------------------------------------
 
 
-def question(q: int, first: int = 0) -> Chain:
-    """A single request of the prompt C(first).. (4 chunks): a conversation of its own."""
-    return Chain([C(first + i) for i in range(4)], 4 * CHUNK, b"question-%d-%d" % (first, q))
+def question(q: int, first: int = 0, turn: int = 0) -> Chain:
+    """A request of the prompt C(first).. (4 chunks): a conversation of its own, whose
+    ``turn`` adds a chunk each (a quarter of the prompt: not small turns)."""
+    own = [C(10_000 * (q + 1) + first + i) for i in range(turn)]
+    return Chain(
+        [*(C(first + i) for i in range(4)), *own],
+        (4 + turn) * CHUNK,
+        b"question-%d-%d" % (first, q),
+    )
 
 
 async def _ask(r: Rig, c: Chain, to: str | None = None) -> Backend:
@@ -941,7 +947,7 @@ async def test_a_one_shot_prompts_home_keeps_it_when_another_engine_holds_it_too
         for q in range(12):  # the prompt's home is a; every question its own conversation
             await _ask(r, question(q), "a")
             if not one_shot:  # ... or each goes on to a second turn
-                await _ask(r, question(q), "a")
+                await _ask(r, question(q, turn=1), "a")
         await _ask(r, question(99), "b")  # the overflow: b holds it too now
         view = await r.scorer.assess(question(100), r.cands)
         assert set(view.held) == {"a", "b"}
@@ -977,7 +983,7 @@ async def test_a_one_shot_prompts_home_is_held_to_the_wider_load_bound() -> None
         for q in range(12):
             await _ask(r, question(q), "a")
             if not one_shot:
-                await _ask(r, question(q), "a")
+                await _ask(r, question(q, turn=1), "a")
         view = await r.scorer.assess(question(100), r.cands)
         r.by("b").in_flight = 4
         r.by("a").in_flight = 9  # cap ceil(1.25 * 14 / 2) = 9: over it; wide ceil(10.5) = 11
@@ -985,3 +991,77 @@ async def test_a_one_shot_prompts_home_is_held_to_the_wider_load_bound() -> None
         assert chosen is r.by("a" if one_shot else "b"), one_shot
         r.by("a").in_flight = 15  # wide ceil(1.5 * 20 / 2) = 15: over that too
         assert r.scorer.decide(view, r.cands) is r.by("b")
+
+
+# ---- prompts whose turns are small ------------------------------------------------------
+
+
+def test_live_conversations_measure_what_a_prompts_turns_add() -> None:
+    """Per prompt, the bytes each request after a conversation's first added to it, against
+    the conversations' first requests: a long system prompt with short exchanges adds a
+    few percent a turn, a chat whose answers and questions are long or an agent's tool
+    results add a tenth or more."""
+    live = LiveConversations(300.0, FakeClock(0.0))
+    for c in range(2):
+        live.placed(b"small-%d" % c, C(0), "a", 1000, size=4000)
+        live.placed(b"large-%d" % c, C(5), "b", 1000, size=4000)
+    for turn in range(1, 3):
+        for c in range(2):
+            live.placed(b"small-%d" % c, C(0), "a", 1000, size=4000 + 200 * turn)  # 5 %
+            live.placed(b"large-%d" % c, C(5), "b", 1000, size=4000 + 400 * turn)  # 10 %
+    assert live.small_turns(C(0), 1 / 16, 4) and not live.small_turns(C(0), 1 / 16, 5)
+    assert not live.small_turns(C(5), 1 / 16, 4) and live.small_turns(C(5), 1 / 8, 4)
+    assert not live.small_turns(C(9), 1 / 16, 0)  # a prompt not seen
+    for q in range(40):  # single requests only: one-shot, not small turns (no evidence)
+        live.placed(b"q%d" % q, C(7), "a", 1000, size=4000)
+    assert live.one_shot(C(7), 0.25, 8) and not live.small_turns(C(7), 1 / 16, 1)
+    for t in range(300):  # counts halve as they accumulate; the ratio stays
+        live.placed(b"long", C(0), "a", 1000, size=4400 + 200 * t)
+    assert live.small_turns(C(0), 1 / 16, 4)
+    live.placed(b"long", C(0), "a", 1000, size=0)  # a shorter prompt adds nothing
+    assert live.small_turns(C(0), 1 / 16, 4)
+
+
+def small_turn(q: int, turn: int) -> Chain:
+    """Turn ``turn`` of conversation ``q`` under the prompt C(0)..C(3): each turn adds 64
+    bytes, inside the last partial chunk (1.6 % of the prompt)."""
+    return Chain([C(i) for i in range(4)], 4 * CHUNK + 64 * turn, b"chat-%d" % q)
+
+
+async def test_a_prompt_whose_turns_are_small_stays_home_as_a_one_shot_prompt() -> None:
+    """Conversations that go on but add only a few percent of their prompt a turn (a long
+    system prompt and short exchanges: ``make run``'s tenants) are worth only the shared
+    prompt: spreading them buys no room and each one sent past the home copies the whole
+    prompt into another engine's cache. Their home is held to the wider bound and keeps
+    them against a copy elsewhere, as a one-shot prompt's home does; conversations whose
+    turns add a chunk (a quarter of the prompt) each spread as before."""
+    instant = ConversationScoringConfig(load_window_seconds=0)
+    for small in (True, False):
+        r = rig(("a", "b"), scoring=instant)
+        r.hold("a", 4)
+        for q in range(3):
+            for turn in range(2):
+                await _ask(r, small_turn(q, turn) if small else question(q, turn=turn), "a")
+        assert r.scorer.live.small_turns(C(0), 1 / 16, 3) is small
+        view = await r.scorer.assess(small_turn(9, 0), r.cands)
+        r.by("b").in_flight = 4
+        r.by("a").in_flight = 9  # cap ceil(1.25 * 14 / 2) = 9: over it; wide ceil(10.5) = 11
+        chosen = r.scorer.decide(view, r.cands)
+        assert chosen is r.by("a" if small else "b"), small
+        assert r.scorer.capped == (0 if small else 1)
+        r.by("a").in_flight = 15  # wide ceil(1.5 * 20 / 2) = 15: over that too
+        assert r.scorer.decide(view, r.cands) is r.by("b")
+
+
+async def test_too_few_later_requests_say_nothing_of_a_prompts_turns() -> None:
+    """Two later requests are not yet evidence (a burst of new sessions spreads by the
+    usual cap until three have gone on)."""
+    r = rig(("a", "b"), scoring=ConversationScoringConfig(load_window_seconds=0))
+    r.hold("a", 4)
+    for q in range(2):
+        await _ask(r, small_turn(q, 0), "a")
+        await _ask(r, small_turn(q, 1), "a")
+    view = await r.scorer.assess(small_turn(9, 0), r.cands)
+    r.by("b").in_flight = 4
+    r.by("a").in_flight = 9
+    assert r.scorer.decide(view, r.cands) is r.by("b")
