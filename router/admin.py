@@ -268,6 +268,8 @@ class AdminApi:
                     "keys_written": scorer.predicted_keys,
                     "write_errors": scorer.prediction_errors,
                 },
+                # prompts worth only their shared prefix stay on their home engine
+                "prompts": scorer.prompt_kinds(),
                 "cached_tokens": {
                     "requests": total.requests,
                     "predicted_tokens": total.predicted_tokens,

@@ -386,6 +386,22 @@ class ConversationScorer:
         home = self._homes.get(first)
         return home if home is not None and home in view.held else None
 
+    def prompt_kinds(self) -> dict[str, int]:
+        """How the prompts this router has seen conversations of are judged (admin): how
+        many are known (``tracked``), and of them ``one_shot`` and ``small_turns``, the
+        two kinds whose home keeps them (module docstring). All 0 while
+        ``resident_weight`` is 0: the live conversations are not kept then. A scan of up
+        to 16,384 prompts: for an operator's read, not the request path."""
+        live = self.live
+        keys = live.prompts()
+        one_shot = small = 0
+        for first in keys:
+            if live.one_shot(first, _ONE_SHOT_SHARE, _ONE_SHOT_EVIDENCE):
+                one_shot += 1
+            elif live.small_turns(first, _SMALL_TURN_SHARE, _SMALL_TURN_EVIDENCE):
+                small += 1
+        return {"tracked": len(keys), "one_shot": one_shot, "small_turns": small}
+
     def _home_kept(
         self,
         view: ChainView,

@@ -127,6 +127,11 @@ class LiveConversations:
             return False
         return stats.added * stats.started < share * stats.first_bytes * stats.later
 
+    def prompts(self) -> list[bytes]:
+        """The first keys of the prompts whose conversations are known (at most
+        ``_MAX_PROMPTS``, the most recently started last)."""
+        return list(self._prompts)
+
     def expire(self) -> None:
         """Drop the conversations not routed within the window (oldest first)."""
         by_id = self._by_id

@@ -165,6 +165,7 @@ async def test_events_decisions_and_accounting_reach_admin_and_metrics() -> None
             "capped": 0,
         }
         assert conv["predictions"] == {"keys_written": 3, "write_errors": 0}
+        assert conv["prompts"] == {"tracked": 0, "one_shot": 0, "small_turns": 0}
         assert conv["cached_tokens"] == {
             "requests": 1,
             "predicted_tokens": 768,

@@ -1022,10 +1022,11 @@ def test_live_conversations_measure_what_a_prompts_turns_add() -> None:
     assert live.small_turns(C(0), 1 / 16, 4)
 
 
-def small_turn(q: int, turn: int) -> Chain:
-    """Turn ``turn`` of conversation ``q`` under the prompt C(0)..C(3): each turn adds 64
-    bytes, inside the last partial chunk (1.6 % of the prompt)."""
-    return Chain([C(i) for i in range(4)], 4 * CHUNK + 64 * turn, b"chat-%d" % q)
+def small_turn(q: int, turn: int, first: int = 0) -> Chain:
+    """Turn ``turn`` of conversation ``q`` under the prompt C(first).. (4 chunks): each
+    turn adds 64 bytes, inside the last partial chunk (1.6 % of the prompt)."""
+    keys = [C(first + i) for i in range(4)]
+    return Chain(keys, 4 * CHUNK + 64 * turn, b"chat-%d-%d" % (first, q))
 
 
 async def test_a_prompt_whose_turns_are_small_stays_home_as_a_one_shot_prompt() -> None:
@@ -1051,6 +1052,21 @@ async def test_a_prompt_whose_turns_are_small_stays_home_as_a_one_shot_prompt() 
         assert r.scorer.capped == (0 if small else 1)
         r.by("a").in_flight = 15  # wide ceil(1.5 * 20 / 2) = 15: over that too
         assert r.scorer.decide(view, r.cands) is r.by("b")
+
+
+async def test_the_admin_counts_prompts_by_how_their_conversations_go() -> None:
+    """``/admin/kv-index/stats`` shows how many prompts the router treats as worth only
+    their shared prefix, so an operator can tell why a prompt's sessions stay on one
+    engine."""
+    r = rig(("a", "b"), scoring=ConversationScoringConfig())
+    r.hold("a", 4)
+    for q in range(10):  # C(0): single requests only
+        await _ask(r, question(q), "a")
+    for q in range(3):  # C(4): short turns; C(8): a chunk a turn
+        for turn in range(2):
+            await _ask(r, small_turn(q, turn, first=4), "a")
+            await _ask(r, question(q, first=8, turn=turn), "a")
+    assert r.scorer.prompt_kinds() == {"tracked": 3, "one_shot": 1, "small_turns": 1}
 
 
 async def test_too_few_later_requests_say_nothing_of_a_prompts_turns() -> None:
