@@ -73,6 +73,11 @@ whose turns add 1-3 % each, six paired runs: 84.6 % token hit rate against 80.0 
 capped share of decisions 2.4 % against 4.9 %; ``fleet_bench``'s workloads add 11-29 % a
 turn and are unchanged; ``bench/RESULTS.md``).
 
+Both rules are for a prompt that fits on one engine: one with more than ``1 / candidates``
+of the recent requests (``LiveConversations.share``, over the last few thousand; a single
+product prompt with short turns) needs several engines anyway and copies of it pay for
+themselves, so it is left to the usual cost and cap.
+
 When no candidate holds anything, ``new_prompts`` decides: ``least_loaded`` (default)
 places the prompt on the candidate under the cap with the fewest prompts placed over the
 last window, then the fewest requests in flight (a burst of new prompts splits evenly:
@@ -359,7 +364,7 @@ class ConversationScorer:
         costs = [(self.cost(view, b), b) for b in admissible]
         best_cost = min(c for c, _ in costs)
         band = self.chunk_bytes * view.tokens_per_byte
-        kept = self._home_kept(view, costs, best_cost, band)
+        kept = self._home_kept(view, costs, best_cost, band, len(candidates))
         if kept is not None:
             return kept, "chosen", capped
         tied = [b for c, b in costs if c < best_cost + band]
@@ -371,14 +376,16 @@ class ConversationScorer:
             return self._preferred(view, tied), "tie", capped
         return tied[0], "chosen", capped
 
-    def _stay_home(self, view: ChainView) -> str | None:
+    def _stay_home(self, view: ChainView, candidates: int) -> str | None:
         """The home of ``view``'s prompt when the prompt is worth only its shared prefix
-        (one-shot, or its turns are small: module docstring) and the home holds some of
-        it."""
+        (one-shot, or its turns are small: module docstring), has less than one
+        candidate's share of the recent requests, and the home holds some of it."""
         if not view.keys:
             return None
         first = bytes(view.keys[0])
         live = self.live
+        if live.share(first) * candidates >= 1.0:
+            return None
         if not live.one_shot(first, _ONE_SHOT_SHARE, _ONE_SHOT_EVIDENCE) and not (
             live.small_turns(first, _SMALL_TURN_SHARE, _SMALL_TURN_EVIDENCE)
         ):
@@ -408,11 +415,12 @@ class ConversationScorer:
         costs: Sequence[tuple[float, Backend]],
         best_cost: float,
         band: float,
+        candidates: int,
     ) -> Backend | None:
         """The home of a prompt worth only its shared prefix (:meth:`_stay_home`) when it
         is under the cap, holds the chain as deeply as any candidate and costs more than
         the cheapest by less than what it holds."""
-        home = self._stay_home(view)
+        home = self._stay_home(view, candidates)
         if home is None:
             return None
         credited = self._credited(view, view.held[home])
@@ -487,7 +495,7 @@ class ConversationScorer:
         cap_avg = math.ceil((1.0 + eps) * total_avg / n)
         sticky = None
         if view is not None and sc.sticky_load_factor_epsilon > eps:
-            sticky = self._sticky(view)
+            sticky = self._sticky(view, n)
         sticky_now = sticky_avg = 0
         if sticky is not None:
             wide = 1.0 + sc.sticky_load_factor_epsilon
@@ -502,13 +510,13 @@ class ConversationScorer:
         ]
         return below or candidates
 
-    def _sticky(self, view: ChainView) -> str | None:
+    def _sticky(self, view: ChainView, candidates: int) -> str | None:
         """The candidate holding at least ``sticky_tokens`` more of the chain than any
         other (``view.held`` has the candidates holding any), else the home of a prompt
         worth only its shared prefix (:meth:`_stay_home`), or None."""
         margin = self.scoring.sticky_tokens
         if not margin or not view.held:
-            return self._stay_home(view)
+            return self._stay_home(view, candidates)
         best, first, second = None, 0, 0
         for name, held in view.held.items():
             tokens = held.token_count
@@ -516,7 +524,7 @@ class ConversationScorer:
                 best, first, second = name, tokens, first
             elif tokens > second:
                 second = tokens
-        return best if first - second >= margin else self._stay_home(view)
+        return best if first - second >= margin else self._stay_home(view, candidates)
 
     def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None:
         """The lowest-cost candidate (among tied ones the prompt's preferred). When nobody

@@ -30,7 +30,9 @@ conversation counts in full.
 requests and what each later request added to its conversation's prompt are kept too
 (:meth:`LiveConversations.small_turns`): a prompt whose turns add a small share of it each
 (a long system prompt and short exchanges) is worth only its shared prefix to the scorer,
-as a one-shot prompt is (``router.kvindex.cost``).
+as a one-shot prompt is (``router.kvindex.cost``), unless the prompt has more than one
+backend's share of the recent requests (:meth:`LiveConversations.share`: each prompt's
+requests weighed down by half per 2,048 requests of all prompts since).
 """
 
 from __future__ import annotations
@@ -42,13 +44,15 @@ __all__ = ["LiveConversations"]
 _MAX_CONVERSATIONS = 1 << 16
 _MAX_PROMPTS = 1 << 14
 _PROMPT_HALFLIFE = 64
+_SHARE_HALFLIFE = 2048
+_SHARE_DECAY = 2.0 ** (-1.0 / _SHARE_HALFLIFE)
 
 
 class _Prompt:
     """What is known of one prompt's conversations (halved as they accumulate, so a prompt
     whose use changes is judged by its recent conversations)."""
 
-    __slots__ = ("added", "continued", "first_bytes", "later", "started")
+    __slots__ = ("added", "continued", "first_bytes", "later", "recent", "seen_at", "started")
 
     def __init__(self) -> None:
         self.started = 0.0
@@ -61,12 +65,26 @@ class _Prompt:
         """Requests after a conversation's first."""
         self.added = 0.0
         """Bytes those requests added to their conversation's previous prompt."""
+        self.recent = 0.0
+        """Its requests, each weighed down by half per ``_SHARE_HALFLIFE`` requests of all
+        prompts since (:meth:`LiveConversations.share`)..."""
+        self.seen_at = 0
+        """... as of this request of all prompts."""
 
 
 class LiveConversations:
     """Live conversations per backend, weighed by their prompt tokens (module docstring)."""
 
-    __slots__ = ("_by_id", "_clock", "_prompts", "_tokens", "max_conversations", "window")
+    __slots__ = (
+        "_by_id",
+        "_clock",
+        "_prompts",
+        "_requests",
+        "_tokens",
+        "_weight",
+        "max_conversations",
+        "window",
+    )
 
     def __init__(
         self,
@@ -86,6 +104,10 @@ class LiveConversations:
         """Per backend, the sum of its live conversations' counted prompt tokens."""
         self._prompts: dict[bytes, _Prompt] = {}
         """A prompt's first key -> what is known of its conversations."""
+        self._requests = 0
+        """Requests placed, of all prompts."""
+        self._weight = 0.0
+        """Their sum, each weighed as :attr:`_Prompt.recent` weighs a prompt's own."""
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -127,6 +149,15 @@ class LiveConversations:
             return False
         return stats.added * stats.started < share * stats.first_bytes * stats.later
 
+    def share(self, first_key: bytes) -> float:
+        """The share of recent requests (the last few thousand, of all prompts) that were
+        the prompt starting with ``first_key``'s (0 for a prompt not seen)."""
+        stats = self._prompts.get(first_key)
+        if stats is None or not self._weight:
+            return 0.0
+        gap = self._requests - stats.seen_at
+        return stats.recent * _SHARE_DECAY**gap / self._weight
+
     def prompts(self) -> list[bytes]:
         """The first keys of the prompts whose conversations are known (at most
         ``_MAX_PROMPTS``, the most recently started last)."""
@@ -151,8 +182,12 @@ class LiveConversations:
         to ``backend`` with ``tokens`` prompt tokens (estimated) and ``size`` prompt bytes
         (exact: what :meth:`small_turns` compares)."""
         entry = self._by_id.get(conversation)
+        stats = entry[3] if entry is not None else self._prompt(first_key)
+        self._requests += 1
+        self._weight = self._weight * _SHARE_DECAY + 1.0
+        stats.recent = stats.recent * _SHARE_DECAY ** (self._requests - stats.seen_at) + 1.0
+        stats.seen_at = self._requests
         if entry is not None:
-            stats = entry[3]
             if not entry[5]:
                 stats.continued += 1.0  # its second request
             stats.later += 1.0
@@ -162,7 +197,6 @@ class LiveConversations:
                 stats.added *= 0.5
             self._drop(conversation)
         else:
-            stats = self._prompt(first_key)
             counted = round(tokens * self.continuing(first_key))
             stats.started += 1.0
             stats.first_bytes += size

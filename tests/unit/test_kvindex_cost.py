@@ -925,6 +925,14 @@ def question(q: int, first: int = 0, turn: int = 0) -> Chain:
     )
 
 
+async def _others(r: Rig, n: int) -> None:
+    """``n`` single requests of prompts of their own, spread over the rig's backends: the
+    rest of the traffic, so that the prompt under test is one of many (a prompt with more
+    than one backend's share of the requests is never kept home)."""
+    for i in range(n):
+        await _ask(r, question(0, first=100_000 + 10 * i), r.cands[i % len(r.cands)].name)
+
+
 async def _ask(r: Rig, c: Chain, to: str | None = None) -> Backend:
     view = await r.scorer.assess(c, r.cands)
     chosen = r.by(to) if to is not None else r.scorer.decide(view, r.cands)
@@ -944,6 +952,7 @@ async def test_a_one_shot_prompts_home_keeps_it_when_another_engine_holds_it_too
     for one_shot in (True, False):
         r = rig(("a", "b"), scoring=scoring)
         r.hold("a", 4)
+        await _others(r, 40)
         for q in range(12):  # the prompt's home is a; every question its own conversation
             await _ask(r, question(q), "a")
             if not one_shot:  # ... or each goes on to a second turn
@@ -980,6 +989,7 @@ async def test_a_one_shot_prompts_home_is_held_to_the_wider_load_bound() -> None
     for one_shot in (True, False):
         r = rig(("a", "b"), scoring=instant)
         r.hold("a", 4)
+        await _others(r, 40)
         for q in range(12):
             await _ask(r, question(q), "a")
             if not one_shot:
@@ -1040,6 +1050,7 @@ async def test_a_prompt_whose_turns_are_small_stays_home_as_a_one_shot_prompt() 
     for small in (True, False):
         r = rig(("a", "b"), scoring=instant)
         r.hold("a", 4)
+        await _others(r, 20)
         for q in range(3):
             for turn in range(2):
                 await _ask(r, small_turn(q, turn) if small else question(q, turn=turn), "a")
@@ -1052,6 +1063,39 @@ async def test_a_prompt_whose_turns_are_small_stays_home_as_a_one_shot_prompt() 
         assert r.scorer.capped == (0 if small else 1)
         r.by("a").in_flight = 15  # wide ceil(1.5 * 20 / 2) = 15: over that too
         assert r.scorer.decide(view, r.cands) is r.by("b")
+
+
+async def test_a_prompt_with_more_than_one_backends_share_of_the_traffic_spreads() -> None:
+    """Staying home is for a prompt that fits on one engine: one with more than a
+    backend's share of the recent requests (a single product prompt with short turns)
+    needs several engines anyway, and copies of it pay for themselves, so the usual cap
+    spreads it."""
+    instant = ConversationScoringConfig(load_window_seconds=0)
+    for others in (20, 0):
+        r = rig(("a", "b"), scoring=instant)
+        r.hold("a", 4)
+        await _others(r, others)
+        for q in range(3):
+            for turn in range(2):
+                await _ask(r, small_turn(q, turn), "a")
+        share = r.scorer.live.share(C(0))
+        assert (share < 0.5) is (others == 20), share
+        view = await r.scorer.assess(small_turn(9, 0), r.cands)
+        r.by("b").in_flight = 4
+        r.by("a").in_flight = 9  # over the usual cap, under the wider one
+        assert r.scorer.decide(view, r.cands) is r.by("a" if others else "b")
+
+
+def test_a_prompts_share_of_the_traffic_follows_the_recent_requests() -> None:
+    live = LiveConversations(300.0, FakeClock(0.0))
+    assert live.share(C(0)) == 0.0
+    for i in range(300):
+        live.placed(b"x%d" % i, C(i % 3), "a", 100, size=400)  # three prompts in turn
+    shares = [live.share(C(k)) for k in range(3)]
+    assert sum(shares) == pytest.approx(1.0) and max(shares) - min(shares) < 0.01
+    for i in range(3000):  # then one prompt alone: the others fade
+        live.placed(b"y%d" % i, C(7), "a", 100, size=400)
+    assert live.share(C(7)) > 0.9 and live.share(C(0)) < 0.05
 
 
 async def test_the_admin_counts_prompts_by_how_their_conversations_go() -> None:
