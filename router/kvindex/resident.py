@@ -160,7 +160,7 @@ class LiveConversations:
 
     def prompts(self) -> list[bytes]:
         """The first keys of the prompts whose conversations are known (at most
-        ``_MAX_PROMPTS``, the most recently started last)."""
+        ``_MAX_PROMPTS``, in the order they were first seen)."""
         return list(self._prompts)
 
     def expire(self) -> None:
