@@ -205,6 +205,18 @@ def capped_rate(stats: dict[str, Any]) -> str:
     return f"{d['capped'] / d['total']:.4f}" if d.get("total") else "-"
 
 
+def prompt_kinds(stats: dict[str, Any]) -> str | None:
+    """How the conversation scorer judged the prompts it saw (``conversation.prompts``
+    from ``kv_stats``): one-shot and small-turn prompts stay on their home engine."""
+    p = stats.get("conversation", {}).get("prompts")
+    if not p:
+        return None
+    return (
+        f"{p['tracked']} prompts seen, {p['small_turns']} of small turns and "
+        f"{p['one_shot']} one-shot (kept on their home engine while under the wider cap)"
+    )
+
+
 def kv_split(stats: dict[str, Any]) -> str:
     """Tier 4's kv_aware/fallback decisions, from ``kv_stats``."""
     if not stats.get("enabled"):
@@ -227,6 +239,7 @@ async def main(args: argparse.Namespace) -> int:
     )
     rows = []
     views: list[tuple[str, dict[str, set[str]]]] = []
+    kinds: str | None = None
     zmq_ports = [free_port() for _ in range(args.engines)]
     async with (
         demo_fleet(args.engines, args.capacity_blocks, zmq_ports) as fleet,
@@ -276,6 +289,7 @@ async def main(args: argparse.Namespace) -> int:
                 kv = await kv_stats(router)
                 if index == "conv":
                     overflow = capped_rate(kv)
+                    kinds = prompt_kinds(kv)
                 else:
                     overflow = await overflow_rate(router.url)
                 split = kv_split(kv)
@@ -291,6 +305,8 @@ async def main(args: argparse.Namespace) -> int:
             views.append((label, view))
             print(f"done in {elapsed:.1f}s")
         print_table(rows, fleet.names, len(requests))
+        if kinds is not None:
+            print(f"  PrefixAware+Conv: {kinds}.")
         print_listener_table(views, fleet.names, len(tenants))
         base_prefill = rows[0][3] or 1.0
         svg = bar_chart_svg(
