@@ -359,12 +359,13 @@ class ConversationScorer:
             if self.scoring.new_prompts == "strategy" or not view.keys:
                 return None, "none_held", False  # (a prompt under one chunk: nothing to place)
             return self._least_loaded(view, self._admissible(candidates)), "none_held", False
-        admissible = self._admissible(candidates, view)  # samples the load averages
+        home = self._stay_home(view, len(candidates))  # once: the cap and the keep read it
+        admissible = self._admissible(candidates, view, home)  # samples the load averages
         capped = len(admissible) < len(candidates) and not _holds_the_most(view, admissible)
         costs = [(self.cost(view, b), b) for b in admissible]
         best_cost = min(c for c, _ in costs)
         band = self.chunk_bytes * view.tokens_per_byte
-        kept = self._home_kept(view, costs, best_cost, band, len(candidates))
+        kept = self._home_kept(view, costs, best_cost, band, home)
         if kept is not None:
             return kept, "chosen", capped
         tied = [b for c, b in costs if c < best_cost + band]
@@ -415,12 +416,11 @@ class ConversationScorer:
         costs: Sequence[tuple[float, Backend]],
         best_cost: float,
         band: float,
-        candidates: int,
+        home: str | None,
     ) -> Backend | None:
-        """The home of a prompt worth only its shared prefix (:meth:`_stay_home`) when it
-        is under the cap, holds the chain as deeply as any candidate and costs more than
-        the cheapest by less than what it holds."""
-        home = self._stay_home(view, candidates)
+        """``home`` (:meth:`_stay_home`'s answer for the request) when it is under the
+        cap, holds the chain as deeply as any candidate and costs more than the cheapest
+        by less than what it holds."""
         if home is None:
             return None
         credited = self._credited(view, view.held[home])
@@ -473,7 +473,10 @@ class ConversationScorer:
             del homes[next(iter(homes))]
 
     def _admissible(
-        self, candidates: Sequence[Backend], view: ChainView | None = None
+        self,
+        candidates: Sequence[Backend],
+        view: ChainView | None = None,
+        home: str | None = None,
     ) -> Sequence[Backend]:
         """The candidates below the bounded-load cap (PrefixAwareHash's formula), or all
         of them when the bound is off or every one is at the cap. A backend is at the
@@ -482,7 +485,9 @@ class ConversationScorer:
         elsewhere, worth it for a lasting overload, not for a burst; and the count now
         makes the cap let go as soon as the overload ends. The backend holding
         ``sticky_tokens`` more of ``view``'s chain than any other candidate is measured
-        against ``sticky_load_factor_epsilon`` instead: its conversation's own history."""
+        against ``sticky_load_factor_epsilon`` instead: its conversation's own history;
+        so is ``home``, the home of a prompt worth only its shared prefix
+        (:meth:`_stay_home`)."""
         sc = self.scoring
         eps = sc.load_factor_epsilon
         n = len(candidates)
@@ -495,7 +500,7 @@ class ConversationScorer:
         cap_avg = math.ceil((1.0 + eps) * total_avg / n)
         sticky = None
         if view is not None and sc.sticky_load_factor_epsilon > eps:
-            sticky = self._sticky(view, n)
+            sticky = self._sticky(view, home)
         sticky_now = sticky_avg = 0
         if sticky is not None:
             wide = 1.0 + sc.sticky_load_factor_epsilon
@@ -510,13 +515,12 @@ class ConversationScorer:
         ]
         return below or candidates
 
-    def _sticky(self, view: ChainView, candidates: int) -> str | None:
+    def _sticky(self, view: ChainView, home: str | None) -> str | None:
         """The candidate holding at least ``sticky_tokens`` more of the chain than any
-        other (``view.held`` has the candidates holding any), else the home of a prompt
-        worth only its shared prefix (:meth:`_stay_home`), or None."""
+        other (``view.held`` has the candidates holding any), else ``home``."""
         margin = self.scoring.sticky_tokens
         if not margin or not view.held:
-            return self._stay_home(view, candidates)
+            return home
         best, first, second = None, 0, 0
         for name, held in view.held.items():
             tokens = held.token_count
@@ -524,7 +528,7 @@ class ConversationScorer:
                 best, first, second = name, tokens, first
             elif tokens > second:
                 second = tokens
-        return best if first - second >= margin else self._stay_home(view, candidates)
+        return best if first - second >= margin else home
 
     def decide(self, view: ChainView, candidates: Sequence[Backend]) -> Backend | None:
         """The lowest-cost candidate (among tied ones the prompt's preferred). When nobody

@@ -33,7 +33,7 @@ from router.kvindex import (
 )
 from router.kvindex.accuracy import PredictionAccuracy
 from router.kvindex.chains import deepest_held
-from router.kvindex.cost import ConversationScorer
+from router.kvindex.cost import ChainView, ConversationScorer
 from router.kvindex.load_average import LoadAverage, RecentCount
 from router.kvindex.prefill import PrefillLoad
 from router.kvindex.resident import LiveConversations
@@ -933,6 +933,19 @@ async def _others(r: Rig, n: int) -> None:
         await _ask(r, question(0, first=100_000 + 10 * i), r.cands[i % len(r.cands)].name)
 
 
+async def _past_the_usual_cap(r: Rig, c: Chain) -> Backend | None:
+    """The choice for ``c`` with its home ``a`` over the usual cap and under the wider one:
+    ``b`` at 4 in flight, ``a`` at 9 (cap ceil(1.25 * 14 / 2) = 9, wide ceil(10.5) = 11)."""
+    return _decide_past_the_usual_cap(r, await r.scorer.assess(c, r.cands))
+
+
+def _decide_past_the_usual_cap(r: Rig, view: ChainView) -> Backend | None:
+    """:func:`_past_the_usual_cap` for a view already assessed."""
+    r.by("b").in_flight = 4
+    r.by("a").in_flight = 9
+    return r.scorer.decide(view, r.cands)
+
+
 async def _ask(r: Rig, c: Chain, to: str | None = None) -> Backend:
     view = await r.scorer.assess(c, r.cands)
     chosen = r.by(to) if to is not None else r.scorer.decide(view, r.cands)
@@ -995,9 +1008,7 @@ async def test_a_one_shot_prompts_home_is_held_to_the_wider_load_bound() -> None
             if not one_shot:
                 await _ask(r, question(q, turn=1), "a")
         view = await r.scorer.assess(question(100), r.cands)
-        r.by("b").in_flight = 4
-        r.by("a").in_flight = 9  # cap ceil(1.25 * 14 / 2) = 9: over it; wide ceil(10.5) = 11
-        chosen = r.scorer.decide(view, r.cands)
+        chosen = _decide_past_the_usual_cap(r, view)
         assert chosen is r.by("a" if one_shot else "b"), one_shot
         r.by("a").in_flight = 15  # wide ceil(1.5 * 20 / 2) = 15: over that too
         assert r.scorer.decide(view, r.cands) is r.by("b")
@@ -1056,9 +1067,7 @@ async def test_a_prompt_whose_turns_are_small_stays_home_as_a_one_shot_prompt() 
                 await _ask(r, small_turn(q, turn) if small else question(q, turn=turn), "a")
         assert r.scorer.live.small_turns(C(0), 1 / 16, 3) is small
         view = await r.scorer.assess(small_turn(9, 0), r.cands)
-        r.by("b").in_flight = 4
-        r.by("a").in_flight = 9  # cap ceil(1.25 * 14 / 2) = 9: over it; wide ceil(10.5) = 11
-        chosen = r.scorer.decide(view, r.cands)
+        chosen = _decide_past_the_usual_cap(r, view)
         assert chosen is r.by("a" if small else "b"), small
         assert r.scorer.capped == (0 if small else 1)
         r.by("a").in_flight = 15  # wide ceil(1.5 * 20 / 2) = 15: over that too
@@ -1080,10 +1089,8 @@ async def test_a_prompt_with_more_than_one_backends_share_of_the_traffic_spreads
                 await _ask(r, small_turn(q, turn), "a")
         share = r.scorer.live.share(C(0))
         assert (share < 0.5) is (others == 20), share
-        view = await r.scorer.assess(small_turn(9, 0), r.cands)
-        r.by("b").in_flight = 4
-        r.by("a").in_flight = 9  # over the usual cap, under the wider one
-        assert r.scorer.decide(view, r.cands) is r.by("a" if others else "b")
+        chosen = await _past_the_usual_cap(r, small_turn(9, 0))
+        assert chosen is r.by("a" if others else "b")
 
 
 def test_a_prompts_share_of_the_traffic_follows_the_recent_requests() -> None:
@@ -1121,7 +1128,4 @@ async def test_too_few_later_requests_say_nothing_of_a_prompts_turns() -> None:
     for q in range(2):
         await _ask(r, small_turn(q, 0), "a")
         await _ask(r, small_turn(q, 1), "a")
-    view = await r.scorer.assess(small_turn(9, 0), r.cands)
-    r.by("b").in_flight = 4
-    r.by("a").in_flight = 9
-    assert r.scorer.decide(view, r.cands) is r.by("b")
+    assert await _past_the_usual_cap(r, small_turn(9, 0)) is r.by("b")
