@@ -485,6 +485,19 @@ class ConversationScoringConfig(_Section):
     than a sixteenth of it per request: ``router.kvindex.cost``), as
     ``load_factor_epsilon`` (used only when larger than it). Unbounded, a tool suite's
     sessions pile onto one engine (``bench/fleet_bench.py`` (b): max/mean load 2.04)."""
+    copy_load_factor_epsilon: Annotated[float, Field(ge=0.0, le=10.0)] = 2.0
+    """The bound up to which that home keeps a request when no candidate under the cap
+    holds any of the prompt (every other choice copies it), for a prompt worth only its
+    prefix and one not judged yet (fewer than 3 requests after a conversation's first
+    and 8 conversations seen), as ``load_factor_epsilon`` (used only when larger than
+    it). A copy made for load prefills the whole prompt, and in a fleet whose caches
+    are full it evicts as much of other prompts, which come back as misses and are
+    placed again: a cascade (``make run``'s demo, 24 tenants whose prompts fill the
+    fleet's caches once, medians of paired runs: ConsistentHash 88 % token hit rate,
+    this row 83 % with copies made past 1.5x the mean load, 89 % past 2x, 91 % past 3x;
+    ``bench/RESULTS.md``). On two backends no load reaches 3x the mean, so such a home
+    is never copied for load there; what bounds it is that a prompt with more than one
+    backend's share of the recent requests is never kept home."""
 
 
 class ChatTemplateConfig(_Section):

@@ -166,6 +166,7 @@ RESTART_ONLY: tuple[str, ...] = (
     "kv_cache_index.conversation.scoring.load_window_seconds",
     "kv_cache_index.conversation.scoring.sticky_tokens",
     "kv_cache_index.conversation.scoring.sticky_load_factor_epsilon",
+    "kv_cache_index.conversation.scoring.copy_load_factor_epsilon",
     "kv_cache_index.conversation.scoring.resident_weight",
     "kv_cache_index.conversation.scoring.resident_window_seconds",
     # The event bus server: its socket, TLS and limits.

@@ -73,7 +73,18 @@ whose turns add 1-3 % each, six paired runs: 84.6 % token hit rate against 80.0 
 capped share of decisions 2.4 % against 4.9 %; ``fleet_bench``'s workloads add 11-29 % a
 turn and are unchanged; ``bench/RESULTS.md``).
 
-Both rules are for a prompt that fits on one engine: one with more than ``1 / candidates``
+**Nor are they copied for load.** When every candidate under the caps holds none of such a
+prompt, or of a prompt not judged yet (fewer than 3 requests after a conversation's first
+and fewer than 8 conversations: where a burst of new sessions meets its home), the request
+would copy the whole prompt, and in a fleet whose caches are full that copy evicts as much
+of other prompts, which come back as misses and are placed again elsewhere: a cascade. So
+the home stays a candidate up to ``copy_load_factor_epsilon`` (2: 3x the mean load;
+``make run``'s demo, five paired runs: 90.6 % token hit rate against 83.3 %, tenants on
+1.4-2.0 engines each against 2.5-2.7, ConsistentHash 88.4 %; ``fleet_bench`` and
+``affinity_bench`` unchanged). A copy onto an engine that already holds part of the prompt
+is the usual cap's business.
+
+These rules are for a prompt that fits on one engine: one with more than ``1 / candidates``
 of the recent requests (``LiveConversations.share``, over the last few thousand; a single
 product prompt with short turns) needs several engines anyway and copies of it pay for
 themselves, so it is left to the usual cost and cap.
@@ -359,8 +370,11 @@ class ConversationScorer:
             if self.scoring.new_prompts == "strategy" or not view.keys:
                 return None, "none_held", False  # (a prompt under one chunk: nothing to place)
             return self._least_loaded(view, self._admissible(candidates)), "none_held", False
-        home = self._stay_home(view, len(candidates))  # once: the cap and the keep read it
-        admissible = self._admissible(candidates, view, home)  # samples the load averages
+        # Once: the caps and the keep read it. ``home`` keeps the prompt (it is worth only
+        # its prefix); ``copy_home`` is also the home of a prompt not judged yet.
+        copy_home, prefix_only = self._stay_home(view, len(candidates))
+        home = copy_home if prefix_only else None
+        admissible = self._admissible(candidates, view, home, copy_home)  # samples loads
         capped = len(admissible) < len(candidates) and not _holds_the_most(view, admissible)
         costs = [(self.cost(view, b), b) for b in admissible]
         best_cost = min(c for c, _ in costs)
@@ -377,22 +391,25 @@ class ConversationScorer:
             return self._preferred(view, tied), "tie", capped
         return tied[0], "chosen", capped
 
-    def _stay_home(self, view: ChainView, candidates: int) -> str | None:
-        """The home of ``view``'s prompt when the prompt is worth only its shared prefix
-        (one-shot, or its turns are small: module docstring), has less than one
-        candidate's share of the recent requests, and the home holds some of it."""
+    def _stay_home(self, view: ChainView, candidates: int) -> tuple[str | None, bool]:
+        """The home of ``view``'s prompt, and whether the prompt is worth only its shared
+        prefix (one-shot, or its turns are small: module docstring). The home is None
+        unless it holds some of the chain, the prompt has less than one candidate's share
+        of the recent requests, and it is worth only its prefix or not judged yet (too
+        few of its requests seen; only the copy bound reads that one)."""
         if not view.keys:
-            return None
+            return None, False
         first = bytes(view.keys[0])
         live = self.live
         if live.share(first) * candidates >= 1.0:
-            return None
-        if not live.one_shot(first, _ONE_SHOT_SHARE, _ONE_SHOT_EVIDENCE) and not (
+            return None, False
+        prefix_only = live.one_shot(first, _ONE_SHOT_SHARE, _ONE_SHOT_EVIDENCE) or (
             live.small_turns(first, _SMALL_TURN_SHARE, _SMALL_TURN_EVIDENCE)
-        ):
-            return None
+        )
+        if not prefix_only and live.judged(first, _ONE_SHOT_EVIDENCE, _SMALL_TURN_EVIDENCE):
+            return None, False
         home = self._homes.get(first)
-        return home if home is not None and home in view.held else None
+        return (home if home is not None and home in view.held else None), prefix_only
 
     def prompt_kinds(self) -> dict[str, int]:
         """How the prompts this router has seen conversations of are judged (admin): how
@@ -477,6 +494,7 @@ class ConversationScorer:
         candidates: Sequence[Backend],
         view: ChainView | None = None,
         home: str | None = None,
+        copy_home: str | None = None,
     ) -> Sequence[Backend]:
         """The candidates below the bounded-load cap (PrefixAwareHash's formula), or all
         of them when the bound is off or every one is at the cap. A backend is at the
@@ -487,7 +505,10 @@ class ConversationScorer:
         ``sticky_tokens`` more of ``view``'s chain than any other candidate is measured
         against ``sticky_load_factor_epsilon`` instead: its conversation's own history;
         so is ``home``, the home of a prompt worth only its shared prefix
-        (:meth:`_stay_home`)."""
+        (:meth:`_stay_home`). When no candidate under the cap holds any of the chain, the
+        prompt's ``copy_home`` stays a candidate up to ``copy_load_factor_epsilon``:
+        sending the request past it would copy the whole prompt into a cache that other
+        prompts fill."""
         sc = self.scoring
         eps = sc.load_factor_epsilon
         n = len(candidates)
@@ -513,6 +534,21 @@ class ConversationScorer:
             or b.in_flight < cap_now
             or (b.name == sticky and (load < sticky_avg or b.in_flight < sticky_now))
         ]
+        if (
+            copy_home is not None
+            and below
+            and view is not None
+            and sc.copy_load_factor_epsilon > eps
+            and not any(b.name in view.held for b in below)
+        ):
+            wide = 1.0 + sc.copy_load_factor_epsilon
+            copy_now = math.ceil(wide * total_now / n)
+            copy_avg = math.ceil(wide * total_avg / n)
+            below += [
+                b
+                for b, load in zip(candidates, loads, strict=True)
+                if b.name == copy_home and (load < copy_avg or b.in_flight < copy_now)
+            ]
         return below or candidates
 
     def _sticky(self, view: ChainView, home: str | None) -> str | None:

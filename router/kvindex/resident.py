@@ -149,6 +149,13 @@ class LiveConversations:
             return False
         return stats.added * stats.started < share * stats.first_bytes * stats.later
 
+    def judged(self, first_key: bytes, started: int, later: int) -> bool:
+        """Whether enough is known of the prompt starting with ``first_key`` to judge it:
+        ``started`` of its conversations started, or ``later`` requests after their first
+        (:meth:`one_shot` and :meth:`small_turns` need as much)."""
+        stats = self._prompts.get(first_key)
+        return stats is not None and (stats.started >= started or stats.later >= later)
+
     def share(self, first_key: bytes) -> float:
         """The share of recent requests (the last few thousand, of all prompts) that were
         the prompt starting with ``first_key``'s (0 for a prompt not seen)."""

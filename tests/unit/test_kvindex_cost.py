@@ -997,7 +997,8 @@ async def test_too_few_conversations_say_nothing_of_a_prompt() -> None:
 async def test_a_one_shot_prompts_home_is_held_to_the_wider_load_bound() -> None:
     """Its home is measured against ``sticky_load_factor_epsilon`` (0.5) instead of 0.25:
     a request sent past it prefills the whole prompt elsewhere for nothing to reuse
-    later. A prompt whose conversations go on gets the usual cap (counts now here)."""
+    later. A prompt whose conversations go on gets the usual cap (counts now here).
+    Another engine holds the prompt too here, so the copy bound is out of play."""
     instant = ConversationScoringConfig(load_window_seconds=0)
     for one_shot in (True, False):
         r = rig(("a", "b"), scoring=instant)
@@ -1007,11 +1008,59 @@ async def test_a_one_shot_prompts_home_is_held_to_the_wider_load_bound() -> None
             await _ask(r, question(q), "a")
             if not one_shot:
                 await _ask(r, question(q, turn=1), "a")
+        r.hold("b", 2)  # b holds half of it (an earlier overflow)
         view = await r.scorer.assess(question(100), r.cands)
         chosen = _decide_past_the_usual_cap(r, view)
         assert chosen is r.by("a" if one_shot else "b"), one_shot
         r.by("a").in_flight = 15  # wide ceil(1.5 * 20 / 2) = 15: over that too
         assert r.scorer.decide(view, r.cands) is r.by("b")
+
+
+async def test_a_home_is_not_copied_for_load_until_the_copy_bound() -> None:
+    """When every candidate under the caps holds none of a one-shot prompt, sending a
+    request past its home copies the whole prompt into a cache other prompts fill, and
+    in a full fleet evicts as much of them (``make run``'s demo: a cascade of copies). So
+    the home keeps it up to ``copy_load_factor_epsilon`` (2: 3x the mean), past the
+    sticky bound; with the bound at the sticky one's, the request is copied."""
+    instant = ConversationScoringConfig(load_window_seconds=0)
+    for copy_eps in (2.0, 0.5):
+        r = rig(
+            ("a", "b", "c", "d"),
+            scoring=instant.model_copy(update={"copy_load_factor_epsilon": copy_eps}),
+        )
+        r.hold("a", 4)
+        await _others(r, 80)
+        for q in range(12):
+            await _ask(r, question(q), "a")
+        view = await r.scorer.assess(question(100), r.cands)
+        assert set(view.held) == {"a"}
+        for name in "bcd":
+            r.by(name).in_flight = 1
+        r.by("a").in_flight = 8  # total 12: cap 4, sticky ceil(4.5) = 5, copy ceil(9) = 9
+        chosen = r.scorer.decide(view, r.cands)
+        assert chosen is not None and (chosen.name == "a") is (copy_eps == 2.0), copy_eps
+        assert r.scorer.capped == (copy_eps != 2.0)
+        r.by("a").in_flight = 12  # total 16: copy bound ceil(3 * 16 / 4) = 12, reached
+        chosen = r.scorer.decide(view, r.cands)
+        assert chosen is not None and chosen.name != "a"
+
+
+async def test_a_prompt_not_judged_yet_is_not_copied_for_load_either() -> None:
+    """Before 3 requests after a conversation's first (or 8 conversations) nothing says
+    whether spreading a prompt buys room, and the first requests are where a burst of
+    new sessions meets a loaded home: its home keeps it up to the copy bound (not the
+    sticky one). Once its conversations are seen to grow, the usual cap applies."""
+    instant = ConversationScoringConfig(load_window_seconds=0)
+    r = rig(("a", "b"), scoring=instant)
+    r.hold("a", 4)
+    await _others(r, 40)
+    for q in range(2):
+        await _ask(r, question(q), "a")
+    assert await _past_the_usual_cap(r, question(100)) is r.by("a")
+    for q in range(2, 6):  # conversations that go on with long turns: judged, not small
+        await _ask(r, question(q), "a")
+        await _ask(r, question(q, turn=1), "a")
+    assert await _past_the_usual_cap(r, question(101)) is r.by("b")
 
 
 # ---- prompts whose turns are small ------------------------------------------------------
@@ -1066,6 +1115,7 @@ async def test_a_prompt_whose_turns_are_small_stays_home_as_a_one_shot_prompt() 
             for turn in range(2):
                 await _ask(r, small_turn(q, turn) if small else question(q, turn=turn), "a")
         assert r.scorer.live.small_turns(C(0), 1 / 16, 3) is small
+        r.hold("b", 2)  # b holds half of it (an earlier overflow): no copy bound
         view = await r.scorer.assess(small_turn(9, 0), r.cands)
         chosen = _decide_past_the_usual_cap(r, view)
         assert chosen is r.by("a" if small else "b"), small
