@@ -107,6 +107,7 @@ _NQ = len(Queue)
 _NT = len(TokenType)
 _NB = 16
 _EF, _ST, _CH, _AG = Queue.EVICT_FIRST, Queue.STRUCTURE, Queue.CHAT, Queue.AGENT
+_SYS, _TDEF = TokenType.SYSTEM, TokenType.TOOL_DEF
 _STRICT = ((_EF,), (_ST, _CH, _AG))
 _FLAT = ((_EF, _ST, _CH, _AG),)
 _SQRT2 = math.sqrt(2.0)
@@ -413,7 +414,10 @@ class SaeCache:
             del pend[key]
             self.cont.observe(s.cell(), False)
 
-    def _route(self, ttype: int, sclass: SessionClass, shared: bool) -> Queue:
+    def _route(self, ttype: int, session: Hashable, shared: bool) -> Queue:
+        if (session is None or session == "") and (ttype == _SYS or ttype == _TDEF):
+            return _ST  # no session ids: every request looks like one conversation's
+        sclass = self._class(session)
         q = route(ttype, sclass, shared)
         if q == _EF and sclass == SessionClass.SINGLE and self.cfg.soft_single:
             return _CH  # ranked by its learned continuation (family 2) instead
@@ -473,7 +477,7 @@ class SaeCache:
         elif pb is not None and pb.queue == _EF and not b.shared:
             b.queue = _EF  # reusable only after its parent, which is not expected to be
         else:
-            b.queue = self._route(b.ttype, self._class(session), b.shared)
+            b.queue = self._route(b.ttype, session, b.shared)
         if b.queue == _ST and offset + 1 > self.o_max:
             self.o_max = float(offset + 1)
             self._refresh()
@@ -499,7 +503,7 @@ class SaeCache:
             self._deepest(session, b.offset, b.ttype)
         if session != b.owner and not b.shared:
             b.shared = True
-        q = self._route(b.ttype, self._class(session), b.shared)
+        q = self._route(b.ttype, session, b.shared)
         if q != b.queue:
             self.occupancy[b.queue] -= 1
             self.occupancy[q] += 1

@@ -67,8 +67,15 @@ def _params(**kw: object) -> SaeParams:
     [
         (T.REASONING, SessionClass.CHAT, False, Queue.EVICT_FIRST),
         (T.REASONING, SessionClass.SINGLE, True, Queue.EVICT_FIRST),
-        (T.SYSTEM, SessionClass.CHAT, False, Queue.STRUCTURE),
-        (T.TOOL_DEF, SessionClass.AGENT, False, Queue.STRUCTURE),
+        # a multi-turn session's own prompt is its conversation's until another shares it
+        (T.SYSTEM, SessionClass.CHAT, False, Queue.CHAT),
+        (T.TOOL_DEF, SessionClass.AGENT, False, Queue.AGENT),
+        (T.SYSTEM, SessionClass.CHAT, True, Queue.STRUCTURE),
+        (T.TOOL_DEF, SessionClass.AGENT, True, Queue.STRUCTURE),
+        # a single-turn or unclassified request's prompt is worth keeping only if shared
+        (T.SYSTEM, SessionClass.SINGLE, False, Queue.STRUCTURE),
+        (T.SYSTEM, SessionClass.UNKNOWN, False, Queue.STRUCTURE),
+        (T.TOOL_DEF, SessionClass.UNKNOWN, False, Queue.STRUCTURE),
         (T.USER, SessionClass.SINGLE, True, Queue.STRUCTURE),
         (T.USER, SessionClass.CHAT, False, Queue.CHAT),
         (T.ASSISTANT, SessionClass.CHAT, False, Queue.CHAT),
@@ -302,6 +309,40 @@ def test_block_shared_by_second_session_moves_to_structure() -> None:
     assert c.occupancy == [0, 1, 0, 0]
 
 
+def test_a_conversations_own_system_prompt_goes_with_it_until_shared() -> None:
+    """A system prompt only one chat has sent is ranked by that chat's timing, so it goes
+    when the chat is given up, not after every structure block (its recency alone); a
+    second session's request moves it to the structure queue."""
+    c = SaeCache(FROZEN)
+    c.begin_request("s1", 0.0, SessionClass.CHAT)
+    c.begin_request("s1", 10.0, SessionClass.CHAT)  # a second request: multi-turn
+    _chain(c, ["own-sys"], T.SYSTEM, 10.0, "s1")
+    c.begin_request("s2", 10.0, SessionClass.UNKNOWN)
+    _chain(c, ["tmpl"], T.SYSTEM, 0.0, "s2")  # older, but a structure block
+    assert c._blocks["own-sys"].queue == Queue.CHAT
+    assert c._blocks["tmpl"].queue == Queue.STRUCTURE
+    # an hour later the chat is long over (its gaps are a minute): its prompt goes first
+    assert c.evict(3600.0) == "own-sys"
+    c.begin_request("s3", 3601.0, SessionClass.CHAT)
+    c.begin_request("s3", 3602.0, SessionClass.CHAT)
+    _chain(c, ["sys3"], T.SYSTEM, 3602.0, "s3")
+    c.begin_request("s4", 3603.0, SessionClass.CHAT)
+    c.hit("sys3", now=3603.0, session="s4")
+    assert c._blocks["sys3"].queue == Queue.STRUCTURE
+
+
+def test_without_session_ids_system_prompts_stay_structure() -> None:
+    """An engine that sends no session id makes every request one "session"; nobody owns
+    a prompt then, so system blocks keep the structure queue."""
+    c = SaeCache(FROZEN)
+    for t in (0.0, 1.0):
+        c.begin_request("", t, SessionClass.CHAT)
+    c.insert("sys", None, ttype=T.SYSTEM, offset=0, now=1.0, session="")
+    c.insert("tool", None, ttype=T.TOOL_DEF, offset=0, now=1.0)
+    assert c._blocks["sys"].queue == Queue.STRUCTURE
+    assert c._blocks["tool"].queue == Queue.STRUCTURE
+
+
 def test_ghost_miss_by_other_session_marks_shared() -> None:
     c = SaeCache(FROZEN)
     c.begin_request("s1", 0.0, SessionClass.SINGLE)
@@ -405,14 +446,16 @@ def test_softmax_queue_weights_hand_computed() -> None:
 
 def _system_and_reasoning(cfg: SaeConfig) -> SaeCache:
     """A cache after traffic whose queues and types differ in hits: one system block
-    reused every time, a fresh reasoning block each time."""
+    two chats share, reused every time, a fresh reasoning block each time."""
     c = SaeCache(cfg)
-    c.begin_request("s", 0.0, SessionClass.CHAT)
+    for s in ("s0", "s1"):
+        c.begin_request(s, 0.0, SessionClass.CHAT)
     t = 0.0
     for i in range(3000):
         t += 1.0
-        c.insert("sys", None, ttype=T.SYSTEM, offset=0, now=t, session="s")
-        c.insert(("cot", i), "sys", ttype=T.REASONING, offset=1, now=t, session="s")
+        s = f"s{i % 2}"
+        c.insert("sys", None, ttype=T.SYSTEM, offset=0, now=t, session=s)
+        c.insert(("cot", i), "sys", ttype=T.REASONING, offset=1, now=t, session=s)
         c.release(("cot", i))
         c.release("sys")
         c.evict(t)
@@ -441,7 +484,8 @@ def test_default_still_learns_alpha_but_ranks_without_it() -> None:
     def priorities(params: SaeParams, **flags: bool) -> list[float]:
         c = SaeCache(SaeConfig(params=params, **flags).frozen())
         c.begin_request("s", 0.0, SessionClass.CHAT)
-        c.insert("sys", None, ttype=T.SYSTEM, offset=0, now=0.0, session="s")
+        c.insert("sys", None, ttype=T.SYSTEM, offset=0, now=0.0, session="first")
+        c.hit("sys", now=0.0, session="s")  # shared: a structure block
         c.insert("u", "sys", ttype=T.USER, offset=1, now=0.0, session="s")
         c.insert("cot", "u", ttype=T.REASONING, offset=2, now=0.0, session="s")
         for k in ("cot", "u", "sys"):
