@@ -7,6 +7,9 @@ block accesses; each can be frozen (``learn=False``) so its current value stays 
   ``mu = mean(ln x)``, ``sigma = sqrt(mean(ln x)^2 - mu^2)`` (the MLE, divisor n). Sums are
   exponentially decayed with a half-life in samples so the fit follows a workload shift;
   ``halflife=None`` keeps every sample (the exact batch MLE).
+* ``EmpiricalGaps`` — the same intervals as a decayed histogram of ``ln x`` (96 bins
+  from 1 ms to 10^6 s), from which the survival and the expected residual wait are read
+  without assuming a family.
 * ``GammaFit`` — the positional decay exponent. Per offset bucket the would-hit rate
   ``h`` (hits plus misses on recently evicted blocks, over accesses) is modelled as
   ``h(o) = 1 - (o / o_max)^gamma``, i.e. ``ln(1 - h) = gamma * ln(o / o_max)``; gamma is
@@ -28,7 +31,14 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-__all__ = ["ContinuationFit", "GammaFit", "LogNormalMle", "ema_weights", "softmax_weights"]
+__all__ = [
+    "ContinuationFit",
+    "EmpiricalGaps",
+    "GammaFit",
+    "LogNormalMle",
+    "ema_weights",
+    "softmax_weights",
+]
 
 _SQRT2 = math.sqrt(2.0)
 
@@ -79,6 +89,107 @@ class LogNormalMle:
         if dt <= 0:
             return 1.0
         return 0.5 * math.erfc((math.log(dt) - self.mu) / (self.sigma * _SQRT2))
+
+
+class EmpiricalGaps:
+    """The gap distribution as a decayed histogram of ``ln x`` (no family assumed): the
+    survival ``S(dt)`` and the expected wait ``max(E[X], E[X - dt | X > dt])`` read from
+    tables that :meth:`refresh` rebuilds (once per window), interpolated in ``ln dt``.
+
+    The wait table is made non-decreasing (a running maximum): the priority's time part
+    must only fall as ``dt`` grows, or a list's oldest block would stop being its lowest
+    (``policy``); a distribution whose residual wait shrinks past some age (light tails,
+    a second mode) is priced at its largest wait so far, the conservative side. Until
+    ``min_samples`` gaps are in, :attr:`ready` is False and the caller keeps its
+    parametric fit.
+    """
+
+    __slots__ = ("_decay", "_g", "_min", "counts", "learn", "n", "ready", "surv", "wait")
+
+    LO, HI, BINS = math.log(1e-3), math.log(1e6), 96
+    """Bin edges: ``BINS`` equal steps of ``ln x`` from 1 ms to 10^6 s; gaps outside go to
+    the end bins."""
+
+    def __init__(
+        self, *, halflife: float | None = 2000.0, learn: bool = True, min_samples: int = 64
+    ) -> None:
+        self.learn = learn
+        self._decay = 1.0 if halflife is None else 0.5 ** (1.0 / halflife)
+        self._min = min_samples
+        self._g = 1.0
+        self.n = 0.0
+        """Samples, decayed."""
+        self.counts = [0.0] * self.BINS
+        self.ready = False
+        self.surv: list[float] = []
+        """``S`` at every bin edge (``BINS + 1`` values, 1 at the first)."""
+        self.wait: list[float] = []
+        """The expected wait at every bin edge, non-decreasing."""
+
+    def observe(self, interval: float) -> None:
+        if interval <= 0 or not self.learn:
+            return
+        k = int((math.log(interval) - self.LO) / (self.HI - self.LO) * self.BINS)
+        k = 0 if k < 0 else self.BINS - 1 if k >= self.BINS else k
+        # decayed counts without touching every bin: each new sample weighs 1/d more
+        # than the one before it (rescaled before it overflows)
+        self._g /= self._decay
+        if self._g > 1e200:
+            self.counts = [c / self._g for c in self.counts]
+            self._g = 1.0
+        self.counts[k] += self._g
+        self.n = self.n * self._decay + 1.0
+
+    def refresh(self) -> None:
+        """Rebuild the tables from the counts (every sample weighs its bin's midpoint)."""
+        total = sum(self.counts)
+        if total <= 0 or self.n < self._min:
+            return
+        nb, lo, step = self.BINS, self.LO, (self.HI - self.LO) / self.BINS
+        edges = [math.exp(lo + k * step) for k in range(nb + 1)]
+        mids = [math.exp(lo + (k + 0.5) * step) for k in range(nb)]
+        surv = [0.0] * (nb + 1)
+        tail_mass = tail_sum = 0.0
+        after = [0.0] * (nb + 1)  # sum of x over samples beyond each edge
+        for k in range(nb - 1, -1, -1):
+            tail_mass += self.counts[k]
+            tail_sum += self.counts[k] * mids[k]
+            surv[k] = tail_mass / total
+            after[k] = tail_sum
+        mean = tail_sum / total
+        wait = [0.0] * (nb + 1)
+        best = mean
+        for k in range(nb + 1):
+            mass = surv[k] * total
+            if mass > 1e-9:
+                r = after[k] / mass - edges[k]
+                if r > best:
+                    best = r
+            elif edges[k] > best:
+                best = edges[k]
+            wait[k] = best
+        self.surv, self.wait, self.ready = surv, wait, True
+
+    def factor(self, p: float, dt: float, cont: bool, resid: bool) -> float:
+        """``p_q(dt) / D(dt)`` as ``policy._time_factor`` computes it from a log-normal."""
+        x = (math.log(dt) - self.LO) / (self.HI - self.LO) * self.BINS
+        if x <= 0.0:
+            surv, wait = self.surv[0], self.wait[0]
+        elif x >= self.BINS:
+            surv, wait = self.surv[-1], max(self.wait[-1], dt)
+        else:
+            k = int(x)
+            f = x - k
+            surv = self.surv[k] + (self.surv[k + 1] - self.surv[k]) * f
+            wait = self.wait[k] + (self.wait[k + 1] - self.wait[k]) * f
+        if cont:
+            alive = p * surv
+            alive = alive / (alive + 1.0 - p) if alive > 0.0 else 0.0
+        else:
+            alive = surv
+        if alive < 1e-300:
+            alive = 1e-300
+        return alive / (wait if resid else dt)
 
 
 class ContinuationFit:

@@ -19,6 +19,7 @@ Hand-computed constants (kept here so a wrong formula cannot agree with itself):
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Hashable
@@ -40,6 +41,7 @@ from listener.saecache import (
 )
 from listener.saecache.learners import (
     ContinuationFit,
+    EmpiricalGaps,
     GammaFit,
     LogNormalMle,
     ema_weights,
@@ -91,6 +93,90 @@ def test_route(ttype: TokenType, sclass: SessionClass, shared: bool, queue: Queu
 
 def test_offset_buckets() -> None:
     assert [offset_bucket(o) for o in (0, 1, 2, 3, 4, 7, 8, 1 << 20)] == [0, 1, 2, 2, 3, 3, 4, 15]
+
+
+# -- empirical gaps ---------------------------------------------------------------------
+
+
+def _gaps(samples: list[float], halflife: float | None = None) -> EmpiricalGaps:
+    g = EmpiricalGaps(halflife=halflife, min_samples=16)
+    for x in samples:
+        g.observe(x)
+    g.refresh()
+    return g
+
+
+def test_empirical_gaps_need_min_samples() -> None:
+    g = _gaps([5.0] * 15)
+    assert not g.ready
+    g.observe(5.0)
+    g.refresh()
+    assert g.ready
+
+
+def test_empirical_gaps_read_an_exponential() -> None:
+    rng = random.Random(7)
+    g = _gaps([rng.expovariate(1 / 10.0) for _ in range(40000)])
+    for t in (1.0, 5.0, 20.0):
+        alive = g.factor(1.0, t, cont=False, resid=False) * t  # S(t)
+        assert alive == pytest.approx(math.exp(-t / 10.0), abs=0.03)
+    # memoryless: the expected wait is the mean wherever there is mass
+    for t in (0.01, 3.0, 15.0):
+        wait = g.factor(1.0, t, cont=False, resid=True) ** -1 * (
+            g.factor(1.0, t, cont=False, resid=False) * t
+        )
+        assert wait == pytest.approx(10.0, rel=0.1)
+
+
+def test_empirical_gaps_price_a_bimodal_gap_past_its_first_mode() -> None:
+    """Half the gaps about 5 s, half about 200 s: a session idle for 30 s is waiting for
+    the long mode (about 170 s more), which a log-normal fitted to the same gaps, whose
+    residual at 30 s is its shape's, does not see."""
+    rng = random.Random(3)
+    samples = [rng.lognormvariate(math.log(5.0 if i % 2 else 200.0), 0.3) for i in range(8000)]
+    g = _gaps(samples)
+    surv = g.factor(1.0, 30.0, cont=False, resid=False) * 30.0
+    assert surv == pytest.approx(0.5, abs=0.03)
+    wait = surv / g.factor(1.0, 30.0, cont=False, resid=True)
+    assert 150.0 < wait < 200.0
+
+
+@given(
+    st.lists(st.floats(min_value=1e-4, max_value=1e7), min_size=16, max_size=300),
+    st.lists(st.floats(min_value=1e-4, max_value=1e7), min_size=2, max_size=20),
+    st.floats(min_value=0.01, max_value=0.99),
+)
+@settings(max_examples=150, deadline=None)
+def test_empirical_time_part_only_falls_as_dt_grows(
+    samples: list[float], dts: list[float], p: float
+) -> None:
+    """What keeps each list's oldest block its lowest (O(log n) victims)."""
+    g = _gaps(samples, halflife=None if len(samples) < 64 else 50.0)
+    assert g.ready
+    assert g.surv[0] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(g.surv))
+    assert all(a <= b for a, b in itertools.pairwise(g.wait))
+    for cont in (False, True):
+        values = [g.factor(p, dt, cont=cont, resid=True) for dt in sorted(dts)]
+        assert all(a >= b * (1 - 1e-9) for a, b in itertools.pairwise(values))
+
+
+def test_cache_switches_to_empirical_timing_once_it_has_the_gaps() -> None:
+    c = SaeCache(SaeConfig(window=64, continuation_halflife=None))
+    t = 0.0
+    for i in range(200):  # one session, gaps alternating 2 s and 300 s
+        t += 2.0 if i % 2 else 300.0
+        c.begin_request("s", t, SessionClass.CHAT)
+        c.insert(("s", i), None, ttype=T.USER, offset=0, now=t, session="s")
+        c.release(("s", i))
+    assert c.gaps[Queue.CHAT].ready
+    b = c._blocks[("s", 199)]
+    b.cell = c._cell(b)
+    got = c.priority(("s", 199), t + 30.0)
+    g, p = c.gaps[Queue.CHAT], c.cont.p(b.cell)
+    assert got == pytest.approx(g.factor(p, 30.0, True, True) * c._ctab[Queue.CHAT][T.USER * 16])
+    off = SaeCache(SaeConfig(window=64, continuation_halflife=None, use_empirical_timing=False))
+    assert not off.cfg.use_empirical_timing
 
 
 # -- priority formula -------------------------------------------------------------------
