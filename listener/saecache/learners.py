@@ -170,6 +170,16 @@ class EmpiricalGaps:
             wait[k] = best
         self.surv, self.wait, self.ready = surv, wait, True
 
+    def wait_at(self, dt: float) -> float:
+        """The expected wait after ``dt`` idle (non-decreasing in ``dt``)."""
+        x = (math.log(dt) - self.LO) / (self.HI - self.LO) * self.BINS
+        if x <= 0.0:
+            return self.wait[0]
+        if x >= self.BINS:
+            return max(self.wait[-1], dt)
+        k = int(x)
+        return self.wait[k] + (self.wait[k + 1] - self.wait[k]) * (x - k)
+
     def factor(self, p: float, dt: float, cont: bool, resid: bool) -> float:
         """``p_q(dt) / D(dt)`` as ``policy._time_factor`` computes it from a log-normal."""
         x = (math.log(dt) - self.LO) / (self.HI - self.LO) * self.BINS

@@ -179,6 +179,45 @@ def test_cache_switches_to_empirical_timing_once_it_has_the_gaps() -> None:
     assert not off.cfg.use_empirical_timing
 
 
+def _shared_prompt_every(c: SaeCache, gap: float, n: int) -> float:
+    """A structure block reused by a new session every ``gap`` seconds, ``n`` times."""
+    t = 0.0
+    c.insert("tmpl", None, ttype=T.SYSTEM, offset=0, now=t, session="s0")
+    c.release("tmpl")
+    for i in range(1, n):
+        t += gap
+        c.hit("tmpl", now=t, session=f"s{i}", pinned=False)
+    return t
+
+
+def test_structure_blocks_are_priced_by_their_reaccess_gaps() -> None:
+    """A shared prompt that comes back every 100 s, just used, is worth a hit per 100 s
+    of residence, not one per second (``D = dt``, LRU's view)."""
+    c = SaeCache(SaeConfig(window=32))
+    t = _shared_prompt_every(c, 100.0, 200)
+    assert c.st_gaps.ready
+    coef = c._ctab[Queue.STRUCTURE][T.SYSTEM * 16 + 0]
+    assert c.priority("tmpl", t + 1.0) == pytest.approx(coef / c.st_gaps.wait_at(1.0))
+    assert 90.0 < c.st_gaps.wait_at(1.0) < 110.0
+    # long past its gaps, it is priced by dt again (never above LRU's value)
+    assert c.priority("tmpl", t + 5000.0) == pytest.approx(coef / 5000.0, rel=0.05)
+    off = SaeCache(SaeConfig(window=32, use_structure_wait=False))
+    t = _shared_prompt_every(off, 100.0, 200)
+    assert not off.st_gaps.ready
+    off_coef = off._ctab[Queue.STRUCTURE][T.SYSTEM * 16 + 0]
+    assert off.priority("tmpl", t + 1.0) == pytest.approx(off_coef / 1.0)
+
+
+def test_a_structure_block_missed_after_eviction_adds_its_gap() -> None:
+    c = SaeCache(SaeConfig(window=1 << 20))
+    c.insert("tmpl", None, ttype=T.SYSTEM, offset=0, now=0.0, session="s0")
+    c.release("tmpl")
+    assert c.evict(1.0) == "tmpl"
+    before = c.st_gaps.n
+    c.insert("tmpl", None, ttype=T.SYSTEM, offset=0, now=50.0, session="s1")
+    assert c.st_gaps.n == pytest.approx(before + 1.0)
+
+
 # -- priority formula -------------------------------------------------------------------
 
 
