@@ -36,6 +36,7 @@ __all__ = [
     "EmpiricalGaps",
     "GammaFit",
     "LogNormalMle",
+    "alive",
     "ema_weights",
     "softmax_weights",
 ]
@@ -89,6 +90,18 @@ class LogNormalMle:
         if dt <= 0:
             return 1.0
         return 0.5 * math.erfc((math.log(dt) - self.mu) / (self.sigma * _SQRT2))
+
+
+def alive(p: float, surv: float, cont: bool) -> float:
+    """The probability that a session idle with survival ``surv`` is still alive: ``p S /
+    (p S + 1 - p)`` with ``cont`` (``p`` its learned continuation), else ``S``; floored
+    above zero so a priority never divides to nothing."""
+    if cont:
+        a = p * surv
+        a = a / (a + 1.0 - p) if a > 0.0 else 0.0
+    else:
+        a = surv
+    return a if a > 1e-300 else 1e-300
 
 
 class EmpiricalGaps:
@@ -192,14 +205,7 @@ class EmpiricalGaps:
             f = x - k
             surv = self.surv[k] + (self.surv[k + 1] - self.surv[k]) * f
             wait = self.wait[k] + (self.wait[k + 1] - self.wait[k]) * f
-        if cont:
-            alive = p * surv
-            alive = alive / (alive + 1.0 - p) if alive > 0.0 else 0.0
-        else:
-            alive = surv
-        if alive < 1e-300:
-            alive = 1e-300
-        return alive / (wait if resid else dt)
+        return alive(p, surv, cont) / (wait if resid else dt)
 
 
 class ContinuationFit:

@@ -120,6 +120,7 @@ from .learners import (
     EmpiricalGaps,
     GammaFit,
     LogNormalMle,
+    alive,
     ema_weights,
     softmax_weights,
 )
@@ -157,22 +158,16 @@ def _time_factor(
         return (p if cont else 1.0) / dt
     z = (_log(dt) - mu) / sigma
     surv = 0.5 * _erfc(z / _SQRT2)
-    if cont:
-        alive = p * surv
-        alive = alive / (alive + 1.0 - p) if alive > 0.0 else 0.0
-    else:
-        alive = surv
-    if alive < 1e-300:
-        alive = 1e-300
+    a = alive(p, surv, cont)
     if not resid:
-        return alive / dt
+        return a / dt
     if surv > _EXP_TAIL:
         wait = mean * 0.5 * _erfc((z - sigma) / _SQRT2) / surv - dt
         if wait < mean:
             wait = mean
     else:
         wait = dt if dt > mean else mean
-    return alive / wait
+    return a / wait
 
 
 def session_cell(family: int, deep_type: int, deep_offset: int) -> int:
