@@ -183,28 +183,25 @@ class EmpiricalGaps:
             wait[k] = best
         self.surv, self.wait, self.ready = surv, wait, True
 
-    def wait_at(self, dt: float) -> float:
-        """The expected wait after ``dt`` idle (non-decreasing in ``dt``)."""
+    def _at(self, dt: float) -> tuple[float, float]:
+        """``(S, wait)`` after ``dt`` idle, interpolated between bin edges in ``ln dt``."""
         x = (math.log(dt) - self.LO) / (self.HI - self.LO) * self.BINS
         if x <= 0.0:
-            return self.wait[0]
+            return self.surv[0], self.wait[0]
         if x >= self.BINS:
-            return max(self.wait[-1], dt)
+            return self.surv[-1], max(self.wait[-1], dt)
         k = int(x)
-        return self.wait[k] + (self.wait[k + 1] - self.wait[k]) * (x - k)
+        f = x - k
+        surv, wait = self.surv, self.wait
+        return surv[k] + (surv[k + 1] - surv[k]) * f, wait[k] + (wait[k + 1] - wait[k]) * f
+
+    def wait_at(self, dt: float) -> float:
+        """The expected wait after ``dt`` idle (non-decreasing in ``dt``)."""
+        return self._at(dt)[1]
 
     def factor(self, p: float, dt: float, cont: bool, resid: bool) -> float:
         """``p_q(dt) / D(dt)`` as ``policy._time_factor`` computes it from a log-normal."""
-        x = (math.log(dt) - self.LO) / (self.HI - self.LO) * self.BINS
-        if x <= 0.0:
-            surv, wait = self.surv[0], self.wait[0]
-        elif x >= self.BINS:
-            surv, wait = self.surv[-1], max(self.wait[-1], dt)
-        else:
-            k = int(x)
-            f = x - k
-            surv = self.surv[k] + (self.surv[k + 1] - self.surv[k]) * f
-            wait = self.wait[k] + (self.wait[k + 1] - self.wait[k]) * f
+        surv, wait = self._at(dt)
         return alive(p, surv, cont) / (wait if resid else dt)
 
 

@@ -656,10 +656,25 @@ class SaeCache:
         if q == _CH or q == _AG:
             return c * self._timed(q, self.cont.p(b.cell), now - b.last)
         dt = max(now - b.last, self.cfg.min_dt)
-        if q == _ST and self.st_gaps.ready and self.cfg.use_structure_wait:
-            w = self.st_gaps.wait_at(dt)
+        stg = self._gap_table(q)
+        if stg is not None:
+            w = stg.wait_at(dt)
             return c / (w if w > dt else dt)
         return c / dt
+
+    def _gap_table(self, q: Queue) -> EmpiricalGaps | None:
+        """The histogram that prices queue ``q``'s waits, once it is ready and switched on
+        (multi-turn queues: ``use_empirical_timing``, and only with the timing component;
+        structure: ``use_structure_wait``); None: the log-normal, or ``dt``."""
+        cfg = self.cfg
+        if q == _CH or q == _AG:
+            g = self.gaps[q]
+            on = cfg.use_empirical_timing and cfg.use_lognormal
+        elif q == _ST:
+            g, on = self.st_gaps, cfg.use_structure_wait
+        else:
+            return None
+        return g if on and g.ready else None
 
     def _cell(self, b: _Blk) -> int:
         """The continuation cell of a multi-turn block: its owner session's latest request."""
@@ -679,8 +694,8 @@ class SaeCache:
         ``max(E[X], E[X - dt | X > dt])``. Both parts only fall as ``dt`` grows.
         """
         cfg = self.cfg
-        g = self.gaps[q]
-        if g.ready and cfg.use_empirical_timing and cfg.use_lognormal:
+        g = self._gap_table(q)
+        if g is not None:
             return g.factor(p, max(dt, cfg.min_dt), cfg.use_continuation, cfg.use_residual)
         m = self.timing[q]
         return _time_factor(
@@ -734,7 +749,6 @@ class SaeCache:
         heappop = heapq.heappop
         pcont = self.cont.ps
         lognormal, cont, resid = cfg.use_lognormal, cfg.use_continuation, cfg.use_residual
-        stwait = cfg.use_structure_wait
         for group in order:
             best: _Blk | None = None
             best_p = math.inf
@@ -744,15 +758,13 @@ class SaeCache:
                     continue
                 ctab = self._ctab[q]
                 timed = q == _CH or q == _AG
-                emp = None
-                stg = self.st_gaps if q == _ST and self.st_gaps.ready and stwait else None
+                table = self._gap_table(q)
+                emp = table if timed else None
+                stg = None if timed else table
                 if timed:
                     m = self.timing[q]
                     mu, sigma = m.mu, m.sigma
                     mean = math.exp(mu + 0.5 * sigma * sigma)
-                    g = self.gaps[q]
-                    if g.ready and cfg.use_empirical_timing and lognormal:
-                        emp = g
                 for lid in list(lists):
                     heap = lists[lid]
                     while heap and heap[0][1] != heap[0][2].seq:
